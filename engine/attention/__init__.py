@@ -1,0 +1,1 @@
+"""Attention backends behind one interface: ``torch`` (CPU and reference) and ``flashinfer`` (CUDA)."""

@@ -1,0 +1,55 @@
+"""Engine configuration: one frozen dataclass per component (STYLE.md rule 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheConfig:
+    """The paged KV cache: block geometry and how many blocks exist."""
+
+    block_size: int = 16
+    num_blocks: int
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    """Iteration-level batching limits."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int
+    # Chunked prefill: a prompt longer than the step's leftover budget is split across steps.
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """What a user chooses; the engine derives the component configs from it."""
+
+    model: str | None = None  # a Hugging Face checkpoint folder; None -> the tiny default
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_memory_bytes / gpu_memory_utilization
+    kv_cache_memory_bytes: int | None = None  # CPU default: 1 GiB
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequest(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise InvalidRequest(f"attention_backend must be auto|torch|flashinfer, got {self.attention_backend!r}")

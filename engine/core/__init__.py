@@ -1,0 +1,1 @@
+"""Engine core: request lifecycle, block accounting and scheduling. Plain Python, no torch."""

@@ -1,0 +1,83 @@
+"""KVCacheManager: maps requests to block lists on top of the BlockPool (vLLM v1's layering)."""
+
+from __future__ import annotations
+
+from engine.config import CacheConfig
+from engine.core.block_pool import BlockPool
+from engine.core.request import Request
+from kv_transfer.hashing import BlockHash, root_hash
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig, model_fingerprint: bytes) -> None:
+        self.block_size = config.block_size
+        self.enable_caching = config.enable_prefix_caching
+        self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
+        self._fingerprint = model_fingerprint
+        self._roots: dict[str, BlockHash] = {}
+        self._blocks: dict[str, list[int]] = {}
+        self._num_committed: dict[str, int] = {}
+
+    def root(self, cache_salt: str) -> BlockHash:
+        root = self._roots.get(cache_salt)
+        if root is None:
+            root = self._roots[cache_salt] = root_hash(self._fingerprint, self.block_size, cache_salt)
+        return root
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._blocks.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks holding a prefix of ``request`` (not yet referenced).
+
+        At least the last token is always recomputed so the step has logits to sample from.
+        """
+        if not self.enable_caching:
+            return []
+        request.update_block_hashes(self.root(request.cache_salt), self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = self.pool.longest_cached_prefix(request.block_hashes[:max_blocks])
+        self.pool.record_lookup(max_blocks, len(hits))
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
+        """Give ``request`` room for ``num_new_tokens`` more tokens; None when the pool cannot."""
+        blocks = self._blocks.setdefault(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_needed = self.blocks_needed(num_tokens) - len(blocks) - len(computed_blocks)
+        num_evictable_hits = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+            if not blocks:
+                del self._blocks[request.request_id]
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        self._num_committed[request.request_id] = max(
+            self._num_committed.get(request.request_id, 0), len(computed_blocks)
+        )
+        return new_blocks
+
+    def commit(self, request: Request) -> None:
+        """Publish the request's full, computed blocks to the prefix cache."""
+        if not self.enable_caching:
+            return
+        request.update_block_hashes(self.root(request.cache_salt), self.block_size)
+        blocks = self._blocks[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        start = self._num_committed.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.pool.commit(blocks[i], request.block_hashes[i])
+        self._num_committed[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, [])
+        self._num_committed.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def num_requests(self) -> int:
+        return len(self._blocks)

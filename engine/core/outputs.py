@@ -1,0 +1,73 @@
+"""Typed objects crossing the scheduler <-> runner <-> engine boundaries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.request import FinishReason, Request
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One request's slice of a step: tokens [start, start + num_new_tokens) are computed."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The slice reaches the last known token, so the step yields this request's next token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    seqs: tuple[ScheduledSeq, ...]
+    num_batched_tokens: int
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """What the runner returns: one token per sampling seq, in ``SchedulerOutput.seqs`` order."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """A request's progress in one step: the new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int

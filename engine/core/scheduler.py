@@ -1,0 +1,180 @@
+"""Iteration-level continuous batching with one token budget (vLLM v1 style). No torch.
+
+Every step: running requests first (a decode needs 1 token, an unfinished prefill gets the next
+chunk), then waiting requests in (priority, arrival) order while the token budget, ``max_num_seqs``
+and free blocks allow. When a running request cannot grow, the newest lowest-priority running
+request is preempted by recompute: its blocks are freed (full ones stay in the prefix cache) and it
+goes back to the waiting queue, to resume later mostly from cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+
+from engine.config import SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import RequestDelta, SampledTokens, ScheduledSeq, SchedulerOutput, SchedulerStats
+from engine.core.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        # A lone request must always fit, or the queue could deadlock: cap the length at the pool.
+        self.max_model_len = min(config.max_model_len, kv_cache.pool.num_blocks * kv_cache.block_size)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._order: dict[str, tuple[int, int]] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self._requests[request.request_id] = request
+        self._order[request.request_id] = (request.priority, next(self._arrivals))
+        self._enqueue(request)
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.transition(RequestStatus.FINISHED_ABORTED)
+        return self._finish(request, [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _key(self, request: Request) -> tuple[int, int]:
+        return self._order[request.request_id]
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._key)
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=self._key)
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, seqs, preempted)
+        if not preempted:
+            budget = self._schedule_waiting(budget, seqs)
+        block_of = self.kv_cache.block_ids
+        out = tuple(ScheduledSeq(s.request, s.start, s.num_new_tokens, tuple(block_of(s.request.request_id))) for s in seqs)
+        return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, tuple(preempted))
+
+    def _schedule_running(self, budget: int, seqs: list[ScheduledSeq], preempted: list[str]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted itself; the list shrank, i already points at the next one
+            seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new, ()))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, seqs: list[ScheduledSeq]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed = self.kv_cache.get_computed_blocks(request)
+            num_cached = len(computed) * self.kv_cache.block_size
+            num_new = request.num_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv_cache.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.pop(0)
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.transition(RequestStatus.RUNNING)
+            self.running.append(request)
+            seqs.append(ScheduledSeq(request, num_cached, num_new, ()))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.transition(RequestStatus.PREEMPTED)
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    # ---- after the forward pass ----------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: SampledTokens) -> list[RequestDelta]:
+        results: list[RequestDelta] = []
+        tokens = iter(sampled.token_ids)
+        logprobs = iter(sampled.logprobs) if sampled.logprobs is not None else None
+        for seq in output.seqs:
+            request = seq.request
+            samples = seq.samples
+            request.num_computed_tokens = seq.end
+            if not samples:
+                self.kv_cache.commit(request)
+                continue
+            token = next(tokens)
+            request.append_output_token(token)
+            entry = next(logprobs) if logprobs is not None else None
+            if entry is not None and request.sampling_params.logprobs is not None:
+                request.output_logprobs.append(entry)
+            self.kv_cache.commit(request)
+            results.append(self._after_token(request, token, entry))
+        return results
+
+    def _after_token(self, request: Request, token: int, entry) -> RequestDelta:
+        status = self._check_stop(request, token)
+        new_logprobs = [entry] if entry is not None and request.sampling_params.logprobs is not None else []
+        if status is None:
+            return RequestDelta(request.request_id, [token], None, new_logprobs)
+        self.running.remove(request)
+        request.transition(status)
+        return self._finish(request, [token], new_logprobs)
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids):
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, tokens: list[int], new_logprobs: Sequence = ()) -> RequestDelta:
+        self.kv_cache.free(request)
+        del self._requests[request.request_id]
+        del self._order[request.request_id]
+        return RequestDelta(
+            request.request_id, tokens, request.finish_reason, list(new_logprobs),
+            request.num_prompt_tokens, request.num_cached_tokens,
+        )
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv_cache.pool
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_blocks,
+            kv_cache_usage=pool.usage, prefix_cache_queries=pool.num_cache_queries,
+            prefix_cache_hits=pool.num_cache_hits, num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,177 @@
+"""Engine: one synchronous step = schedule -> execute -> update (STYLE.md rule 6)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from pathlib import Path
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.block_pool import BlockEvent
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import RequestDelta, SchedulerStats
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.errors import InvalidRequest
+from engine.model.config import ModelConfig
+from engine.model.loader import checkpoint_files, load_model, read_model_config, weights_id
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from kv_transfer.hashing import model_fingerprint
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = resolve_model_path(config.model)
+        self.device = _pick_device(config.device)
+        self.model_config = read_model_config(self.model_path, _pick_dtype(config.dtype, self.device, self.model_path))
+        self.fingerprint = _fingerprint(self.model_config, self.model_path)
+        started = time.perf_counter()
+        model = load_model(self.model_path, self.model_config, self.device)
+        logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
+        max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                            self.model_config.max_position_embeddings)
+        num_blocks = config.num_blocks or _default_num_blocks(config, self.model_config, max_model_len, self.device)
+        self.cache_config = CacheConfig(
+            block_size=config.block_size, num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        self.kv_cache_manager = KVCacheManager(self.cache_config, self.fingerprint)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.runner = ModelRunner(
+            model, self.model_config, num_blocks=num_blocks, block_size=config.block_size,
+            device=self.device, backend=_pick_backend(config.attention_backend, self.device),
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
+        eos_token_ids: frozenset[int] | None = None,
+    ) -> Request:
+        self._validate(prompt_token_ids)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        request = Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params, seed=seed,
+            eos_token_ids=self.eos_token_ids if eos_token_ids is None else eos_token_ids,
+            arrival_time=time.monotonic(), priority=priority, cache_salt=cache_salt,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        return self.scheduler.abort(request_id)
+
+    def _validate(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt has {len(prompt_token_ids)} tokens; it must be shorter than max_model_len "
+                f"({self.max_model_len}) to leave room for an output token"
+            )
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        sampled = self.runner.execute(output)
+        return self.scheduler.update(output, sampled)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def take_block_events(self) -> list[BlockEvent]:
+        return self.kv_cache_manager.pool.take_events()
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        from engine.tiny import ensure_model
+
+        return ensure_model("tiny")
+    return Path(model).expanduser()
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _pick_dtype(dtype: str, device: torch.device, folder: Path) -> str | None:
+    if dtype != "auto":
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise InvalidRequest(f"dtype must be auto|float32|float16|bfloat16, got {dtype!r}")
+        return dtype
+    return None if device.type == "cuda" else "float32"
+
+
+def _pick_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
+        from engine.attention.flashinfer_backend import FlashInferBackend, flashinfer_available
+
+        if flashinfer_available():
+            return FlashInferBackend(device)
+        if name == "flashinfer":
+            raise InvalidRequest("attention_backend=flashinfer needs a CUDA GPU and the flashinfer-python package")
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def _fingerprint(config: ModelConfig, folder: Path) -> bytes:
+    return model_fingerprint(
+        architecture=config.architecture, hidden_size=config.hidden_size, num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=config.dtype,
+        vocab_size=config.vocab_size, weights_id=weights_id(checkpoint_files(folder)),
+    )
+
+
+def _default_num_blocks(config: EngineConfig, model: ModelConfig, max_model_len: int, device: torch.device) -> int:
+    bytes_per_block = (
+        2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim
+        * torch.empty((), dtype=getattr(torch, model.dtype)).element_size()
+    )
+    if config.kv_cache_memory_bytes:
+        budget = config.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - (1 - config.gpu_memory_utilization) * total)
+    else:
+        budget = _CPU_KV_CACHE_BYTES
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size)  # more than this never fills
+    num_blocks = min(budget // bytes_per_block, useful)
+    if num_blocks < -(-max_model_len // config.block_size):
+        logger.warning("KV cache holds only %d blocks; one request may not reach max_model_len", num_blocks)
+    return max(int(num_blocks), 1)

@@ -1,0 +1,1 @@
+"""Model definitions (one architecture family per file), the registry and the checkpoint loader."""

@@ -1,0 +1,94 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model once, samples. The only
+torch-facing part of a step; one host sync per step (the sampled ids' ``tolist``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, ForwardBatch, SeqSlice
+from engine.core.outputs import SampledTokens, ScheduledSeq, SchedulerOutput
+from engine.model.config import ModelConfig
+from engine.sampler import Sampler, SamplingBatch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        backend: AttentionBackend,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        self.sampler = Sampler()
+        dtype = getattr(torch, config.dtype)
+        shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # the whole paged cache
+        self.kv_layers = list(self.kv_cache.unbind(0))  # per layer: [num_blocks, 2, bs, kvh, d]
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> SampledTokens:
+        input_ids, positions, logit_rows = self._prepare_inputs(output.seqs)
+        slices = [SeqSlice(s.start, s.num_new_tokens, s.block_ids) for s in output.seqs]
+        metadata = self.backend.build_metadata(slices, self.block_size, self.device)
+        batch = ForwardBatch(positions, self.kv_layers, self.backend, metadata)
+        hidden = self.model(input_ids, batch)  # [T, hidden]
+        sampling = [s for s in output.seqs if s.samples]
+        if not sampling:
+            return SampledTokens([])
+        logits = self.model.compute_logits(hidden[logit_rows])  # [S, vocab]
+        result = self.sampler(logits, self._sampling_batch(sampling))
+        return SampledTokens(result.token_ids.tolist(), _logprob_lists(result))
+
+    def _prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        for s in seqs:
+            input_ids.extend(s.request.all_token_ids[s.start : s.end])
+            positions.extend(range(s.start, s.end))
+            if s.samples:
+                logit_rows.append(len(input_ids) - 1)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        return as_tensor(input_ids), as_tensor(positions), as_tensor(logit_rows)
+
+    def _sampling_batch(self, seqs: Sequence[ScheduledSeq]) -> SamplingBatch:
+        requests = [s.request for s in seqs]
+        return SamplingBatch.from_params(
+            params=[r.sampling_params for r in requests],
+            seeds=[r.seed for r in requests],
+            positions=[r.num_output_tokens for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            banned=[_banned_tokens(r) for r in requests],
+            vocab_size=self.config.vocab_size,
+            device=self.device,
+        )
+
+
+def _banned_tokens(request) -> list[int]:
+    """Stop tokens may not be sampled before ``min_tokens`` outputs exist."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        return []
+    eos = () if params.ignore_eos else request.eos_token_ids
+    return sorted(set(params.stop_token_ids) | set(eos))
+
+
+def _logprob_lists(result) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    if result.logprobs is None:
+        return None
+    chosen = result.logprobs.tolist()
+    top_ids = result.top_logprob_ids.tolist()
+    top_values = result.top_logprobs.tolist()
+    return [(c, list(zip(ids, vals))) for c, ids, vals in zip(chosen, top_ids, top_values)]

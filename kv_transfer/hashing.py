@@ -1,0 +1,77 @@
+"""KV block hashing: the versioned contract shared by the router and every worker (DESIGN.md).
+
+Pure Python, no torch. Only full blocks are hashed::
+
+    root = H(b"baton-kv-v1" || model_fingerprint || u32(block_size) || cache_salt)
+    h[i] = H(h[i-1] or root || tokens[i*bs:(i+1)*bs] as little-endian int32)
+    H    = blake2b(digest_size=16)
+
+The test vectors in ``tests/unit/test_hashing.py`` must never change silently: a new scheme gets a
+new version tag.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from hashlib import blake2b
+
+HASH_VERSION = b"baton-kv-v1"
+DIGEST_SIZE = 16
+
+BlockHash = bytes
+
+
+def _h(*parts: bytes) -> bytes:
+    digest = blake2b(digest_size=DIGEST_SIZE)
+    for part in parts:
+        digest.update(part)
+    return digest.digest()
+
+
+def model_fingerprint(
+    *,
+    architecture: str,
+    hidden_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    vocab_size: int,
+    weights_id: str,
+) -> bytes:
+    """A stable digest of what makes two workers' KV caches interchangeable."""
+    text = "|".join(
+        str(x)
+        for x in (architecture, hidden_size, num_layers, num_kv_heads, head_dim, dtype, vocab_size, weights_id)
+    )
+    return _h(b"baton-model-v1", text.encode())
+
+
+def root_hash(fingerprint: bytes, block_size: int, cache_salt: str | bytes = b"") -> BlockHash:
+    """The chain's root: tenants with different ``cache_salt`` never share a block."""
+    salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+    return _h(HASH_VERSION, fingerprint, struct.pack("<I", block_size), salt)
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
+    """Hash of one full block, chained on its parent's hash (or the root)."""
+    return _h(parent, struct.pack(f"<{len(tokens)}i", *tokens))
+
+
+def hash_blocks(
+    tokens: Sequence[int], block_size: int, root: BlockHash, *, start: int = 0, parent: BlockHash | None = None
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``tokens`` from block index ``start`` on.
+
+    ``parent`` is the hash of block ``start - 1`` (required when ``start > 0``), so a growing sequence
+    hashes only its new blocks.
+    """
+    if start > 0 and parent is None:
+        raise ValueError("hash_blocks: parent is required when start > 0")
+    prev = root if start == 0 else parent
+    out: list[BlockHash] = []
+    for i in range(start, len(tokens) // block_size):
+        prev = hash_block(prev, tokens[i * block_size : (i + 1) * block_size])
+        out.append(prev)
+    return out
