@@ -16,7 +16,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestDelta, SchedulerStats
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
-from engine.errors import InvalidRequest
+from engine.errors import CapacityExceeded, InvalidRequest
 from engine.model.config import ModelConfig
 from engine.model.loader import checkpoint_files, load_model, read_model_config, weights_id
 from engine.runner import ModelRunner
@@ -96,6 +96,19 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+
+    def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, vocab] at every prompt position (scoring; uses scratch blocks, freed at once)."""
+        self._validate(prompt_token_ids)
+        pool = self.kv_cache_manager.pool
+        num_blocks = self.kv_cache_manager.blocks_needed(len(prompt_token_ids))
+        if num_blocks > pool.num_free_blocks:
+            raise CapacityExceeded(f"scoring needs {num_blocks} free KV blocks, {pool.num_free_blocks} are free")
+        block_ids = pool.allocate(num_blocks)
+        try:
+            return self.runner.prompt_logits(prompt_token_ids, block_ids)
+        finally:
+            pool.free(block_ids)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:

@@ -50,6 +50,16 @@ class ModelRunner:
         result = self.sampler(logits, self._sampling_batch(sampling))
         return SampledTokens(result.token_ids.tolist(), _logprob_lists(result))
 
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> torch.Tensor:
+        """Logits at every position of one prompt [T, vocab], its KV written into ``block_ids``."""
+        slices = [SeqSlice(0, len(token_ids), block_ids)]
+        metadata = self.backend.build_metadata(slices, self.block_size, self.device)
+        positions = torch.arange(len(token_ids), device=self.device)
+        input_ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, ForwardBatch(positions, self.kv_layers, self.backend, metadata))
+        return self.model.compute_logits(hidden)  # [T, vocab]
+
     def _prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         input_ids: list[int] = []
         positions: list[int] = []

@@ -109,6 +109,8 @@ class BlockPool:
     # ---- prefix cache --------------------------------------------------------------------
     def commit(self, block_id: int, block_hash: BlockHash) -> bool:
         """Publish a full, computed block under its hash; False if caching is off or the hash is taken."""
+        if self._ref_counts[block_id] == 0:
+            raise RuntimeError(f"commit of block {block_id}, which no request holds")
         if not self.enable_caching or block_hash in self._cached or self._hashes[block_id] is not None:
             return False
         self._hashes[block_id] = block_hash

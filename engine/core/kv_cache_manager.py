@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.config import CacheConfig
 from engine.core.block_pool import BlockPool
 from engine.core.request import Request
@@ -39,11 +41,16 @@ class KVCacheManager:
             return []
         request.update_block_hashes(self.root(request.cache_salt), self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = self.pool.longest_cached_prefix(request.block_hashes[:max_blocks])
-        self.pool.record_lookup(max_blocks, len(hits))
-        return hits
+        return self.pool.longest_cached_prefix(request.block_hashes[:max_blocks])
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
+    def record_prefix_lookup(self, request: Request, num_hit_blocks: int) -> None:
+        """Count one admission's prefix-cache lookup (once per admission, not per attempt)."""
+        if self.enable_caching:
+            self.pool.record_lookup((request.num_tokens - 1) // self.block_size, num_hit_blocks)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
         """Give ``request`` room for ``num_new_tokens`` more tokens; None when the pool cannot."""
         blocks = self._blocks.setdefault(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens

@@ -15,15 +15,11 @@ class ScheduledSeq:
     start: int
     num_new_tokens: int
     block_ids: tuple[int, ...]
+    samples: bool  # the slice reaches the last known token, so the step yields the next token
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The slice reaches the last known token, so the step yields this request's next token."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from engine.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestDelta, SampledTokens, ScheduledSeq, SchedulerOutput, SchedulerStats
 from engine.core.request import Request, RequestStatus
+from engine.errors import InvalidRequest
 
 
 class Scheduler:
@@ -25,6 +26,12 @@ class Scheduler:
         self.kv_cache = kv_cache
         # A lone request must always fit, or the queue could deadlock: cap the length at the pool.
         self.max_model_len = min(config.max_model_len, kv_cache.pool.num_blocks * kv_cache.block_size)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a longer request (or a preempted one that grew) could never be admitted.
+            raise InvalidRequest(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off"
+            )
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -70,7 +77,11 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_waiting(budget, seqs)
         block_of = self.kv_cache.block_ids
-        out = tuple(ScheduledSeq(s.request, s.start, s.num_new_tokens, tuple(block_of(s.request.request_id))) for s in seqs)
+        out = tuple(
+            ScheduledSeq(s.request, s.start, s.num_new_tokens, tuple(block_of(s.request.request_id)),
+                         s.start + s.num_new_tokens == s.request.num_tokens)
+            for s in seqs
+        )
         return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, tuple(preempted))
 
     def _schedule_running(self, budget: int, seqs: list[ScheduledSeq], preempted: list[str]) -> int:
@@ -86,7 +97,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; the list shrank, i already points at the next one
-            seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new, ()))
+            seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new, (), False))
             budget -= num_new
             i += 1
         return budget
@@ -103,12 +114,13 @@ class Scheduler:
             if self.kv_cache.allocate_slots(request, num_new, computed) is None:
                 break
             self.waiting.pop(0)
+            self.kv_cache.record_prefix_lookup(request, len(computed))
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
             request.transition(RequestStatus.RUNNING)
             self.running.append(request)
-            seqs.append(ScheduledSeq(request, num_cached, num_new, ()))
+            seqs.append(ScheduledSeq(request, num_cached, num_new, (), False))
             budget -= num_new
         return budget
 

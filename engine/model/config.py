@@ -74,7 +74,7 @@ def parse_model_config(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         num_layers = int(raw["num_hidden_layers"])
-        return ModelConfig(
+        fields = dict(
             architecture=raw["architectures"][0],
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
@@ -95,8 +95,8 @@ def parse_model_config(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             hidden_act=raw.get("hidden_act", "silu"),
-            **overrides,
         )
+        return ModelConfig(**{**fields, **overrides})  # an architecture's overrides win
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"config.json is missing or has a bad field: {exc!r}") from exc
 

@@ -1,0 +1,41 @@
+"""The one console script, ``baton``: a thin dispatcher to each component's own ``main``.
+
+Subcommands import their module only when chosen, so ``baton router`` never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module:function taking argv, one-line help). Later issues add up/generate/admin/...
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "model": ("engine.tiny:main", "build the tiny (default) or small offline checkpoint"),
+    "demo": ("engine.demo:main", "stream an offline generation from the engine (no servers)"),
+    "bench": ("bench.__main__:main", "run benchmarks (throughput)"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in _COMMANDS)
+    lines = ["usage: baton <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in _COMMANDS.items()]
+    lines += ["", "run `baton <command> --help` for a command's options"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    entry = _COMMANDS.get(argv[0])
+    if entry is None:
+        print(f"baton: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, function = entry[0].split(":")
+    return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
