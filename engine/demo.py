@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-_DEFAULT_PROMPT = "def fibonacci(n):"
+_DEFAULT_PROMPT = "class Parser:\n    def __init__(self"
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

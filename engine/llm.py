@@ -82,6 +82,8 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams) -> tuple[str, _Live]:
         request_id = str(next(self._ids))
         if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt must not be empty")
             if self.tokenizer is None:
                 raise InvalidRequest("this model folder has no tokenizer; pass token ids instead of text")
             token_ids, text = self.tokenizer.encode(prompt), prompt

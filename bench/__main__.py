@@ -1,0 +1,20 @@
+"""``baton bench <name>``: run one benchmark (``throughput``; more land with later issues)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+_BENCHMARKS = {"throughput": "bench.throughput", "kv-transfer": "bench.kv_transfer"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in _BENCHMARKS:
+        print(f"usage: baton bench {{{'|'.join(_BENCHMARKS)}}} [options]", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(_BENCHMARKS[argv[0]]).main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

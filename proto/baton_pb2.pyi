@@ -1,0 +1,361 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    max_tokens: int
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Chat(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_bytes", "transfer_ms", "transfer_gbps", "transfer_blocks", "prefill_worker", "decode_worker", "route_kind", "route_reason", "decode_tokens_per_s", "e2e_ms", "predicted_ttft_ms", "transport")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_GBPS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_KIND_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    queue_ms: float
+    prefill_ms: float
+    transfer_bytes: int
+    transfer_ms: float
+    transfer_gbps: float
+    transfer_blocks: int
+    prefill_worker: str
+    decode_worker: str
+    route_kind: str
+    route_reason: str
+    decode_tokens_per_s: float
+    e2e_ms: float
+    predicted_ttft_ms: float
+    transport: str
+    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transfer_gbps: _Optional[float] = ..., transfer_blocks: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., route_kind: _Optional[str] = ..., route_reason: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class Logprobs(_message.Message):
+    __slots__ = ("logprob", "top")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: bytes
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class KVHandle(_message.Message):
+    __slots__ = ("worker_id", "data_plane_uri", "lease_id", "block_ids", "block_hashes", "num_tokens", "layout", "lease_expires_unix_ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_URI_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    data_plane_uri: str
+    lease_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_tokens: int
+    layout: KVLayout
+    lease_expires_unix_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., data_plane_uri: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "token_ids", "chat", "sampling", "cache_salt", "priority", "model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    token_ids: TokenIds
+    chat: Chat
+    sampling: SamplingParams
+    cache_salt: str
+    priority: int
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "chat")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    chat: Chat
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfoResponse(_message.Message):
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "block_size", "model_fingerprint")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    model_fingerprint: bytes
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "decode_worker_id", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    cache_salt: str
+    decode_worker_id: str
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "logprobs", "handle", "timings", "finish_reason", "num_cached_tokens")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    logprobs: Logprobs
+    handle: KVHandle
+    timings: Timings
+    finish_reason: FinishReason
+    num_cached_tokens: int
+    def __init__(self, first_token: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "handle", "num_output_tokens_so_far", "priority", "prompt_len")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_SO_FAR_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    cache_salt: str
+    handle: KVHandle
+    num_output_tokens_so_far: int
+    priority: int
+    prompt_len: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_output_tokens_so_far: _Optional[int] = ..., priority: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_ids", "finish_reason", "timings", "logprobs", "num_cached_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    timings: Timings
+    logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_open_leases", "queued_prefill_tokens", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OPEN_LEASES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_open_leases: int
+    queued_prefill_tokens: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_open_leases: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
