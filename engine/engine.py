@@ -71,15 +71,60 @@ class Engine:
         priority: int = 0,
         cache_salt: str = "",
         eos_token_ids: frozenset[int] | None = None,
+        output_token_ids: list[int] = (),
+        hold_blocks: bool = False,
     ) -> Request:
+        """Queue a request. ``output_token_ids`` resumes one whose first outputs exist (sampling goes on
+        at the next output position); ``hold_blocks`` hands its blocks to the caller when it finishes."""
+        request = self._new_request(request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,
+                                    output_token_ids)
+        request.hold_blocks = hold_blocks
+        self.scheduler.add_request(request)
+        return request
+
+    def add_remote_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
+        eos_token_ids: frozenset[int] | None = None,
+    ) -> tuple[Request, int, list[int]] | None:
+        """Reserve blocks for a prompt whose KV another worker computed: returns (request, leading
+        blocks already cached here, all prompt block ids), or None when the pool is full right now.
+        Follow with ``activate_remote`` once the KV is in place, or ``fallback_remote`` to recompute."""
+        request = self._new_request(request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,
+                                    output_token_ids)
+        reserved = self.scheduler.add_remote(request, len(prompt_token_ids))
+        return None if reserved is None else (request, *reserved)
+
+    def activate_remote(self, request_id: str) -> None:
+        request = self.scheduler._requests[request_id]
+        self.scheduler.activate_remote(request_id, request.num_prompt_tokens)
+
+    def fallback_remote(self, request_id: str) -> None:
+        self.scheduler.fallback_remote(request_id)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Free blocks a ``hold_blocks`` request handed over (its transfer lease ended)."""
+        self.kv_cache_manager.release(block_ids)
+
+    def _new_request(self, request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,
+                     output_token_ids) -> Request:
         self._validate(prompt_token_ids)
+        if len(prompt_token_ids) + len(output_token_ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt plus outputs so far must be shorter than max_model_len ({self.max_model_len})")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params, seed=seed,
             eos_token_ids=self.eos_token_ids if eos_token_ids is None else eos_token_ids,
             arrival_time=time.monotonic(), priority=priority, cache_salt=cache_salt,
         )
-        self.scheduler.add_request(request)
+        for token in output_token_ids:
+            request.append_output_token(token)
         return request
 
     def abort(self, request_id: str) -> RequestDelta | None:

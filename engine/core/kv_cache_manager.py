@@ -81,6 +81,14 @@ class KVCacheManager:
             self.pool.commit(blocks[i], request.block_hashes[i])
         self._num_committed[request.request_id] = max(start, num_full)
 
+    def detach(self, request: Request) -> list[int]:
+        """Hand the request's blocks (still referenced) to the caller, who frees them with ``release``."""
+        self._num_committed.pop(request.request_id, None)
+        return self._blocks.pop(request.request_id, [])
+
+    def release(self, block_ids: list[int]) -> None:
+        self.pool.free(reversed(block_ids))
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_committed.pop(request.request_id, None)

@@ -51,6 +51,7 @@ class RequestDelta:
     new_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    held_block_ids: tuple[int, ...] = ()  # hold_blocks requests: blocks now owned by the caller
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,7 @@ from kv_transfer.hashing import BlockHash, hash_blocks
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # decode side: blocks reserved, KV being pulled
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -30,7 +31,12 @@ class FinishReason(enum.Enum):
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
-    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED}),
+    RequestStatus.WAITING: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.FINISHED_ABORTED}
+    ),
+    RequestStatus.WAITING_FOR_REMOTE_KV: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.FINISHED_ABORTED}
+    ),
     RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED} | _FINISHED),
     RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED}),
 }
@@ -66,6 +72,9 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None  # the stop token id that ended it, if any
+    # Prefill side of a disaggregated request: on finish, hand the blocks to the caller (a transfer
+    # lease) instead of freeing them.
+    hold_blocks: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -53,10 +53,45 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             self.waiting.remove(request)
         request.transition(RequestStatus.FINISHED_ABORTED)
         return self._finish(request, [])
+
+    # ---- disaggregated decode: KV arrives from a prefill worker ---------------------------
+    def add_remote(self, request: Request, num_prompt_tokens: int) -> tuple[int, list[int]] | None:
+        """Reserve blocks for a prompt whose KV will be pulled; reuse locally cached prefix blocks.
+
+        Returns (number of leading blocks already cached here, the request's block ids), or None
+        when the pool cannot hold the prompt now (the caller falls back to local prefill).
+        """
+        computed = self.kv_cache.get_computed_blocks(request)
+        num_hit = min(len(computed), num_prompt_tokens // self.kv_cache.block_size)
+        computed = computed[:num_hit]
+        num_new = num_prompt_tokens - num_hit * self.kv_cache.block_size
+        if self.kv_cache.allocate_slots(request, num_new, computed) is None:
+            return None
+        self.add_request(request)
+        self.waiting.remove(request)
+        request.num_cached_tokens = num_hit * self.kv_cache.block_size
+        request.transition(RequestStatus.WAITING_FOR_REMOTE_KV)
+        return num_hit, list(self.kv_cache.block_ids(request.request_id))
+
+    def activate_remote(self, request_id: str, num_prompt_tokens: int) -> None:
+        """The pulled KV is in place: the request joins the running batch at its next token."""
+        request = self._requests[request_id]
+        request.num_computed_tokens = num_prompt_tokens
+        self.kv_cache.commit(request)
+        request.transition(RequestStatus.RUNNING)
+        self.running.append(request)
+
+    def fallback_remote(self, request_id: str) -> None:
+        """The pull failed: free the reserved blocks and prefill locally instead (recompute)."""
+        request = self._requests[request_id]
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.transition(RequestStatus.WAITING)
+        self._enqueue(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -174,12 +209,16 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, tokens: list[int], new_logprobs: Sequence = ()) -> RequestDelta:
-        self.kv_cache.free(request)
+        held: tuple[int, ...] = ()
+        if request.hold_blocks and request.status != RequestStatus.FINISHED_ABORTED:
+            held = tuple(self.kv_cache.detach(request))
+        else:
+            self.kv_cache.free(request)
         del self._requests[request.request_id]
         del self._order[request.request_id]
         return RequestDelta(
             request.request_id, tokens, request.finish_reason, list(new_logprobs),
-            request.num_prompt_tokens, request.num_cached_tokens,
+            request.num_prompt_tokens, request.num_cached_tokens, held,
         )
 
     def stats(self) -> SchedulerStats:

@@ -20,6 +20,11 @@ LEGAL = {
     *((S.RUNNING, f) for f in FINISHED),
     (S.PREEMPTED, S.RUNNING),
     (S.PREEMPTED, S.FINISHED_ABORTED),
+    # disaggregated decode: blocks reserved while the prompt's KV is pulled from a prefill worker
+    (S.WAITING, S.WAITING_FOR_REMOTE_KV),
+    (S.WAITING_FOR_REMOTE_KV, S.RUNNING),  # KV in place
+    (S.WAITING_FOR_REMOTE_KV, S.WAITING),  # pull failed: recompute locally
+    (S.WAITING_FOR_REMOTE_KV, S.FINISHED_ABORTED),
 }
 ALL_PAIRS = list(itertools.product(RequestStatus, RequestStatus))
 ROOT = root_hash(b"x" * 16, 4)
