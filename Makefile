@@ -11,6 +11,7 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	bash scripts/ensure-redis.sh || true
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch first, so nothing later resolves a CUDA build.
