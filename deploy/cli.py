@@ -12,7 +12,9 @@ import sys
 _COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("engine.tiny:main", "build the tiny (default) or small offline checkpoint"),
     "demo": ("engine.demo:main", "stream an offline generation from the engine (no servers)"),
-    "bench": ("bench.__main__:main", "run benchmarks (throughput)"),
+    "bench": ("bench.__main__:main", "run benchmarks (throughput, kv-transfer)"),
+    "prefill": ("prefill_node.main:main", "run a prefill worker"),
+    "decode": ("decode_node.main:main", "run a decode worker"),
 }
 
 

@@ -95,6 +95,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))
 
+    def submit(self, fn: Callable[[Engine], Any]) -> None:
+        """Run ``fn(engine)`` on the engine thread, fire and forget (errors are logged)."""
+        def job() -> None:
+            try:
+                fn(self.engine)
+            except Exception:  # noqa: BLE001 - nobody awaits this job
+                logger.exception("engine job failed")
+
+        self._submit(job)
+
     # ---- engine thread -------------------------------------------------------------------
     def _submit(self, job: Callable[[], None]) -> None:
         self._inbox.put(job)

@@ -64,6 +64,10 @@ class BlockPool:
         """The block holding ``block_hash``, if it is cached (in use or evictable)."""
         return self._cached.get(block_hash)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the pool can serve now (to republish the index after Redis lost it)."""
+        return list(self._cached)
+
     def longest_cached_prefix(self, hashes: Iterable[BlockHash]) -> list[int]:
         """Block ids of the leading run of ``hashes`` that is cached."""
         found: list[int] = []

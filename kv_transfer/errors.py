@@ -1,0 +1,24 @@
+"""Typed errors of the KV data plane; shells map them to gRPC status codes (STYLE.md rule 4).
+
+``kv_transfer`` is the lowest layer and imports no other Baton package, so these do not derive from
+``engine.errors.BatonError``. Every error here is a ``KVTransferError``: a caller that falls back to local
+prefill when a pull fails catches just that one class.
+"""
+
+from __future__ import annotations
+
+
+class KVTransferError(Exception):
+    """A KV transfer could not be done (bad request, unreachable or vanished peer, timeout)."""
+
+
+class LayoutMismatch(KVTransferError):
+    """Two KV layouts differ; the message names every differing field. Raised before any KV byte moves."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class LeaseNotFound(KVTransferError):
+    """A transfer lease is unknown, released or expired."""

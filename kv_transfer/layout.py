@@ -1,0 +1,205 @@
+"""The KV layout contract and a zero-copy view of a paged KV cache's bytes.
+
+The engine's cache tensor is ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``, so
+one block is not contiguous: it is ``num_layers`` segments of ``bytes_per_block_per_layer`` bytes, one
+per layer, ``num_blocks * bytes_per_block_per_layer`` bytes apart. ``KVBuffer`` sees that tensor as
+``[num_layers, num_blocks, segment_bytes]`` uint8 and hands out memoryviews of block runs.
+
+Wire order (every transport): for each layer, the requested blocks' segments in request order. Runs of
+consecutive block ids within a layer are one contiguous memoryview, so a transfer of N blocks is at most
+``num_layers * N`` views and usually far fewer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from kv_transfer.errors import KVTransferError, LayoutMismatch
+
+# Bytes per element of the dtypes a KV cache may hold (torch's names, without the "torch." prefix).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVLayout:
+    """What two workers must agree on before one may read the other's KV blocks."""
+
+    model_fingerprint: bytes
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"KVLayout.dtype: unknown dtype {self.dtype!r} (known: {sorted(DTYPE_ITEMSIZE)})")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVLayout.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.model_fingerprint, bytes) or not self.model_fingerprint:
+            raise ValueError("KVLayout.model_fingerprint must be non-empty bytes")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def bytes_per_block_per_layer(self) -> int:
+        """One layer's K and V of one block: ``2 * block_size * num_kv_heads * head_dim * itemsize``."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * self.bytes_per_block_per_layer
+
+    def to_json(self) -> str:
+        """Stable JSON (sorted keys, no spaces; fingerprint as hex) for Redis and the wire."""
+        doc: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        doc["model_fingerprint"] = self.model_fingerprint.hex()
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KVLayout:
+        """Parse ``to_json`` output; unknown keys are ignored, missing or bad ones raise KVTransferError."""
+        try:
+            doc = json.loads(text)
+            kwargs = {f.name: doc[f.name] for f in fields(cls)}
+            kwargs["model_fingerprint"] = bytes.fromhex(kwargs["model_fingerprint"])
+            return cls(**kwargs)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise KVTransferError(f"invalid KV layout JSON: {exc}") from exc
+
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise LayoutMismatch naming every field where ``other`` differs from this layout."""
+        differing = tuple(f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name))
+        if differing:
+            details = ", ".join(f"{n} (local {_show(self, n)}, remote {_show(other, n)})" for n in differing)
+            raise LayoutMismatch(f"KV layout mismatch: {details}", differing)
+
+
+def _show(layout: KVLayout, name: str) -> str:
+    value = getattr(layout, name)
+    return value.hex() if isinstance(value, bytes) else repr(value)
+
+
+def block_runs(block_ids: Iterable[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive ids, in order, as ``(first_id, count)``: ``[4, 5, 6, 2, 3]`` -> ``[(4, 3), (2, 2)]``."""
+    runs: list[list[int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, 1])
+    return [(first, count) for first, count in runs]
+
+
+def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs consecutive on both sides, as ``(src_first, dst_first, count)``."""
+    runs: list[list[int]] = []
+    for src, dst in zip(src_ids, dst_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [(s, d, c) for s, d, c in runs]
+
+
+def _as_array(cache: Any) -> np.ndarray:
+    """A numpy view of ``cache``, never a copy (``np.asarray(b"...")`` would copy into an "S" scalar)."""
+    if isinstance(cache, np.ndarray):
+        return cache
+    try:
+        return np.asarray(memoryview(cache))  # bytes, bytearray, mmap, array.array: the buffer protocol
+    except TypeError:
+        return np.asarray(cache)  # objects with __array__ (a CPU torch tensor) view their memory
+
+
+class KVBuffer:
+    """A paged KV cache's bytes, seen without copying as ``[num_layers, num_blocks, segment_bytes]`` uint8.
+
+    ``cache`` is anything numpy can view without a copy: the engine passes ``tensor.numpy()`` (CPU) or a
+    uint8 view of it (dtypes numpy lacks, e.g. bfloat16); tests pass bytearrays. It must be C-contiguous.
+    """
+
+    __slots__ = ("layout", "array", "num_blocks", "segment_bytes", "_flat")
+
+    def __init__(self, layout: KVLayout, cache: Any) -> None:
+        arr = _as_array(cache)
+        if not arr.flags.c_contiguous:
+            raise ValueError("KVBuffer: the cache must be C-contiguous")
+        segment_bytes = layout.bytes_per_block_per_layer
+        num_blocks, rest = divmod(arr.nbytes, layout.num_layers * segment_bytes)
+        if rest or num_blocks < 1:
+            raise ValueError(f"KVBuffer: {arr.nbytes} bytes is not a whole number of blocks of {layout}")
+        engine_shape = (layout.num_layers, (2, layout.block_size, layout.num_kv_heads))
+        if arr.ndim == 6 and (arr.shape[0], arr.shape[2:5]) != engine_shape:
+            raise ValueError(f"KVBuffer: cache shape {arr.shape} does not match {layout}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.segment_bytes = segment_bytes
+        self.array = arr.reshape(-1).view(np.uint8).reshape(layout.num_layers, num_blocks, segment_bytes)
+        self._flat = self.array.reshape(layout.num_layers, num_blocks * segment_bytes)  # [L, N * seg]
+
+    @classmethod
+    def allocate(cls, layout: KVLayout, num_blocks: int) -> KVBuffer:
+        """A zeroed buffer of ``num_blocks`` blocks (tests, benchmarks, staging)."""
+        return cls(layout, np.zeros(layout.num_layers * num_blocks * layout.bytes_per_block_per_layer, np.uint8))
+
+    @property
+    def writable(self) -> bool:
+        return bool(self.array.flags.writeable)
+
+    def check_block_ids(self, block_ids: Sequence[int]) -> None:
+        """Raise KVTransferError unless every id is an int in ``[0, num_blocks)``."""
+        for block_id in block_ids:
+            if not isinstance(block_id, (int, np.integer)) or not 0 <= block_id < self.num_blocks:
+                raise KVTransferError(f"block id {block_id!r} out of range [0, {self.num_blocks})")
+
+    def segments(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """Zero-copy views of the blocks' bytes in wire order (layer-major, runs coalesced)."""
+        self.check_block_ids(block_ids)
+        seg = self.segment_bytes
+        runs = block_runs(int(b) for b in block_ids)
+        return [
+            memoryview(self._flat[layer, first * seg : (first + count) * seg])
+            for layer in range(self.layout.num_layers)
+            for first, count in runs
+        ]
+
+    def gather(self, block_ids: Sequence[int]) -> bytes:
+        """The blocks' bytes in wire order, copied into one bytes object."""
+        return b"".join(self.segments(block_ids))
+
+    def scatter(self, block_ids: Sequence[int], data: bytes | memoryview) -> None:
+        """Write wire-order ``data`` (as ``gather`` returns it) into the blocks."""
+        expected = len(block_ids) * self.layout.bytes_per_block
+        src = memoryview(data).cast("B")
+        if src.nbytes != expected:
+            raise KVTransferError(f"scatter: got {src.nbytes} bytes for {len(block_ids)} blocks, expected {expected}")
+        pos = 0
+        for view in self.segments(block_ids):
+            view[:] = src[pos : pos + view.nbytes]
+            pos += view.nbytes
+
+    def copy_blocks_from(self, src: KVBuffer, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy blocks ``src_ids`` of ``src`` into this buffer's ``dst_ids`` (one strided copy per run)."""
+        src.check_block_ids(src_ids)
+        self.check_block_ids(dst_ids)
+        for s, d, count in paired_runs([int(b) for b in src_ids], [int(b) for b in dst_ids]):
+            np.copyto(self.array[:, d : d + count], src.array[:, s : s + count])  # [L, count, seg]

@@ -1,0 +1,96 @@
+"""``local://name``: the same-process transport (tests, aggregated mode) — a strided numpy copy per run.
+
+Servers register in a ``LocalRegistry``, an in-process name service; ``DEFAULT_REGISTRY`` is the one
+``make_server("local", ...)`` and ``connect("local://...")`` share. Pass your own to keep components apart.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+
+from kv_transfer.errors import KVTransferError
+from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.transport import Resolver, TransferStats, check_pull_args, check_read
+
+
+class LocalRegistry:
+    """Local servers by URI."""
+
+    def __init__(self) -> None:
+        self._servers: dict[str, LocalServer] = {}
+
+    def register(self, uri: str, server: LocalServer) -> None:
+        if uri in self._servers:
+            raise KVTransferError(f"a local KV server already serves {uri}")
+        self._servers[uri] = server
+
+    def unregister(self, uri: str) -> None:
+        self._servers.pop(uri, None)
+
+    def lookup(self, uri: str) -> LocalServer:
+        server = self._servers.get(uri)
+        if server is None:
+            raise KVTransferError(f"no local KV server at {uri}")
+        return server
+
+
+DEFAULT_REGISTRY = LocalRegistry()
+
+
+class LocalServer:
+    """Serves reads of leased blocks of ``buffer`` to ``LocalClient``s of the same registry."""
+
+    def __init__(
+        self, *, buffer: KVBuffer, resolve: Resolver, registry: LocalRegistry | None = None, name: str | None = None
+    ) -> None:
+        self.buffer = buffer
+        self.resolve = resolve
+        self.registry = registry or DEFAULT_REGISTRY
+        self.name = name or secrets.token_hex(6)
+        self.uri: str | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Register as ``local://{name}`` (``host`` and ``port`` do not apply)."""
+        if self.uri is None:
+            uri = f"local://{self.name}"
+            self.registry.register(uri, self)
+            self.uri = uri
+        return self.uri
+
+    async def stop(self) -> None:
+        if self.uri is not None:
+            self.registry.unregister(self.uri)
+            self.uri = None
+
+    def read_into(
+        self, layout: KVLayout, lease_id: str, src_ids: Sequence[int], dst: KVBuffer, dst_ids: Sequence[int]
+    ) -> int:
+        """Copy leased blocks into ``dst``; everything is checked before the first byte is copied."""
+        self.buffer.layout.check_compatible(layout)
+        check_read(self.buffer, self.resolve, lease_id, src_ids)
+        dst.copy_blocks_from(self.buffer, src_ids, dst_ids)
+        check_read(self.buffer, self.resolve, lease_id, src_ids)  # the lease held for the whole copy
+        return len(src_ids) * self.buffer.layout.bytes_per_block
+
+
+class LocalClient:
+    def __init__(self, registry: LocalRegistry | None = None) -> None:
+        self.registry = registry or DEFAULT_REGISTRY
+
+    async def pull(
+        self,
+        uri: str,
+        layout: KVLayout,
+        lease_id: str,
+        src_block_ids: Sequence[int],
+        dst_buffer: KVBuffer,
+        dst_block_ids: Sequence[int],
+    ) -> TransferStats:
+        start = time.perf_counter()
+        check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
+        server = self.registry.lookup(uri)
+        num_bytes = server.read_into(layout, lease_id, src_block_ids, dst_buffer, dst_block_ids)
+        seconds = time.perf_counter() - start
+        return TransferStats(num_blocks=len(src_block_ids), num_bytes=num_bytes, seconds=seconds)

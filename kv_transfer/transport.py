@@ -1,0 +1,149 @@
+"""The KV data plane's contract: a pull-model transport (DESIGN.md "KV data plane").
+
+A transport is a ``KVServer`` (the prefill side: serves reads of leased blocks out of its ``KVBuffer``)
+and a ``KVClient`` (the decode side: ``pull`` reads ``(lease_id, src_block_ids)`` into its own
+``dst_block_ids``), named by a URI scheme: ``tcp://host:port``, ``local://name``. Every implementation
+passes ``tests/unit/test_kv_transport.py`` and keeps these promises:
+
+- the KV layouts are compared first; a mismatch raises ``LayoutMismatch`` before any KV byte moves;
+- the lease and every requested block are checked before any KV byte moves (``LeaseNotFound``,
+  ``KVTransferError``), so a refused pull leaves the destination untouched;
+- a pull succeeds only if the lease was still live after the last byte was read (so no block was
+  freed and reused mid-read); a pull that fails mid-stream leaves its destination blocks undefined;
+- every wait on the peer is bounded by ``TransportConfig`` timeouts: errors, never hangs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from kv_transfer.errors import KVTransferError, LeaseNotFound
+from kv_transfer.layout import KVBuffer, KVLayout
+
+TRANSPORT_KINDS = ("tcp", "local")
+
+# lease id -> the block ids it pins; raises LeaseNotFound (or returns None) when not live.
+Resolver = Callable[[str], Sequence[int] | None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportConfig:
+    connect_timeout_s: float = 5.0
+    io_timeout_s: float = 10.0  # the longest any one wait for the peer may last
+    socket_buffer_bytes: int | None = None  # SO_SNDBUF/SO_RCVBUF; None keeps the kernel's autotuning
+    max_blocks_per_read: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferStats:
+    num_blocks: int
+    num_bytes: int
+    seconds: float  # connect to last byte, as the decode side sees it
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes (1e9 bytes) per second."""
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class KVServer(Protocol):
+    uri: str | None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start serving; returns the URI decoders pull from."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop serving and end open connections (idempotent)."""
+        ...
+
+
+class KVClient(Protocol):
+    async def pull(
+        self,
+        uri: str,
+        layout: KVLayout,
+        lease_id: str,
+        src_block_ids: Sequence[int],
+        dst_buffer: KVBuffer,
+        dst_block_ids: Sequence[int],
+    ) -> TransferStats:
+        """Read leased blocks ``src_block_ids`` of the server at ``uri`` into ``dst_block_ids`` of ``dst_buffer``."""
+        ...
+
+
+def check_pull_args(
+    layout: KVLayout, src_block_ids: Sequence[int], dst_buffer: KVBuffer, dst_block_ids: Sequence[int]
+) -> None:
+    """The decode side's checks, done before connecting."""
+    layout.check_compatible(dst_buffer.layout)
+    if len(src_block_ids) != len(dst_block_ids):
+        raise KVTransferError(f"pull: {len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks")
+    if not dst_buffer.writable:
+        raise KVTransferError("pull: the destination buffer is read-only")
+    dst_buffer.check_block_ids(dst_block_ids)
+    if len(set(dst_block_ids)) != len(dst_block_ids):
+        raise KVTransferError("pull: destination block ids repeat")
+
+
+def check_read(buffer: KVBuffer, resolve: Resolver, lease_id: str, block_ids: Sequence[int]) -> None:
+    """The serving side's checks: the lease is live, covers every requested block, and they exist."""
+    leased = resolve(lease_id)
+    if leased is None:
+        raise LeaseNotFound("unknown or expired transfer lease")
+    allowed = set(leased)
+    outside = [b for b in block_ids if b not in allowed]
+    if outside:
+        raise KVTransferError(f"blocks {outside[:8]} are not in the lease ({len(outside)} in all)")
+    buffer.check_block_ids(block_ids)
+
+
+def uri_kind(uri: str) -> str:
+    kind = urlsplit(uri).scheme
+    if kind not in TRANSPORT_KINDS:
+        raise KVTransferError(f"unsupported KV data-plane URI {uri!r} (schemes: {', '.join(TRANSPORT_KINDS)})")
+    return kind
+
+
+def make_server(kind: str, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None) -> KVServer:
+    """A server of transport ``kind`` over ``buffer``; ``resolve`` validates lease ids (see LeaseTable.resolver)."""
+    config = config or TransportConfig()
+    if kind == "tcp":
+        from kv_transfer.tcp import TcpServer
+
+        return TcpServer(buffer=buffer, resolve=resolve, config=config)
+    if kind == "local":
+        from kv_transfer.local import LocalServer
+
+        return LocalServer(buffer=buffer, resolve=resolve)
+    raise KVTransferError(f"unknown transport {kind!r} (known: {', '.join(TRANSPORT_KINDS)})")
+
+
+def connect(uri: str, config: TransportConfig | None = None) -> KVClient:
+    """The client that pulls from ``uri`` (clients hold no connection between pulls)."""
+    config = config or TransportConfig()
+    if uri_kind(uri) == "tcp":
+        from kv_transfer.tcp import TcpClient
+
+        return TcpClient(config)
+    from kv_transfer.local import LocalClient
+
+    return LocalClient()
+
+
+async def pull(
+    uri: str,
+    layout: KVLayout,
+    lease_id: str,
+    src_block_ids: Sequence[int],
+    dst_buffer: KVBuffer,
+    dst_block_ids: Sequence[int],
+    *,
+    config: TransportConfig | None = None,
+) -> TransferStats:
+    """``connect(uri).pull(...)``."""
+    client = connect(uri, config)
+    return await client.pull(uri, layout, lease_id, src_block_ids, dst_buffer, dst_block_ids)

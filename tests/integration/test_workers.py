@@ -1,0 +1,132 @@
+"""Real worker processes, real Redis, real gRPC: Prefill on P -> pull over TCP -> Decode on D equals the
+offline engine token for token; leases, pools and bad input behave."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from engine.tiny import build_model
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
+from tests.integration.cluster import Cluster
+from tests.redis_server import RedisServer, require_redis_server
+
+PROMPTS = [list(range(5, 5 + n)) for n in (1, 3, 4, 7, 16, 33, 60)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    require_redis_server()
+    redis = RedisServer.start()
+    c = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("logs"))
+    try:
+        p = c.start_worker("prefill", "--lease-ttl-s", "3", worker_id="p1")
+        d = c.start_worker("decode", worker_id="d1")
+        c.wait_for_workers({"p1", "d1"})
+        c.p, c.d = p, d
+        yield c
+    finally:
+        c.stop_all()
+        redis.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=256, block_size=4))
+    out: dict[int, list[int]] = {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out.setdefault(int(delta.request_id), []).extend(delta.new_token_ids)
+    return out
+
+
+def stub(address: str) -> pb_grpc.WorkerStub:
+    return pb_grpc.WorkerStub(grpc.insecure_channel(address))
+
+
+def greedy(max_tokens=12) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=3)
+
+
+def disaggregated(cluster, rid: str, prompt: list[int]) -> tuple[list[int], pb.Timings]:
+    pre = stub(cluster.p.address).Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=greedy()))
+    tokens = [pre.first_token]
+    timings = None
+    stream = stub(cluster.d.address).Decode(pb.DecodeRequest(
+        request_id=rid, token_ids=prompt + tokens, sampling=greedy(), handle=pre.handle, prompt_len=len(prompt)))
+    for response in stream:
+        if timings is None:
+            timings = response.timings
+            stub(cluster.p.address).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=pre.handle.lease_id))
+        tokens.extend(response.token_ids)
+    return tokens, timings
+
+
+def assert_pools_full(cluster, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [stub(p.address).Stats(pb.StatsRequest()) for p in (cluster.p, cluster.d)]
+        if all(s.num_free_blocks == s.num_total_blocks and s.num_open_leases == 0 for s in stats):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not full: {stats}")
+        time.sleep(0.1)
+
+
+def test_prefill_pull_decode_equals_the_offline_engine(cluster, expected):
+    for i, prompt in enumerate(PROMPTS):
+        tokens, timings = disaggregated(cluster, f"r{i}", prompt)
+        assert tokens == expected[i], f"prompt {i}"
+        assert timings.transfer_blocks >= 0 and timings.decode_worker == "d1"
+    assert_pools_full(cluster)
+
+
+def test_local_decode_equals_the_offline_engine(cluster, expected):
+    for i, prompt in enumerate(PROMPTS):
+        stream = stub(cluster.d.address).Decode(pb.DecodeRequest(request_id=f"l{i}", token_ids=prompt,
+                                                                   sampling=greedy()))
+        assert [t for r in stream for t in r.token_ids] == expected[i]
+    assert_pools_full(cluster)
+
+
+def test_unpulled_lease_expires_and_frees_blocks(cluster):
+    pre = stub(cluster.p.address).Prefill(pb.PrefillRequest(request_id="lapse", token_ids=PROMPTS[5],
+                                                             sampling=greedy()))
+    stats = stub(cluster.p.address).Stats(pb.StatsRequest())
+    assert stats.num_open_leases == 1 and stats.num_free_blocks < stats.num_total_blocks
+    assert_pools_full(cluster, timeout_s=10.0)  # TTL 3 s
+    # a decoder arriving after expiry falls back to local prefill and still answers correctly
+    stream = stub(cluster.d.address).Decode(pb.DecodeRequest(
+        request_id="late", token_ids=PROMPTS[5] + [pre.first_token], sampling=greedy(), handle=pre.handle,
+        prompt_len=len(PROMPTS[5])))
+    responses = list(stream)
+    assert "prefilled locally" in responses[0].timings.route_reason
+    assert len([t for r in responses for t in r.token_ids]) == 11
+    assert_pools_full(cluster)
+
+
+@pytest.mark.parametrize(("request_", "field"), [
+    (pb.PrefillRequest(request_id="e", token_ids=[], sampling=greedy()), "prompt must not be empty"),
+    (pb.PrefillRequest(request_id="m", token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+    (pb.PrefillRequest(request_id="t", token_ids=[1, 2], sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+    (pb.PrefillRequest(request_id="v", token_ids=[10**6], sampling=greedy()), "token ids"),
+])
+def test_bad_input_is_invalid_argument_and_the_worker_keeps_serving(cluster, request_, field):
+    with pytest.raises(grpc.RpcError) as info:
+        stub(cluster.p.address).Prefill(request_)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
+    assert stub(cluster.p.address).Stats(pb.StatsRequest()).worker_id == "p1"
+    assert_pools_full(cluster)
