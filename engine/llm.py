@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from engine.config import EngineConfig
@@ -41,7 +41,6 @@ class _Live:
     output: RequestOutput
     detok: object | None
     stop: tuple[str, ...]
-    logprobs: list = field(default_factory=list)
 
 
 class LLM:

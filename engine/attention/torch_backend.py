@@ -23,14 +23,13 @@ _MIN_BUCKET_TOKENS = 64
 @dataclass(slots=True)
 class _DecodeGroup:
     token_index: torch.Tensor  # [B] flat index of each sequence's query token
-    key_block: torch.Tensor  # [B, L] block id of each key position (padding -> block 0)
-    key_offset: torch.Tensor  # [B, L] offset within the block
+    block_table: torch.Tensor  # [B, nb] each sequence's blocks, padded with block 0 (masked)
     context_lens: torch.Tensor  # [B]
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L] bool
 
-    def mask(self, window: int | None) -> torch.Tensor:
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
         if window not in self.masks:
-            key_pos = torch.arange(self.key_block.shape[1], device=self.key_block.device)  # [L]
+            key_pos = torch.arange(self.block_table.shape[1] * block_size, device=self.block_table.device)  # [L]
             lens = self.context_lens[:, None]  # [B, 1]
             allowed = key_pos[None, :] < lens  # [B, L]
             if window is not None:
@@ -109,14 +108,20 @@ class TorchAttentionBackend:
 
 
 def _decode_attention(q, kv_cache, group: _DecodeGroup, window, scale) -> torch.Tensor:
-    kv = kv_cache[group.key_block, :, group.key_offset]  # [B, L, 2, kvh, d]
-    keys = kv[:, :, 0].transpose(1, 2)  # [B, kvh, L, d]
-    values = kv[:, :, 1].transpose(1, 2)  # [B, kvh, L, d]
-    query = q[group.token_index][:, :, None, :]  # [B, h, 1, d]
-    out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=group.mask(window), scale=scale, enable_gqa=True
-    )  # [B, h, 1, d]
-    return out[:, :, 0, :]  # [B, h, d]
+    """Whole-block gather (one index_select), then GQA as a batched matmul: each KV head's group of
+    query heads attends at once, so K/V are never repeated per query head."""
+    num_seqs, num_blocks = group.block_table.shape
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    length = num_blocks * block_size
+    blocks = kv_cache.index_select(0, group.block_table.reshape(-1))  # [B*nb, 2, bs, kvh, d]
+    blocks = blocks.view(num_seqs, num_blocks, 2, block_size, num_kv_heads, head_dim)
+    keys = blocks[:, :, 0].permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads, length, head_dim)  # [B, kvh, L, d]
+    values = blocks[:, :, 1].permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads, length, head_dim)
+    query = q[group.token_index].view(num_seqs, num_kv_heads, -1, head_dim)  # [B, kvh, h/kvh, d]
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [B, kvh, h/kvh, L]
+    mask = group.mask(window, block_size).view(num_seqs, 1, 1, length)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
+    return torch.matmul(probs, values).reshape(num_seqs, -1, head_dim)  # [B, h, d]
 
 
 def _prefill_attention(q, k, v, kv_cache, seq: _PrefillSeq, window, scale) -> torch.Tensor:
@@ -149,14 +154,10 @@ def _prefill_seq(row: int, s: SeqSlice, table: torch.Tensor, block_size: int) ->
 
 def _decode_group(members: list[int], slices, rows: list[int], tables: torch.Tensor, block_size: int) -> _DecodeGroup:
     device = tables.device
-    max_len = max(slices[i].context_len for i in members)
+    num_blocks = -(-max(slices[i].context_len for i in members) // block_size)
     index = torch.tensor(members, device=device)  # [B]
-    key_pos = torch.arange(max_len, device=device)  # [L]
-    key_block = tables[index][:, key_pos // block_size]  # [B, L] (padding points at real blocks; masked)
-    key_offset = (key_pos % block_size).expand(len(members), max_len)  # [B, L]
     return _DecodeGroup(
         torch.tensor([rows[i] for i in members], device=device),
-        key_block,
-        key_offset,
+        tables[index, :num_blocks],  # [B, nb] (padding entries are block 0; masked)
         torch.tensor([slices[i].context_len for i in members], device=device),
     )
