@@ -10,9 +10,12 @@ import sys
 
 # name -> (module:function taking argv, one-line help). Later issues add up/generate/admin/...
 _COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("deploy.up:main", "start the local platform: redis, router, prefill and decode workers"),
     "model": ("engine.tiny:main", "build the tiny (default) or small offline checkpoint"),
     "demo": ("engine.demo:main", "stream an offline generation from the engine (no servers)"),
     "bench": ("bench.__main__:main", "run benchmarks (throughput, kv-transfer)"),
+    "router": ("router.main:main", "run the router (public Generate API, routing, orchestration)"),
+    "generate": ("router.generate_cli:main", "stream a generation from a running router, with timings"),
     "prefill": ("prefill_node.main:main", "run a prefill worker"),
     "decode": ("decode_node.main:main", "run a decode worker"),
 }

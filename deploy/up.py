@@ -1,0 +1,136 @@
+"""``baton up``: the whole platform on this machine — a private redis-server (unless --redis-url),
+the router, N prefill and M decode workers. Prints the endpoints; Ctrl-C stops every process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_REDIS_HINT = ("no redis-server binary found: install Debian's `redis-server` (apt-get install redis-server), "
+               "run `make install` as root, or pass --redis-url of a running Redis")
+
+
+@dataclass
+class _Child:
+    name: str
+    popen: subprocess.Popen
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="baton up", description=__doc__)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the tiny model)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting a private one")
+    p.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--disagg-threshold-tokens", type=int, default=None)
+    p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp folder)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    model = args.model or str(_ensure_tiny())
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children: list[_Child] = []
+    try:
+        redis_url = args.redis_url or _start_redis(log_dir, children)
+        common = ["--redis-url", redis_url, "--model", model]
+        for i in range(args.prefill):
+            _spawn(f"prefill-{i}", ["prefill", *common, "--num-threads", str(args.num_threads)], log_dir, children)
+        for i in range(args.decode):
+            _spawn(f"decode-{i}", ["decode", *common, "--num-threads", str(args.num_threads)], log_dir, children)
+        router = ["router", *common, "--port", str(args.port)]
+        if args.disagg_threshold_tokens is not None:
+            router += ["--disagg-threshold-tokens", str(args.disagg_threshold_tokens)]
+        _spawn("router", router, log_dir, children)
+        _announce(args, redis_url, log_dir)
+        return _wait(children)
+    except FileNotFoundError:
+        print(f"baton up: {_REDIS_HINT}", file=sys.stderr)
+        return 2
+    finally:
+        _stop_all(children)
+
+
+def _ensure_tiny() -> Path:
+    from engine.tiny import ensure_model
+
+    return ensure_model("tiny")
+
+
+def _start_redis(log_dir: Path, children: list[_Child]) -> str:
+    binary = os.environ.get("BATON_REDIS_SERVER") or shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server")
+    port = _free_port()
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", str(log_dir)]
+    with (log_dir / "redis.log").open("wb") as log:
+        children.append(_Child("redis", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+    return f"redis://127.0.0.1:{port}"
+
+
+def _spawn(name: str, args: list[str], log_dir: Path, children: list[_Child]) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    with (log_dir / f"{name}.log").open("wb") as log:
+        popen = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                 env=env)
+    children.append(_Child(name, popen))
+
+
+def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
+    print(f"Baton is starting: {args.prefill} prefill + {args.decode} decode workers", flush=True)
+    print(f"  router   grpc://127.0.0.1:{args.port}   (baton.v1.Generation)")
+    print(f"  redis    {redis_url}")
+    print(f"  logs     {log_dir}")
+    print(f"\ntry:  baton generate \"def main():\" --router 127.0.0.1:{args.port}\n(Ctrl-C stops everything)",
+          flush=True)
+
+
+def _wait(children: list[_Child]) -> int:
+    stop = {"signal": False}
+
+    def on_signal(signum, frame) -> None:
+        stop["signal"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stop["signal"]:
+        for child in children:
+            if child.popen.poll() is not None:
+                print(f"baton up: {child.name} exited with {child.popen.returncode}; stopping", file=sys.stderr)
+                return 1
+        time.sleep(0.2)
+    print("\nstopping ...", flush=True)
+    return 0
+
+
+def _stop_all(children: list[_Child], grace_s: float = 10.0) -> None:
+    for child in reversed(children):
+        if child.popen.poll() is None:
+            child.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in reversed(children):
+        try:
+            child.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.popen.kill()
+            child.popen.wait(5)

@@ -1,0 +1,75 @@
+"""The router's configuration (one frozen dataclass) and the model facts it reads from config.json.
+
+Flags and environment variables are read only in ``router.main``; everything here is plain data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+from router.policy import PolicyConfig
+
+DEFAULT_PORT = 50051
+DEFAULT_ROUTER_ADDRESS = f"localhost:{DEFAULT_PORT}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterConfig:
+    model_dir: Path  # the Hugging Face folder the workers serve; the router reads its tokenizer + config.json
+    redis_url: str
+    ns: str = "baton"
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT  # 0: any free port (tests)
+    model_name: str | None = None  # None: the folder's name; GenerateRequest.model must match when set
+    max_model_len: int | None = None  # None: config.json's max_position_embeddings
+    request_timeout_s: float = 600.0  # applies when the client sets no shorter deadline
+    worker_list_ttl_s: float = 0.5  # how long a listing of the registry is reused
+    control_rpc_timeout_s: float = 2.0  # Abort / ReleaseLease
+    decode_retries: int = 1  # another decode worker when one fails before producing a token
+    shutdown_grace_s: float = 5.0
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.decode_retries < 0:
+            raise ValueError(f"decode_retries must be >= 0, got {self.decode_retries}")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model_dir.name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelCard:
+    """What the router needs from ``config.json`` (read with ``json``: no torch, no transformers)."""
+
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ModelCard:
+        path = Path(folder) / "config.json"
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            return cls(
+                architecture=str((raw.get("architectures") or ["unknown"])[0]),
+                vocab_size=int(raw["vocab_size"]),
+                max_position_embeddings=int(raw["max_position_embeddings"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"cannot read the model's {path}: {exc!r}") from exc
+
+
+def resolve_max_model_len(config: RouterConfig, card: ModelCard) -> int:
+    """The configured limit, never above what the model's positions allow."""
+    limit = card.max_position_embeddings
+    return limit if config.max_model_len is None else min(config.max_model_len, limit)

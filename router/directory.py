@@ -1,0 +1,184 @@
+"""The router's view of the workers: a short-lived cache of the Redis registry, KV index lookups, and
+one gRPC channel per worker address.
+
+Redis down: the last listing keeps serving (stale) and lookups return nothing, so routing falls back to
+load only (DESIGN.md); with no listing at all requests fail with UNAVAILABLE until Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad
+from proto import baton_pb2_grpc as pb_grpc
+from router.errors import WorkerUnavailable
+from router.policy import Candidate
+
+log = logging.getLogger(__name__)
+
+WorkerEntry = tuple[WorkerInfo, WorkerLoad | None]
+
+
+@dataclass(frozen=True, slots=True)
+class HashScheme:
+    """How the served model's blocks are hashed: the workers' fingerprint and block size."""
+
+    fingerprint: bytes
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    workers: tuple[WorkerEntry, ...]
+    draining: frozenset[str]
+    taken_at_s: float  # monotonic
+
+    def info(self, worker_id: str) -> WorkerInfo | None:
+        return next((info for info, _ in self.workers if info.worker_id == worker_id), None)
+
+
+def block_size_of(info: WorkerInfo) -> int | None:
+    try:
+        value = json.loads(info.layout_json)["block_size"]
+        return value if isinstance(value, int) and value >= 1 else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def scheme_of(info: WorkerInfo) -> HashScheme | None:
+    block_size = block_size_of(info)
+    try:
+        fingerprint = bytes.fromhex(info.model_fingerprint)
+    except ValueError:
+        return None
+    return None if block_size is None or not fingerprint else HashScheme(fingerprint, block_size)
+
+
+def served_scheme(workers: Sequence[WorkerEntry]) -> HashScheme | None:
+    """The scheme most decode workers share (ties: the first worker's); all workers when no decode one.
+
+    Workers registered with another scheme serve another model or layout: routing leaves them out.
+    """
+    decode = [info for info, _ in workers if info.role == "decode"]
+    pool = decode or [info for info, _ in workers]
+    schemes = [s for info in pool if (s := scheme_of(info)) is not None]
+    return Counter(schemes).most_common(1)[0][0] if schemes else None
+
+
+def build_candidates(
+    snapshot: Snapshot, scheme: HashScheme, cached_blocks: Mapping[str, int]
+) -> list[Candidate]:
+    return [
+        Candidate(
+            info=info, load=load, cached_blocks=cached_blocks.get(info.worker_id, 0),
+            draining=info.worker_id in snapshot.draining,
+        )
+        for info, load in snapshot.workers
+        if scheme_of(info) == scheme
+    ]
+
+
+class WorkerDirectory:
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        ttl_s: float = 0.5,
+        channel_idle_s: float = 900.0,
+        redis_retry_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``channel_idle_s``: a channel whose address left the registry is closed after this long (longer
+        than any request may last, so a worker that misses a heartbeat never loses its streams).
+        ``redis_retry_s``: after a Redis failure, requests use the stale listing and skip index lookups
+        for this long instead of each waiting on Redis's timeout."""
+        self._registry = registry
+        self._ttl_s = ttl_s
+        self._channel_idle_s = channel_idle_s
+        self._redis_retry_s = redis_retry_s
+        self._clock = clock
+        self._snapshot: Snapshot | None = None
+        self._next_refresh_s = 0.0
+        self._lookups_paused_until_s = 0.0
+        self._refresh_lock = asyncio.Lock()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._last_listed_s: dict[str, float] = {}  # address -> when a listing last held it
+        self._mismatch_warned: set[str] = set()
+
+    async def snapshot(self) -> Snapshot:
+        """The registry as of at most ``ttl_s`` ago; one refresh at a time however many requests wait."""
+        if self._fresh():
+            return self._snapshot  # type: ignore[return-value]
+        async with self._refresh_lock:
+            if not self._fresh():
+                await self._refresh()
+        assert self._snapshot is not None
+        return self._snapshot
+
+    async def lookup(self, hashes: list[bytes]) -> dict[str, int]:
+        """Leading cached blocks per worker; empty (load-only routing) when Redis cannot answer."""
+        if self._clock() < self._lookups_paused_until_s:
+            return {}
+        try:
+            return await self._registry.index.lookup(hashes)
+        except Exception as exc:  # noqa: BLE001 - any Redis failure degrades routing, never fails it
+            log.warning("KV index lookup failed, routing by load only for %.1f s: %r", self._redis_retry_s, exc)
+            self._lookups_paused_until_s = self._clock() + self._redis_retry_s
+            return {}
+
+    def stub(self, info: WorkerInfo) -> pb_grpc.WorkerStub:
+        channel = self._channels.get(info.grpc_address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(info.grpc_address)
+            self._channels[info.grpc_address] = channel
+            self._last_listed_s.setdefault(info.grpc_address, self._clock())
+        return pb_grpc.WorkerStub(channel)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
+
+    def _fresh(self) -> bool:
+        return self._snapshot is not None and self._clock() < self._next_refresh_s
+
+    async def _refresh(self) -> None:
+        try:
+            workers = await self._registry.list_workers()
+            draining = await self._registry.list_draining()
+        except Exception as exc:  # noqa: BLE001 - Redis errors come in many classes
+            if self._snapshot is None:
+                raise WorkerUnavailable(f"cannot list workers: Redis is unreachable ({exc!r})") from exc
+            log.warning("worker listing failed, using the one from %.1f s ago: %r",
+                        self._clock() - self._snapshot.taken_at_s, exc)
+            self._next_refresh_s = self._clock() + self._redis_retry_s
+            return
+        self._snapshot = Snapshot(tuple(workers), frozenset(draining), self._clock())
+        self._next_refresh_s = self._snapshot.taken_at_s + self._ttl_s
+        await self._close_idle_channels()
+        self._warn_mismatches()
+
+    async def _close_idle_channels(self) -> None:
+        now = self._clock()
+        for info, _ in self._snapshot.workers:  # type: ignore[union-attr]
+            self._last_listed_s[info.grpc_address] = now
+        stale = [a for a in self._channels if now - self._last_listed_s.get(a, now) > self._channel_idle_s]
+        for address in stale:
+            self._last_listed_s.pop(address, None)
+            await self._channels.pop(address).close()
+
+    def _warn_mismatches(self) -> None:
+        workers = self._snapshot.workers  # type: ignore[union-attr]
+        scheme = served_scheme(workers)
+        for info, _ in workers:
+            if scheme_of(info) != scheme and info.worker_id not in self._mismatch_warned:
+                self._mismatch_warned.add(info.worker_id)
+                log.warning("worker_id=%s registered another model fingerprint or block size; not routed to",
+                            info.worker_id)

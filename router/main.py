@@ -1,0 +1,100 @@
+"""``baton router``: the public Generate API over the registered prefill and decode workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from engine.errors import BatonError
+from router.config import DEFAULT_PORT, RouterConfig
+from router.policy import PolicyConfig
+from router.server import start_router
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="baton router",
+        description="Serve baton.v1.Generation: route each request to a decode worker, prefilling on a "
+        "prefill worker when the uncached prompt is long. Workers are discovered through Redis.",
+    )
+    parser.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                        help="Redis holding the worker registry and KV index "
+                        "(default: $BATON_REDIS_URL or %(default)s)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the Hugging Face checkpoint folder the workers serve (tokenizer + config.json); "
+                        "default: the tiny model `baton model tiny` builds")
+    parser.add_argument("--model-name", default=None,
+                        help="name clients may send as `model` (default: the folder's name)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="gRPC port (default: %(default)s; 0: any free port)")
+    parser.add_argument("--ns", "--namespace", dest="ns", default="baton", help="Redis key namespace (default: %(default)s)")
+    parser.add_argument("--disagg-threshold-tokens", type=int, default=PolicyConfig().disagg_threshold_tokens,
+                        help="uncached prompt tokens at or below this prefill on the decode worker "
+                        "(default: %(default)s)")
+    parser.add_argument("--max-queued-prefill-tokens", type=int, default=None,
+                        help="prefill workers queueing more tokens count as saturated (default: no limit)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="deadline of requests whose client sets none shorter (default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        model_dir=args.model if args.model is not None else _default_model_dir(), redis_url=args.redis_url,
+        ns=args.ns, host=args.host, port=args.port, model_name=args.model_name, max_model_len=args.max_model_len,
+        request_timeout_s=args.request_timeout_s,
+        policy=PolicyConfig(disagg_threshold_tokens=args.disagg_threshold_tokens,
+                            max_queued_prefill_tokens=args.max_queued_prefill_tokens),
+    )
+
+
+def _default_model_dir() -> Path:
+    from engine.tiny import default_model_dir  # torch-free: only path logic (the no-torch test covers it)
+
+    return default_model_dir("tiny")
+
+
+async def serve(config: RouterConfig) -> None:
+    """Serve until SIGINT or SIGTERM, then stop gracefully."""
+    router = await start_router(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"baton router listening on {config.host}:{router.port} (redis {config.redis_url})", flush=True)
+    await stop.wait()
+    log.info("stopping router (grace %.1f s)", config.shutdown_grace_s)
+    await router.stop(config.shutdown_grace_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not (config.model_dir / "tokenizer.json").is_file():
+        parser.error(f"--model {config.model_dir}: no tokenizer.json there (build one with `baton model tiny`)")
+    try:
+        asyncio.run(serve(config))
+    except (BatonError, OSError, RuntimeError) as exc:  # bad model folder, port taken, ...
+        print(f"baton router: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""One request's trip through the workers: route, Prefill on P, Decode on D, stream back to the client.
+
+    remote:  Prefill(P) -> first token to the client at once (TTFT) -> Decode(D, handle, prompt + [first])
+    local:   Decode(D, no handle): D prefills itself
+
+Failures (DESIGN.md "Request path" 6): a failed Prefill falls back to local prefill on D; a decode worker
+that fails before producing a token is replaced once by another; after that the client gets UNAVAILABLE.
+The first answer of a decode worker that was handed the KV handle acks the pull: P's lease is released.
+Whatever ends the request (done, stop string, error, client gone, deadline), the ``finally`` of
+``_Flow.run`` cancels worker streams and sends Abort to P and D, and ReleaseLease to P when a handle was
+returned but no decode worker answered (so none consumed it) — after D confirmed its abort when D was
+handed the lease, so P never frees blocks D may still be reading. Those calls run as background tasks
+(``router.control``), so they still go out while the request's own task is being cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from engine.errors import CapacityExceeded
+from engine.tokenizer import Tokenizer
+from kv_transfer.hashing import hash_blocks, root_hash
+from kv_transfer.registry import WorkerInfo
+from proto import baton_pb2 as pb
+from router.control import WorkerControl
+from router.convert import worker_sampling
+from router.directory import Snapshot, WorkerDirectory, build_candidates, served_scheme
+from router.errors import DeadlineExceeded, WorkerUnavailable, error_from_status
+from router.frontend import Job
+from router.output import TextStream
+from router.policy import Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, pick_decode, route
+from router.trace import RequestTrace
+
+log = logging.getLogger(__name__)
+
+_NEVER_RETRIED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class Relay:
+    """Runs requests across the workers the directory lists."""
+
+    def __init__(
+        self, directory: WorkerDirectory, tokenizer: Tokenizer, policy: PolicyConfig, *,
+        decode_retries: int = 1, control_rpc_timeout_s: float = 2.0,
+    ) -> None:
+        self.directory, self.tokenizer, self.policy = directory, tokenizer, policy
+        self.decode_retries = decode_retries
+        self.control = WorkerControl(directory, timeout_s=control_rpc_timeout_s)
+
+    def generate(self, job: Job, deadline_s: float) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream ``job``'s responses; ``deadline_s`` is on the event loop's clock."""
+        return _Flow(self, job, deadline_s).run()
+
+
+class _DecodeFailed(Exception):
+    def __init__(self, worker: WorkerInfo, code: grpc.StatusCode, details: str, num_tokens: int) -> None:
+        super().__init__(f"decode worker {worker.worker_id}: {code.name}: {details}")
+        self.worker, self.code, self.details, self.num_tokens = worker, code, details, num_tokens
+
+    def to_error(self) -> Exception:
+        if self.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            return error_from_status(self.code, self.details)
+        after = f" after {self.num_tokens} tokens were streamed" if self.num_tokens else ""
+        return WorkerUnavailable(
+            f"decode worker {self.worker.worker_id} failed{after}: {self.code.name}: {self.details}"
+        )
+
+
+class _Flow:
+    """The state of one request; every field is touched only from the request's own task."""
+
+    def __init__(self, relay: Relay, job: Job, deadline_s: float) -> None:
+        self._relay, self._job, self._deadline_s = relay, job, deadline_s
+        self._loop = asyncio.get_running_loop()
+        self._trace = RequestTrace()
+        self._text = TextStream(relay.tokenizer, job.prompt_token_ids, job.params.stop)
+        self._sampling = worker_sampling(job.params)
+        self._output_ids: list[int] = []
+        self._finish = pb.FINISH_REASON_UNSPECIFIED
+        self._cached_prompt_tokens = 0
+        self._snapshot: Snapshot | None = None
+        self._candidates: list[Candidate] = []
+        self._route_request: RouteRequest | None = None
+        self._prefill_worker: WorkerInfo | None = None
+        self._prefill_pending = False
+        self._prefilled_remotely = False  # P produced the first token
+        self._handle: pb.KVHandle | None = None
+        self._lease_consumed = False  # a decode worker answered a request carrying the handle (and was acked)
+        self._lease_settled = False  # its release is already queued
+        self._decode_worker: WorkerInfo | None = None
+        self._decode_call: Any = None
+        self._decode_active = False
+        self._decode_has_handle = False
+        self._done = False  # the final message was built
+
+    async def run(self) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for response in self._stages():
+                yield response
+                if not self._done:
+                    self._remaining_s()  # a slow client may keep a write pending past the deadline
+        finally:
+            self._cleanup()
+
+    async def _stages(self) -> AsyncIterator[pb.GenerateResponse]:
+        decision = await self._route()
+        if decision.kind is RouteKind.REMOTE:
+            prefilled = await self._prefill(decision)
+            if prefilled is not None:
+                yield self._on_prefilled(prefilled)
+                if self._finish:
+                    yield self._final()
+                    return
+        async for response in self._decode(decision.decode_id):
+            yield response
+        yield self._final()
+
+    # ---- routing -----------------------------------------------------------------------------
+    async def _route(self) -> RouteDecision:
+        self._snapshot = await self._relay.directory.snapshot()
+        scheme = served_scheme(self._snapshot.workers)
+        if scheme is None:
+            raise WorkerUnavailable("no decode workers registered")
+        prompt = self._job.prompt_token_ids
+        root = root_hash(scheme.fingerprint, scheme.block_size, self._job.cache_salt)
+        cached = await self._relay.directory.lookup(hash_blocks(prompt, scheme.block_size, root))
+        self._candidates = build_candidates(self._snapshot, scheme, cached)
+        self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size)
+        decision = route(self._route_request, self._candidates, self._relay.policy)
+        self._trace.route(decision.kind.value, decision.reason)
+        log.debug("request_id=%s routed %s: decode=%s prefill=%s (%s)", self._job.worker_request_id,
+                  decision.kind.value, decision.decode_id, decision.prefill_id, decision.reason)
+        return decision
+
+    def _info(self, worker_id: str) -> WorkerInfo:
+        info = self._snapshot.info(worker_id) if self._snapshot else None
+        assert info is not None, f"routed to unknown worker {worker_id}"
+        return info
+
+    # ---- prefill -----------------------------------------------------------------------------
+    async def _prefill(self, decision: RouteDecision) -> pb.PrefillResponse | None:
+        """P's first token and KV handle, or None after a failure (the caller prefills locally)."""
+        worker = self._info(decision.prefill_id or "")
+        job = self._job
+        request = pb.PrefillRequest(
+            request_id=job.worker_request_id, token_ids=job.prompt_token_ids, sampling=self._sampling,
+            cache_salt=job.cache_salt, decode_worker_id=decision.decode_id, priority=job.priority,
+        )
+        self._prefill_worker, self._prefill_pending = worker, True
+        try:
+            response = await self._relay.directory.stub(worker).Prefill(request, timeout=self._remaining_s())
+        except grpc.aio.AioRpcError as exc:
+            self._prefill_pending = False
+            self._prefill_failed(worker, exc)
+            return None
+        self._prefill_pending = False
+        if response.HasField("handle") and response.handle.lease_id:
+            self._handle = response.handle
+        return response
+
+    def _prefill_failed(self, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> None:
+        self._relay.control.abort(worker, self._job.worker_request_id)  # P may be alive and still hold the request
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise self._deadline_error() from exc
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise error_from_status(exc.code(), exc.details() or "") from exc
+        log.warning("request_id=%s prefill on worker_id=%s failed (%s: %s); prefilling locally",
+                    self._job.worker_request_id, worker.worker_id, exc.code().name, exc.details())
+        reason = f"fallback: prefill on {worker.worker_id} failed ({exc.code().name})"
+        self._trace.route(RouteKind.LOCAL.value, reason)
+
+    def _on_prefilled(self, response: pb.PrefillResponse) -> pb.GenerateResponse:
+        self._trace.merge(response.timings)
+        self._prefilled_remotely = True
+        self._cached_prompt_tokens = response.num_cached_tokens
+        logprobs = [response.logprobs] if response.HasField("logprobs") else []
+        message = self._tokens([response.first_token], logprobs)
+        if not self._finish and response.finish_reason:
+            self._finish = response.finish_reason
+        return message
+
+    # ---- decode ------------------------------------------------------------------------------
+    async def _decode(self, decode_id: str) -> AsyncIterator[pb.GenerateResponse]:
+        worker, excluded = self._info(decode_id), []
+        for attempt in range(self._relay.decode_retries + 1):
+            try:
+                async for response in self._decode_on(worker):
+                    yield response
+                return
+            except _DecodeFailed as failure:
+                if failure.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise self._deadline_error() from failure
+                if failure.num_tokens or failure.code in _NEVER_RETRIED or attempt == self._relay.decode_retries:
+                    raise failure.to_error() from failure
+                excluded.append(worker.worker_id)
+                worker = self._replacement(failure, excluded)
+
+    def _replacement(self, failure: _DecodeFailed, excluded: Sequence[str]) -> WorkerInfo:
+        assert self._route_request is not None
+        try:
+            candidate, _ = pick_decode(self._route_request, self._candidates, excluded)
+        except (WorkerUnavailable, CapacityExceeded):
+            if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise failure.to_error() from failure
+            raise WorkerUnavailable(f"{failure} and no other decode worker is available") from failure
+        log.warning("request_id=%s %s; retrying on worker_id=%s", self._job.worker_request_id, failure,
+                    candidate.worker_id)
+        return candidate.info
+
+    async def _decode_on(self, worker: WorkerInfo) -> AsyncIterator[pb.GenerateResponse]:
+        with_handle = self._handle is not None
+        call = self._relay.directory.stub(worker).Decode(self._decode_request(), timeout=self._remaining_s())
+        self._decode_worker, self._decode_call, self._decode_active = worker, call, True
+        self._decode_has_handle = with_handle
+        num_tokens = 0
+        try:
+            async for response in call:
+                if with_handle:
+                    self._lease_done()
+                self._on_decode_progress(response)
+                num_tokens += len(response.token_ids)
+                if response.token_ids:
+                    yield self._tokens(list(response.token_ids), list(response.logprobs))
+                if self._finish:  # a stop string matched: D is still generating
+                    self._stop_decode()
+                    return
+                if response.finish_reason:
+                    self._finish, self._decode_active = response.finish_reason, False
+                    return
+        except grpc.aio.AioRpcError as exc:
+            self._decode_active = False
+            self._relay.control.abort(worker, self._job.worker_request_id)  # D may be alive and still hold it
+            raise _DecodeFailed(worker, exc.code(), exc.details() or "", num_tokens) from exc
+        self._decode_active = False
+        raise _DecodeFailed(worker, grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason", num_tokens)
+
+    def _decode_request(self) -> pb.DecodeRequest:
+        job = self._job
+        request = pb.DecodeRequest(
+            request_id=job.worker_request_id, token_ids=[*job.prompt_token_ids, *self._output_ids],
+            sampling=self._sampling, cache_salt=job.cache_salt, num_output_tokens_so_far=len(self._output_ids),
+            priority=job.priority, prompt_len=len(job.prompt_token_ids),
+        )
+        if self._handle is not None:
+            request.handle.CopyFrom(self._handle)
+        return request
+
+    def _on_decode_progress(self, response: pb.DecodeResponse) -> None:
+        self._trace.merge(response.timings)
+        if not self._prefilled_remotely:  # D computed the prompt
+            self._cached_prompt_tokens = max(self._cached_prompt_tokens, response.num_cached_tokens)
+
+    def _stop_decode(self) -> None:
+        if not self._decode_active or self._decode_worker is None:
+            return
+        self._decode_active = False
+        self._decode_call.cancel()
+        lease = self._unconsumed_lease() if self._decode_has_handle else None
+        self._lease_settled |= lease is not None
+        self._relay.control.abort(self._decode_worker, self._job.worker_request_id, then_release=lease)
+
+    def _lease_done(self) -> None:
+        """D answered a request carrying the handle, so its pull is over: P may unpin the blocks now.
+
+        This is the ack of DESIGN.md's pull model, sent on D's behalf (D streams only after its import);
+        if D or the transport acked already, P answers found=false.
+        """
+        if (lease := self._unconsumed_lease()) is not None:
+            self._relay.control.release_lease(*lease)
+        self._lease_consumed = True
+
+    def _unconsumed_lease(self) -> tuple[WorkerInfo, str] | None:
+        """(P, lease id) of a handle no decode worker has consumed and nobody releases yet."""
+        if self._handle is None or self._lease_consumed or self._lease_settled or self._prefill_worker is None:
+            return None
+        return self._prefill_worker, self._handle.lease_id
+
+    # ---- output ------------------------------------------------------------------------------
+    def _tokens(self, token_ids: list[int], logprobs: list[pb.Logprobs]) -> pb.GenerateResponse:
+        self._trace.tokens_sent(len(token_ids))
+        self._output_ids.extend(token_ids)
+        piece = self._text.add(token_ids)
+        if piece.stopped:
+            self._finish = pb.FINISH_REASON_STOP
+        return pb.GenerateResponse(
+            request_id=self._job.request_id, token_ids=token_ids, text=piece.text, logprobs=logprobs
+        )
+
+    def _final(self) -> pb.GenerateResponse:
+        self._done = True
+        piece = self._text.finish()
+        usage = pb.Usage(prompt_tokens=len(self._job.prompt_token_ids), completion_tokens=len(self._output_ids),
+                         cached_prompt_tokens=self._cached_prompt_tokens)
+        prefill = self._prefill_worker.worker_id if self._prefilled_remotely and self._prefill_worker else ""
+        decode = self._decode_worker.worker_id if self._decode_worker else ""
+        timings = self._trace.final(prefill_worker=prefill, decode_worker=decode)
+        return pb.GenerateResponse(request_id=self._job.request_id, text=piece.text, finish_reason=self._finish,
+                                   usage=usage, timings=timings)
+
+    # ---- deadline and cleanup ----------------------------------------------------------------
+    def _remaining_s(self) -> float:
+        remaining = self._deadline_s - self._loop.time()
+        if remaining <= 0:
+            raise self._deadline_error()
+        return remaining
+
+    def _deadline_error(self) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"request {self._job.request_id} exceeded its deadline after {self._trace.elapsed_ms():.0f} ms "
+            f"({len(self._output_ids)} tokens generated)"
+        )
+
+    def _cleanup(self) -> None:
+        request_id = self._job.worker_request_id
+        if self._prefill_pending and self._prefill_worker is not None:
+            self._relay.control.abort(self._prefill_worker, request_id)
+        self._stop_decode()
+        if (lease := self._unconsumed_lease()) is not None:
+            self._relay.control.release_lease(*lease)

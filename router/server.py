@@ -1,0 +1,162 @@
+"""The router's gRPC shell: ``baton.v1.Generation`` plus health checking and reflection.
+
+Servicer methods only convert and delegate: ``Frontend`` validates and tokenizes, ``Relay`` runs the
+request across the workers. ``ErrorInterceptor`` is the one place typed errors become gRPC statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.errors import BatonError
+from engine.tokenizer import Tokenizer
+from kv_transfer.registry import Registry, connect
+from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from router.config import ModelCard, RouterConfig, resolve_max_model_len
+from router.directory import WorkerDirectory, served_scheme
+from router.errors import WorkerUnavailable, status_for
+from router.frontend import Frontend, ModelLimits
+from router.relay import Relay
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps typed errors (router.errors.status_for) to statuses; anything else is a logged INTERNAL."""
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                _guarded(handler.unary_stream, details.method), handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            _guarded(handler.unary_unary, details.method), handler.request_deserializer, handler.response_serializer
+        )
+
+
+def _guarded(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except Exception as exc:  # noqa: BLE001 - mapped, or logged as a bug
+                await _abort(context, exc, method)
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except Exception as exc:  # noqa: BLE001 - mapped, or logged as a bug
+            await _abort(context, exc, method)
+    return unary
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    if isinstance(exc, BatonError):
+        await context.abort(status_for(exc), str(exc))
+    log.exception("unexpected error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(
+        self, frontend: Frontend, relay: Relay, directory: WorkerDirectory, card: ModelCard, *,
+        request_timeout_s: float,
+    ) -> None:
+        self._frontend, self._relay, self._directory, self._card = frontend, relay, directory, card
+        self._request_timeout_s = request_timeout_s
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        job = self._frontend.prepare(request)
+        responses = self._relay.generate(job, self._deadline_s(context))
+        try:
+            async for response in responses:
+                await context.write(response)
+        finally:  # also on cancellation: the relay's cleanup aborts the workers now, not at GC time
+            await responses.aclose()
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        return pb.TokenizeResponse(token_ids=self._frontend.tokenize(request))
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
+        limits = self._frontend.limits
+        response = pb.ModelInfoResponse(
+            model=limits.name, architecture=self._card.architecture, max_model_len=limits.max_model_len,
+            vocab_size=limits.vocab_size,
+        )
+        try:
+            scheme = served_scheme((await self._directory.snapshot()).workers)
+        except WorkerUnavailable:  # Redis unreachable: the model facts above still hold
+            scheme = None
+        if scheme is not None:
+            response.block_size, response.model_fingerprint = scheme.block_size, scheme.fingerprint
+        return response
+
+    def _deadline_s(self, context: grpc.aio.ServicerContext) -> float:
+        client_s = context.time_remaining()
+        timeout_s = min(self._request_timeout_s, math.inf if client_s is None else client_s)
+        return asyncio.get_running_loop().time() + timeout_s
+
+
+@dataclass
+class RunningRouter:
+    """A started router server; ``stop`` shuts it down gracefully."""
+
+    server: grpc.aio.Server
+    port: int
+    health: Any
+    relay: Relay
+    directory: WorkerDirectory
+    redis: Any
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await self.relay.control.drain(timeout_s=grace_s)
+        await self.directory.close()
+        await self.redis.aclose()
+
+
+async def start_router(config: RouterConfig, *, tokenizer: Tokenizer | None = None) -> RunningRouter:
+    """Build and start the router (``config.port`` 0 binds a free port; see ``RunningRouter.port``)."""
+    card = ModelCard.from_folder(config.model_dir)
+    tokenizer = tokenizer or Tokenizer.from_pretrained(config.model_dir)
+    limits = ModelLimits(name=config.served_model_name, vocab_size=card.vocab_size,
+                         max_model_len=resolve_max_model_len(config, card))
+    redis = connect(config.redis_url)
+    directory = WorkerDirectory(Registry(redis, config.ns), ttl_s=config.worker_list_ttl_s,
+                                channel_idle_s=config.request_timeout_s + 60.0)
+    relay = Relay(directory, tokenizer, config.policy, decode_retries=config.decode_retries,
+                  control_rpc_timeout_s=config.control_rpc_timeout_s)
+    servicer = GenerationServicer(Frontend(tokenizer, limits), relay, directory, card,
+                                  request_timeout_s=config.request_timeout_s)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    for service in ("", GENERATION_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("router serving %s on %s:%d (max_model_len %d)", limits.name, config.host, port, limits.max_model_len)
+    return RunningRouter(server, port, health_servicer, relay, directory, redis)

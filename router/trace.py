@@ -1,0 +1,52 @@
+"""Per-request timing: when tokens went out, what the workers reported, and the final ``Timings``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from proto import baton_pb2 as pb
+
+
+class RequestTrace:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self.start_s = clock()
+        self.first_token_s: float | None = None
+        self.last_token_s = 0.0
+        self.num_tokens = 0
+        self.route_kind = ""
+        self.route_reason = ""
+        self._worker_notes: list[str] = []  # route_reason a worker reported, e.g. "KV pull failed; ..."
+        self._timings = pb.Timings()  # workers' non-zero fields merged in
+
+    def route(self, kind: str, reason: str) -> None:
+        self.route_kind, self.route_reason = kind, reason
+
+    def tokens_sent(self, num_tokens: int) -> None:
+        now = self._clock()
+        self.first_token_s = self.first_token_s or now
+        self.last_token_s = now
+        self.num_tokens += num_tokens
+
+    def merge(self, timings: pb.Timings) -> None:
+        """Workers' non-zero fields win (transfer figures, prefill_ms, ...); their notes are kept apart."""
+        if timings.route_reason:
+            self._worker_notes.append(timings.route_reason)
+        self._timings.MergeFrom(timings)
+
+    def elapsed_ms(self) -> float:
+        return (self._clock() - self.start_s) * 1e3
+
+    def final(self, *, prefill_worker: str, decode_worker: str) -> pb.Timings:
+        t, now = pb.Timings(), self._clock()
+        t.CopyFrom(self._timings)
+        first = self.first_token_s or now
+        t.ttft_ms, t.e2e_ms = (first - self.start_s) * 1e3, (now - self.start_s) * 1e3
+        t.route_kind, t.route_reason = self.route_kind, "; ".join([self.route_reason, *self._worker_notes])
+        t.prefill_worker, t.decode_worker = prefill_worker, decode_worker
+        if not t.transfer_gbps and t.transfer_ms > 0:
+            t.transfer_gbps = t.transfer_bytes / (t.transfer_ms * 1e-3) / 1e9
+        if self.num_tokens > 1 and self.last_token_s > first:
+            t.decode_tokens_per_s = (self.num_tokens - 1) / (self.last_token_s - first)
+        return t

@@ -1,0 +1,559 @@
+"""The router's request flow against scripted workers: real router gRPC server, real redis-server,
+real gRPC worker servers whose answers each test scripts (the worker nodes have their own tests; these
+pin down what the router sends them and how it reacts: fallback, retry, stop strings, cancellation,
+deadlines, lease release)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from engine.tokenizer import Tokenizer
+from kv_transfer.hashing import hash_blocks, root_hash
+from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad, connect
+from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.policy import PolicyConfig
+from router.server import start_router
+from tests.redis_server import RedisServer, free_port, require_redis_server
+from tests.unit.test_router_server import LoopThread, make_model_folder
+
+NS = "relay"
+FINGERPRINT = "5a" * 16
+BLOCK_SIZE = 16
+LONG_PROMPT = "def function(argument): return argument + 1\n" * 8  # > 64 tokens: remote prefill
+SHORT_PROMPT = "Hello"
+
+
+class FakeWorker(pb_grpc.WorkerServicer):
+    """A Worker service whose Prefill / Decode answers come from the test; records what it was sent."""
+
+    def __init__(self, worker_id: str, role: str, tokens: list[int]) -> None:
+        self.worker_id, self.role, self.tokens = worker_id, role, tokens
+        self.prefill_requests: list[pb.PrefillRequest] = []
+        self.decode_requests: list[pb.DecodeRequest] = []
+        self.aborts: list[str] = []
+        self.releases: list[str] = []
+        self.decode_cancelled = threading.Event()
+        self.abort_error: grpc.StatusCode | None = None
+        self.prefill: Callable[[pb.PrefillRequest, Any], Any] = self.default_prefill
+        self.decode: Callable[[pb.DecodeRequest, Any], AsyncIterator[pb.DecodeResponse]] = self.default_decode
+
+    async def default_prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        handle = pb.KVHandle(worker_id=self.worker_id, lease_id=f"lease-{request.request_id}",
+                             block_ids=[1, 2, 3], num_tokens=len(request.token_ids))
+        return pb.PrefillResponse(first_token=self.tokens[0], handle=handle, num_cached_tokens=16,
+                                  timings=pb.Timings(prefill_ms=3.0, queue_ms=1.0))
+
+    async def default_decode(self, request: pb.DecodeRequest, context: Any) -> AsyncIterator[pb.DecodeResponse]:
+        remaining = self.tokens[request.num_output_tokens_so_far : request.sampling.max_tokens]
+        for i, token in enumerate(remaining):
+            last = i == len(remaining) - 1
+            timings = pb.Timings(transfer_bytes=1_000_000, transfer_ms=2.0, transfer_blocks=7, transport="tcp")
+            yield pb.DecodeResponse(
+                token_ids=[token], num_cached_tokens=5,
+                finish_reason=pb.FINISH_REASON_LENGTH if last else pb.FINISH_REASON_UNSPECIFIED,
+                timings=timings if last else None,
+            )
+
+    async def Prefill(self, request, context):
+        self.prefill_requests.append(request)
+        return await self.prefill(request, context)
+
+    async def Decode(self, request, context):
+        self.decode_requests.append(request)
+        completed = False
+        try:
+            async for response in self.decode(request, context):
+                yield response
+            completed = True
+        finally:  # cancelled mid-await (CancelledError) or while grpc was sending (GeneratorExit)
+            if not completed:
+                self.decode_cancelled.set()
+
+    async def Abort(self, request, context):
+        self.aborts.append(request.request_id)
+        if self.abort_error is not None:
+            await context.abort(self.abort_error, "abort failed")
+        return pb.AbortResponse(found=True)
+
+    async def ReleaseLease(self, request, context):
+        self.releases.append(request.lease_id)
+        return pb.ReleaseLeaseResponse(found=True)
+
+
+async def hang_forever(*_: Any) -> Any:
+    await asyncio.sleep(3600)
+    yield pb.DecodeResponse()  # pragma: no cover - makes this an async generator
+
+
+def fail_with(code: grpc.StatusCode, message: str, after: list[int] | None = None) -> Callable[..., Any]:
+    async def decode(request: pb.DecodeRequest, context: Any) -> AsyncIterator[pb.DecodeResponse]:
+        for token in after or []:
+            yield pb.DecodeResponse(token_ids=[token])
+        await context.abort(code, message)
+
+    return decode
+
+
+class Cluster:
+    """Fake workers registered in Redis the way real ones register (same keys, same registry code)."""
+
+    def __init__(self, loop: LoopThread, redis_url: str, tokens: list[int]) -> None:
+        self.loop, self.redis_url, self.tokens = loop, redis_url, tokens
+        self._servers: list[grpc.aio.Server] = []
+        self._ids: list[str] = []
+        self.registry: Registry | None = None
+
+    async def _registry(self) -> Registry:
+        if self.registry is None:
+            self.registry = Registry(connect(self.redis_url), NS, ttl_s=120)
+        return self.registry
+
+    def add(self, worker_id: str, role: str, *, running: int = 0, address: str | None = None) -> FakeWorker:
+        worker = FakeWorker(worker_id, role, self.tokens)
+        self.loop.run(self._add(worker, running, address))
+        return worker
+
+    async def _add(self, worker: FakeWorker, running: int, address: str | None) -> None:
+        if address is None:
+            server = grpc.aio.server()
+            pb_grpc.add_WorkerServicer_to_server(worker, server)
+            address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            self._servers.append(server)
+        info = WorkerInfo(worker_id=worker.worker_id, role=worker.role, grpc_address=address,
+                          kv_uri="tcp://127.0.0.1:1", model_fingerprint=FINGERPRINT,
+                          layout_json=f'{{"block_size": {BLOCK_SIZE}}}', total_blocks=1000)
+        registry = await self._registry()
+        await registry.register(info)
+        load = WorkerLoad(running=running, waiting=0, free_blocks=1000, queued_prefill_tokens=0)
+        await registry.heartbeat(info, load)
+        self._ids.append(worker.worker_id)
+
+    def run(self, coro_fn: Callable[[Registry], Any]) -> Any:
+        async def call() -> Any:
+            return await coro_fn(await self._registry())
+
+        return self.loop.run(call())
+
+    async def _close(self) -> None:
+        registry = await self._registry()
+        for worker_id in self._ids:
+            await registry.deregister(worker_id)
+        await asyncio.gather(*(server.stop(0) for server in self._servers))
+        await registry.index._redis.aclose()
+
+    def close(self) -> None:
+        self.loop.run(self._close())
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    require_redis_server()
+    with RedisServer.start() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_folder(tmp_path_factory.mktemp("relay-model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+def router_config(model_dir: Path, redis_url: str, **overrides: Any) -> RouterConfig:
+    return RouterConfig(model_dir=model_dir, redis_url=redis_url, ns=NS, host="127.0.0.1", port=0,
+                        worker_list_ttl_s=0.0, policy=PolicyConfig(disagg_threshold_tokens=64), **overrides)
+
+
+@pytest.fixture(scope="module")
+def stub(loop, model_dir, redis_server) -> Iterator[pb_grpc.GenerationStub]:
+    running = loop.run(start_router(router_config(model_dir, redis_server.url)))
+    with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        yield pb_grpc.GenerationStub(channel)
+    loop.run(running.stop(0.5))
+
+
+@pytest.fixture
+def tokens(tokenizer) -> list[int]:
+    return tokenizer.encode(" the quick brown fox jumps over the lazy dog again and again", add_special_tokens=False)
+
+
+@pytest.fixture
+def cluster(loop, redis_server, tokens) -> Iterator[Cluster]:
+    c = Cluster(loop, redis_server.url, tokens)
+    yield c
+    c.close()
+
+
+def request(prompt: str, max_tokens: int = 6, **sampling: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=prompt, request_id="r1",
+                              sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_short_prompt_is_decoded_locally(stub, cluster, tokenizer, tokens):
+    d0 = cluster.add("d0", "decode")
+    p0 = cluster.add("p0", "prefill")
+    responses = list(stub.Generate(request(SHORT_PROMPT), timeout=10))
+    assert p0.prefill_requests == []
+    sent = d0.decode_requests[0]
+    prompt_ids = tokenizer.encode(SHORT_PROMPT)
+    assert list(sent.token_ids) == prompt_ids and sent.prompt_len == len(prompt_ids)
+    assert not sent.HasField("handle") and sent.num_output_tokens_so_far == 0 and sent.sampling.HasField("seed")
+    out_ids = [t for r in responses for t in r.token_ids]
+    assert out_ids == tokens[:6]
+    assert "".join(r.text for r in responses) == tokenizer.decode(tokens[:6])
+    final = responses[-1]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH and all(r.request_id == "r1" for r in responses)
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_prompt_tokens) == (
+        len(prompt_ids), 6, 5)
+    t = final.timings
+    assert (t.route_kind, t.decode_worker, t.prefill_worker) == ("local", "d0", "")
+    assert t.route_reason.endswith("<= threshold 64") and t.ttft_ms > 0 and t.e2e_ms >= t.ttft_ms
+    assert d0.aborts == [] and p0.releases == []
+
+
+def test_long_prompt_prefills_remotely_then_decodes_with_the_handle(stub, cluster, tokenizer, tokens):
+    d0 = cluster.add("d0", "decode")
+    p0 = cluster.add("p0", "prefill")
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    prompt_ids = tokenizer.encode(LONG_PROMPT)
+    assert len(prompt_ids) > 64
+    assert list(responses[0].token_ids) == [tokens[0]]  # P's first token goes out before any decode token
+    prefill, decode = p0.prefill_requests[0], d0.decode_requests[0]
+    assert list(prefill.token_ids) == prompt_ids and prefill.decode_worker_id == "d0"
+    assert decode.handle.lease_id == f"lease-{prefill.request_id}" and decode.request_id == prefill.request_id
+    assert list(decode.token_ids) == [*prompt_ids, tokens[0]] and decode.num_output_tokens_so_far == 1
+    assert decode.prompt_len == len(prompt_ids)
+    assert decode.sampling.seed == prefill.sampling.seed and prefill.sampling.HasField("seed")
+    assert [t for r in responses for t in r.token_ids] == tokens[:6]
+    final = responses[-1]
+    assert final.usage.cached_prompt_tokens == 16  # P's prefix hit, not D's
+    t = final.timings
+    assert (t.route_kind, t.prefill_worker, t.decode_worker) == ("remote", "p0", "d0")
+    assert (t.transfer_bytes, t.transfer_blocks, t.transport, t.prefill_ms) == (1_000_000, 7, "tcp", 3.0)
+    assert t.transfer_gbps == pytest.approx(0.5)
+    # D's first answer acks the pull: the router releases P's lease on D's behalf, exactly once.
+    wait_until(lambda: p0.releases == [decode.handle.lease_id])
+    assert p0.aborts == [] and d0.aborts == []
+
+
+def test_a_decode_worker_note_is_appended_to_the_route_reason(stub, cluster, tokens):
+    d0, _ = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+
+    async def pull_failed(request: pb.DecodeRequest, context: Any) -> AsyncIterator[pb.DecodeResponse]:
+        note = pb.Timings(route_reason="KV pull failed (peer gone); prefilled locally", decode_worker="d0")
+        yield pb.DecodeResponse(token_ids=tokens[1:2], timings=note, finish_reason=pb.FINISH_REASON_LENGTH)
+
+    d0.decode = pull_failed
+    final = list(stub.Generate(request(LONG_PROMPT, max_tokens=2), timeout=10))[-1]
+    assert final.timings.route_kind == "remote"
+    assert final.timings.route_reason.endswith("> threshold 64; KV pull failed (peer gone); prefilled locally")
+
+
+def test_client_seed_reaches_both_workers(stub, cluster):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    list(stub.Generate(request(LONG_PROMPT, seed=1234, temperature=0.8), timeout=10))
+    assert p0.prefill_requests[0].sampling.seed == d0.decode_requests[0].sampling.seed == 1234
+
+
+def test_stop_strings_are_not_sent_to_workers(stub, cluster):
+    d0 = cluster.add("d0", "decode")
+    list(stub.Generate(request(SHORT_PROMPT, stop=["zzz"]), timeout=10))
+    assert list(d0.decode_requests[0].sampling.stop) == []
+
+
+def test_dead_prefill_worker_falls_back_to_local_prefill(stub, cluster, tokens):
+    d0 = cluster.add("d0", "decode")
+    cluster.add("p0", "prefill", address=f"127.0.0.1:{free_port()}")  # registered, but nothing listens
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == tokens[:6]
+    decode = d0.decode_requests[0]
+    assert not decode.HasField("handle") and decode.num_output_tokens_so_far == 0
+    t = responses[-1].timings
+    assert t.route_kind == "local" and t.route_reason == "fallback: prefill on p0 failed (UNAVAILABLE)"
+    assert t.prefill_worker == ""
+
+
+def test_failing_prefill_worker_is_aborted_and_the_request_completes(stub, cluster, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+
+    async def broken(request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        await context.abort(grpc.StatusCode.INTERNAL, "device error")
+
+    p0.prefill = broken
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    wait_until(lambda: p0.aborts == [p0.prefill_requests[0].request_id])
+    assert len(d0.decode_requests) == 1
+
+
+def test_decode_worker_failing_before_any_token_is_replaced(stub, cluster, tokens):
+    d0, d1 = cluster.add("d0", "decode"), cluster.add("d1", "decode", running=1)
+    p0 = cluster.add("p0", "prefill")
+    d0.decode = fail_with(grpc.StatusCode.UNAVAILABLE, "going away")
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == tokens[:6]
+    assert responses[-1].timings.decode_worker == "d1"
+    retry = d1.decode_requests[0]
+    assert retry.handle.lease_id == d0.decode_requests[0].handle.lease_id  # the same lease, if still valid
+    assert list(retry.token_ids) == list(d0.decode_requests[0].token_ids)
+    wait_until(lambda: p0.releases == [retry.handle.lease_id])  # released once d1 answered, not before
+
+
+def test_decode_worker_failing_after_tokens_is_unavailable(stub, cluster, tokens):
+    d0, d1 = cluster.add("d0", "decode"), cluster.add("d1", "decode", running=1)
+    d0.decode = fail_with(grpc.StatusCode.INTERNAL, "boom", after=tokens[:2])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request(SHORT_PROMPT), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode worker d0 failed after 2 tokens were streamed: INTERNAL: boom" in info.value.details()
+    assert d1.decode_requests == []
+
+
+def test_no_replacement_decode_worker_is_unavailable(stub, cluster):
+    d0 = cluster.add("d0", "decode")
+    d0.decode = fail_with(grpc.StatusCode.UNAVAILABLE, "gone")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request(SHORT_PROMPT), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no other decode worker is available" in info.value.details()
+
+
+def test_worker_invalid_argument_reaches_the_client_without_retry(stub, cluster):
+    d0, d1 = cluster.add("d0", "decode"), cluster.add("d1", "decode", running=1)
+    d0.decode = fail_with(grpc.StatusCode.INVALID_ARGUMENT, "prompt plus outputs so far must be shorter")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request(SHORT_PROMPT), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "prompt plus outputs so far must be shorter"
+    assert d1.decode_requests == []
+
+
+def test_stop_string_truncates_text_finishes_stop_and_aborts_decode(stub, cluster, tokenizer, tokens):
+    d0 = cluster.add("d0", "decode")
+
+    async def endless(request: pb.DecodeRequest, context: Any) -> AsyncIterator[pb.DecodeResponse]:
+        for token in tokens:
+            yield pb.DecodeResponse(token_ids=[token])
+        await asyncio.sleep(3600)
+
+    d0.decode = endless
+    full = tokenizer.decode(tokens)
+    stop = "fox"
+    responses = list(stub.Generate(request(SHORT_PROMPT, max_tokens=100, stop=[stop]), timeout=10))
+    text = "".join(r.text for r in responses)
+    assert text == full[: full.index(stop)]
+    assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
+    wait_until(lambda: d0.aborts == [d0.decode_requests[0].request_id] and d0.decode_cancelled.is_set())
+
+
+def test_client_cancel_aborts_the_decode_worker(stub, cluster, tokens):
+    d0 = cluster.add("d0", "decode")
+
+    async def one_then_hang(request: pb.DecodeRequest, context: Any) -> AsyncIterator[pb.DecodeResponse]:
+        yield pb.DecodeResponse(token_ids=tokens[:1])
+        await asyncio.sleep(3600)
+
+    d0.decode = one_then_hang
+    call = stub.Generate(request(SHORT_PROMPT, max_tokens=50), timeout=10)
+    assert list(next(call).token_ids) == tokens[:1]
+    call.cancel()
+    wait_until(lambda: d0.aborts == [d0.decode_requests[0].request_id] and d0.decode_cancelled.is_set())
+
+
+def test_cancel_before_decode_answers_releases_the_lease(stub, cluster, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    d0.decode = hang_forever
+    call = stub.Generate(request(LONG_PROMPT, max_tokens=50), timeout=10)
+    assert list(next(call).token_ids) == [tokens[0]]  # from P
+    wait_until(lambda: len(d0.decode_requests) == 1)
+    call.cancel()
+    request_id = p0.prefill_requests[0].request_id
+    wait_until(lambda: d0.aborts == [request_id] and p0.releases == [f"lease-{request_id}"])
+
+
+def test_lease_is_left_to_its_ttl_when_the_decode_worker_may_still_read_it(stub, cluster, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    d0.decode, d0.abort_error = hang_forever, grpc.StatusCode.INTERNAL
+    call = stub.Generate(request(LONG_PROMPT, max_tokens=50), timeout=10)
+    assert list(next(call).token_ids) == [tokens[0]]
+    wait_until(lambda: len(d0.decode_requests) == 1)
+    call.cancel()
+    wait_until(lambda: d0.aborts == [p0.prefill_requests[0].request_id])
+    time.sleep(0.2)
+    assert p0.releases == []  # d0 did not confirm its abort: it might still be pulling those blocks
+
+
+def test_cancel_during_prefill_aborts_the_prefill_worker(stub, cluster):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    prefill_started = threading.Event()
+
+    async def slow(request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        prefill_started.set()
+        await asyncio.sleep(3600)
+
+    p0.prefill = slow
+    call = stub.Generate(request(LONG_PROMPT), timeout=10)
+    done = threading.Event()
+
+    def consume() -> None:
+        try:
+            list(call)
+        except grpc.RpcError:
+            done.set()
+
+    threading.Thread(target=consume, daemon=True).start()
+    assert prefill_started.wait(5)
+    call.cancel()
+    assert done.wait(5)
+    wait_until(lambda: p0.aborts == [p0.prefill_requests[0].request_id])
+    assert d0.decode_requests == []
+
+
+def test_client_deadline_is_deadline_exceeded_and_aborts(stub, cluster):
+    d0 = cluster.add("d0", "decode")
+    d0.decode = hang_forever
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request(SHORT_PROMPT), timeout=0.5))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: d0.aborts == [d0.decode_requests[0].request_id])
+
+
+def test_router_request_timeout_is_deadline_exceeded(loop, model_dir, redis_server, cluster):
+    d0 = cluster.add("d0", "decode")
+    d0.decode = hang_forever
+    running = loop.run(start_router(router_config(model_dir, redis_server.url, request_timeout_s=0.3)))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.GenerationStub(channel).Generate(request(SHORT_PROMPT), timeout=10))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "exceeded its deadline" in info.value.details()
+        wait_until(lambda: d0.aborts == [d0.decode_requests[0].request_id])
+    finally:
+        loop.run(running.stop(0.5))
+
+
+def test_first_token_that_finishes_skips_decode_and_releases_the_lease(stub, cluster, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    default = p0.default_prefill
+
+    async def finished(request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        response = await default(request, context)
+        response.finish_reason = pb.FINISH_REASON_LENGTH
+        return response
+
+    p0.prefill = finished
+    responses = list(stub.Generate(request(LONG_PROMPT, max_tokens=1), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == [tokens[0]]
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH and responses[-1].usage.completion_tokens == 1
+    assert d0.decode_requests == []
+    wait_until(lambda: p0.releases == [f"lease-{p0.prefill_requests[0].request_id}"])
+
+
+def test_routing_follows_the_kv_index_and_skips_draining_workers(stub, cluster, tokenizer):
+    d0, d1 = cluster.add("d0", "decode"), cluster.add("d1", "decode")
+    p0 = cluster.add("p0", "prefill")
+    prompt_ids = tokenizer.encode(LONG_PROMPT)
+    hashes = hash_blocks(prompt_ids, BLOCK_SIZE, root_hash(bytes.fromhex(FINGERPRINT), BLOCK_SIZE, b""))
+    cluster.run(lambda registry: registry.index.publish("d1", hashes, []))
+    final = list(stub.Generate(request(LONG_PROMPT), timeout=10))[-1]
+    # d1 holds every full block: the uncached tail is under the threshold, so d1 prefills it locally.
+    assert (final.timings.decode_worker, final.timings.route_kind) == ("d1", "local")
+    assert p0.prefill_requests == [] and d0.decode_requests == []
+    cluster.run(lambda registry: registry.add_draining("d1"))
+    try:
+        final = list(stub.Generate(request(LONG_PROMPT), timeout=10))[-1]
+        assert (final.timings.decode_worker, final.timings.route_kind) == ("d0", "remote")
+    finally:
+        cluster.run(lambda registry: registry.remove_draining("d1"))
+
+
+def test_cache_salt_changes_the_hashes(stub, cluster, tokenizer):
+    cluster.add("d0", "decode")
+    d1 = cluster.add("d1", "decode")
+    prompt_ids = tokenizer.encode(SHORT_PROMPT * 40)
+    hashes = hash_blocks(prompt_ids, BLOCK_SIZE, root_hash(bytes.fromhex(FINGERPRINT), BLOCK_SIZE, b"tenant-a"))
+    cluster.run(lambda registry: registry.index.publish("d1", hashes, []))
+    salted = request(SHORT_PROMPT * 40)
+    salted.cache_salt = "tenant-a"
+    assert list(stub.Generate(salted, timeout=10))[-1].timings.decode_worker == "d1"
+    assert list(stub.Generate(request(SHORT_PROMPT * 40), timeout=10))[-1].timings.decode_worker == "d0"
+    assert len(d1.decode_requests) == 1
+
+
+def test_concurrent_streams_each_get_their_own_tokens(stub, cluster, tokens):
+    from concurrent.futures import ThreadPoolExecutor
+
+    cluster.add("d0", "decode")
+    cluster.add("d1", "decode")
+    p0 = cluster.add("p0", "prefill")
+
+    def one(i: int) -> list[int]:
+        prompt = LONG_PROMPT if i % 2 else SHORT_PROMPT
+        responses = list(stub.Generate(request(prompt, max_tokens=3 + i % 5), timeout=20))
+        assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        return [t for r in responses for t in r.token_ids]
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert results == [tokens[: 3 + i % 5] for i in range(32)]
+    assert len(p0.prefill_requests) == 16
+    wait_until(lambda: sorted(p0.releases) == sorted(f"lease-{r.request_id}" for r in p0.prefill_requests))
+
+
+def test_generate_cli_streams_text_and_a_timing_line(cluster, tokenizer, tokens, loop, model_dir, redis_server):
+    import io
+
+    from router import generate_cli
+
+    cluster.add("d0", "decode")
+    cluster.add("p0", "prefill")
+    running = loop.run(start_router(router_config(model_dir, redis_server.url)))
+    try:
+        out, err = io.StringIO(), io.StringIO()
+        argv = [LONG_PROMPT, "--router", f"127.0.0.1:{running.port}", "--max-tokens", "6", "--temperature", "0"]
+        assert generate_cli.main(argv, out=out, err=err) == 0, err.getvalue()
+        text, timing = out.getvalue().rstrip("\n").rsplit("\n", 1)
+        assert text == tokenizer.decode(tokens[:6])
+        assert timing.startswith("[TTFT ") and "prefill p0" in timing and "decode d0" in timing
+        assert "route remote" in timing and "KV 7 blocks 1.0 MB in 2.00 ms (0.50 GB/s, tcp)" in timing
+        assert "tok/s" in timing and "+ 6 tokens (length)" in timing
+    finally:
+        loop.run(running.stop(0.5))
+
+
+def test_generate_cli_reports_errors_without_a_traceback():
+    from io import StringIO
+
+    from router import generate_cli
+
+    out, err = StringIO(), StringIO()
+    assert generate_cli.main(["hi", "--router", f"127.0.0.1:{free_port()}", "--timeout", "5"], out=out, err=err) == 1
+    assert "cannot reach the router at 127.0.0.1:" in err.getvalue() and "Traceback" not in err.getvalue()

@@ -1,0 +1,45 @@
+"""RequestTrace: the final Timings from token send times and the workers' reports (fake clock)."""
+
+from __future__ import annotations
+
+from proto import baton_pb2 as pb
+from router.trace import RequestTrace
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 10.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_final_timings_combine_router_and_worker_figures():
+    clock = Clock()
+    trace = RequestTrace(clock)
+    trace.route("remote", "80 uncached prompt tokens > threshold 64")
+    clock.now_s += 0.050
+    trace.merge(pb.Timings(prefill_ms=40.0, prefill_worker="p0", ttft_ms=999.0))
+    trace.tokens_sent(1)  # first token at +50 ms
+    trace.merge(pb.Timings(transfer_bytes=2_000_000, transfer_ms=4.0, transfer_blocks=5, transport="tcp",
+                           route_reason="KV pull failed; prefilled locally"))
+    for _ in range(4):
+        clock.now_s += 0.010
+        trace.tokens_sent(2)
+    clock.now_s += 0.005
+    t = trace.final(prefill_worker="p0", decode_worker="d1")
+    assert round(t.ttft_ms, 6) == 50.0 and round(t.e2e_ms, 6) == 95.0  # the router's TTFT, not a worker's
+    assert (t.prefill_ms, t.transfer_bytes, t.transfer_blocks, t.transport) == (40.0, 2_000_000, 5, "tcp")
+    assert round(t.transfer_gbps, 9) == 0.5  # derived when the worker left it out
+    assert round(t.decode_tokens_per_s, 6) == 200.0  # 8 tokens after the first in 40 ms
+    assert (t.route_kind, t.prefill_worker, t.decode_worker) == ("remote", "p0", "d1")
+    assert t.route_reason == "80 uncached prompt tokens > threshold 64; KV pull failed; prefilled locally"
+
+
+def test_single_token_has_no_decode_rate():
+    clock = Clock()
+    trace = RequestTrace(clock)
+    clock.now_s += 0.02
+    trace.tokens_sent(1)
+    t = trace.final(prefill_worker="", decode_worker="d0")
+    assert t.decode_tokens_per_s == 0.0 and round(t.ttft_ms, 6) == 20.0 and t.transfer_gbps == 0.0
