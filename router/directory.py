@@ -74,12 +74,14 @@ def served_scheme(workers: Sequence[WorkerEntry]) -> HashScheme | None:
 
 
 def build_candidates(
-    snapshot: Snapshot, scheme: HashScheme, cached_blocks: Mapping[str, int]
+    snapshot: Snapshot, scheme: HashScheme, cached_blocks: Mapping[str, int],
+    inflight: Mapping[str, int] | None = None,
 ) -> list[Candidate]:
+    inflight = inflight or {}
     return [
         Candidate(
             info=info, load=load, cached_blocks=cached_blocks.get(info.worker_id, 0),
-            draining=info.worker_id in snapshot.draining,
+            draining=info.worker_id in snapshot.draining, inflight=inflight.get(info.worker_id, 0),
         )
         for info, load in snapshot.workers
         if scheme_of(info) == scheme

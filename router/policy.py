@@ -42,14 +42,18 @@ class Candidate:
     load: WorkerLoad | None
     cached_blocks: int = 0  # leading blocks of this prompt's hash chain the worker holds
     draining: bool = False
+    inflight: int = 0  # requests this router sent here and that have not finished
+
+    @property
+    def num_active(self) -> int:
+        """Running + waiting as last reported, or this router's own in-flight count when higher
+        (the report lags a burst by up to a heartbeat)."""
+        reported = 0 if self.load is None else self.load.running + self.load.waiting
+        return max(reported, self.inflight)
 
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
-
-    @property
-    def num_active(self) -> int:
-        return 0 if self.load is None else self.load.running + self.load.waiting
 
     @property
     def free_blocks(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -51,6 +52,9 @@ class Relay:
         self.directory, self.tokenizer, self.policy = directory, tokenizer, policy
         self.decode_retries = decode_retries
         self.control = WorkerControl(directory, timeout_s=control_rpc_timeout_s)
+        # Requests this router sent to each decode worker and not yet finished: heartbeats report load
+        # every ~2 s, so a burst would otherwise pile onto whichever worker looked idlest.
+        self.inflight: Counter[str] = Counter()
 
     def generate(self, job: Job, deadline_s: float) -> AsyncIterator[pb.GenerateResponse]:
         """Stream ``job``'s responses; ``deadline_s`` is on the event loop's clock."""
@@ -97,6 +101,7 @@ class _Flow:
         self._decode_active = False
         self._decode_has_handle = False
         self._done = False  # the final message was built
+        self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
         try:
@@ -129,9 +134,11 @@ class _Flow:
         prompt = self._job.prompt_token_ids
         root = root_hash(scheme.fingerprint, scheme.block_size, self._job.cache_salt)
         cached = await self._relay.directory.lookup(hash_blocks(prompt, scheme.block_size, root))
-        self._candidates = build_candidates(self._snapshot, scheme, cached)
+        self._candidates = build_candidates(self._snapshot, scheme, cached, self._relay.inflight)
         self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size)
         decision = route(self._route_request, self._candidates, self._relay.policy)
+        self._relay.inflight[decision.decode_id] += 1
+        self._counted_decode_id = decision.decode_id
         self._trace.route(decision.kind.value, decision.reason)
         log.debug("request_id=%s routed %s: decode=%s prefill=%s (%s)", self._job.worker_request_id,
                   decision.kind.value, decision.decode_id, decision.prefill_id, decision.reason)
@@ -317,6 +324,10 @@ class _Flow:
 
     def _cleanup(self) -> None:
         request_id = self._job.worker_request_id
+        if self._counted_decode_id is not None:
+            self._relay.inflight[self._counted_decode_id] -= 1
+            if self._relay.inflight[self._counted_decode_id] <= 0:
+                del self._relay.inflight[self._counted_decode_id]
         if self._prefill_pending and self._prefill_worker is not None:
             self._relay.control.abort(self._prefill_worker, request_id)
         self._stop_decode()

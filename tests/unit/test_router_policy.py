@@ -39,6 +39,16 @@ def test_decode_tie_breaks_on_prefix_overlap_then_id():
     assert pick_decode(req(100), cands)[0].worker_id == "d0"
 
 
+def test_router_inflight_counts_when_the_report_lags_a_burst():
+    stale = [worker("d0"), worker("d1")]  # both reported idle at the last heartbeat
+    burst = [Candidate(info=c.info, load=c.load, inflight=n) for c, n in zip(stale, (3, 1))]
+    assert pick_decode(req(10), burst)[0].worker_id == "d1"
+    # a report above the router's own count wins (other routers' requests are in it)
+    reported = [Candidate(info=worker("d0", running=5).info, load=worker("d0", running=5).load, inflight=1),
+                Candidate(info=stale[1].info, load=stale[1].load, inflight=3)]
+    assert pick_decode(req(10), reported)[0].worker_id == "d1"
+
+
 def test_load_beats_prefix_overlap():
     cands = [worker("d0", running=2, cached=6), worker("d1", running=1)]
     assert pick_decode(req(100), cands)[0].worker_id == "d1"

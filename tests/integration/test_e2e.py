@@ -1,0 +1,207 @@
+"""The whole platform in real processes: redis-server, router, prefill and decode workers.
+
+Greedy output through router -> P -> KV pull -> D equals the offline engine token for token, and
+equals local-prefill mode; concurrency, cancellation, deadlines and a killed prefill worker leave
+every block pool full and no lease open."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from engine.tiny import build_model
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
+from tests.integration.cluster import Cluster
+from tests.redis_server import RedisServer, require_redis_server
+
+PROMPTS = [[(7 * i + 3 * j) % 3000 + 10 for j in range(n)] for i, n in enumerate(
+    (3, 5, 8, 12, 16, 17, 20, 24, 31, 33, 40, 47, 50, 64, 65, 70, 81, 90, 100, 111, 128, 130, 150, 160))]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    out: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out.setdefault(int(delta.request_id), []).extend(delta.new_token_ids)
+    return [out[i] for i in range(len(PROMPTS))]
+
+
+def start_cluster(model_dir, log_dir, *, prefill: int, decode: int, router_args=()) -> tuple[Cluster, RedisServer]:
+    require_redis_server()
+    redis = RedisServer.start()
+    cluster = Cluster(redis.url, model_dir, log_dir)
+    workers = [cluster.start_worker("prefill", worker_id=f"p{i}") for i in range(prefill)]
+    workers += [cluster.start_worker("decode", worker_id=f"d{i}") for i in range(decode)]
+    cluster.workers = workers
+    cluster.wait_for_workers({w.name for w in workers})
+    cluster.router = cluster.start_router("--disagg-threshold-tokens", "8", *router_args)
+    _wait_serving(cluster.router.address)
+    return cluster, redis
+
+
+def _wait_serving(address: str, timeout_s: float = 60.0) -> None:
+    channel = grpc.insecure_channel(address)
+    grpc.channel_ready_future(channel).result(timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def platform(model_dir, tmp_path_factory):
+    cluster, redis = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=1, decode=1)
+    cluster.local_router = cluster.start_router("--disagg-threshold-tokens", "100000")
+    _wait_serving(cluster.local_router.address)
+    yield cluster
+    cluster.stop_all()
+    redis.stop()
+
+
+def generate(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS, timeout=None, **sampling):
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
+    params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params)
+    responses = list(stub.Generate(request, timeout=timeout))
+    return [t for r in responses for t in r.token_ids], responses[-1]
+
+
+def assert_pools_full(cluster: Cluster, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [pb_grpc.WorkerStub(grpc.insecure_channel(w.address)).Stats(pb.StatsRequest())
+                 for w in cluster.workers if w.popen.poll() is None]
+        if all(s.num_free_blocks == s.num_total_blocks and s.num_open_leases == 0 and s.num_running == 0
+               for s in stats):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not back to full: {stats}")
+        time.sleep(0.1)
+
+
+def test_disaggregated_equals_offline_engine_and_local_mode(platform, expected):
+    kinds = set()
+    for i, prompt in enumerate(PROMPTS):
+        tokens, last = generate(platform.router.address, prompt)
+        assert tokens == expected[i], f"prompt {i} ({len(prompt)} tokens) via {last.timings.route_kind}"
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == MAX_TOKENS
+        kinds.add(last.timings.route_kind)
+        local_tokens, local_last = generate(platform.local_router.address, prompt)
+        assert local_tokens == expected[i] and local_last.timings.route_kind == "local"
+    assert kinds == {"local", "remote"}  # short prompts stay local under the 8-token threshold
+    assert_pools_full(platform)
+
+
+def test_remote_timings_report_the_transfer(platform):
+    prompt = [11 + (5 * j) % 2000 for j in range(97)]
+    _, last = generate(platform.router.address, prompt)
+    t = last.timings
+    assert t.route_kind == "remote" and t.prefill_worker == "p0" and t.decode_worker == "d0"
+    assert t.transfer_blocks == 25 and t.transfer_bytes > 0 and t.transfer_gbps > 0 and t.ttft_ms > 0
+    assert_pools_full(platform)
+
+
+def test_32_concurrent_streams_complete_and_pools_return_to_full(platform, expected):
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = generate(platform.router.address, PROMPTS[i % len(PROMPTS)])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == list(range(32))
+    assert all(results[i] == expected[i % len(PROMPTS)] for i in range(32))
+    assert_pools_full(platform)
+
+
+def test_client_cancel_mid_stream_aborts_on_both_workers(platform):
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(platform.router.address))
+    params = pb.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPTS[-1]), sampling=params))
+    received = [next(call) for _ in range(3)]
+    assert all(r.token_ids for r in received)
+    call.cancel()
+    assert_pools_full(platform)
+
+
+def test_deadline_exceeded(platform):
+    with pytest.raises(grpc.RpcError) as info:
+        generate(platform.router.address, PROMPTS[-1], max_tokens=1500, timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_pools_full(platform)
+
+
+def test_bad_input_is_invalid_argument_and_the_platform_keeps_serving(platform, expected):
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(platform.router.address))
+    for request, field in [
+        (pb.GenerateRequest(prompt="", sampling=pb.SamplingParams(max_tokens=4)), "prompt"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 5000)), "max_model_len"),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
+    assert generate(platform.router.address, PROMPTS[3])[0] == expected[3]
+
+
+def test_two_prefill_two_decode_equals_offline_engine(model_dir, tmp_path, expected):
+    cluster, redis = start_cluster(model_dir, tmp_path, prefill=2, decode=2)
+    try:
+        results: dict[int, tuple[list[int], pb.GenerateResponse]] = {}
+
+        def run(i: int) -> None:
+            results[i] = generate(cluster.router.address, PROMPTS[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [results[i][0] for i in range(len(PROMPTS))] == expected
+        assert {results[i][1].timings.decode_worker for i in results} == {"d0", "d1"}
+        assert_pools_full(cluster)
+    finally:
+        cluster.stop_all()
+        redis.stop()
+
+
+def test_prefill_worker_killed_mid_flight_requests_still_complete(model_dir, tmp_path, expected):
+    cluster, redis = start_cluster(model_dir, tmp_path, prefill=1, decode=1)
+    try:
+        long_ones = [i for i, p in enumerate(PROMPTS) if len(p) > 60]
+        results: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            results[i] = generate(cluster.router.address, PROMPTS[i], timeout=120)[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in long_ones]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        cluster.workers[0].kill(signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert {i: results.get(i) for i in long_ones} == {i: expected[i] for i in long_ones}
+        assert_pools_full(cluster)
+        assert generate(cluster.router.address, PROMPTS[-1])[0] == expected[-1]  # still serving, locally
+    finally:
+        cluster.stop_all()
+        redis.stop()
