@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 run: install
 	$(BATON) model tiny
-	$(BATON) demo
+	$(BATON) up
 
 test: install
 	$(PY) -m pytest -q
