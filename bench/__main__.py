@@ -5,7 +5,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-_BENCHMARKS = {"throughput": "bench.throughput", "kv-transfer": "bench.kv_transfer"}
+_BENCHMARKS = {
+    "throughput": "bench.throughput",
+    "kv-transfer": "bench.kv_transfer",
+    "router-overhead": "bench.router_overhead",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ _REDIS_HINT = ("no redis-server binary found: install Debian's `redis-server` (a
 
 
 @dataclass
-class _Child:
+class Child:
     name: str
     popen: subprocess.Popen
 
@@ -49,25 +49,25 @@ def main(argv: list[str]) -> int:
     model = args.model or str(_ensure_tiny())
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    children: list[_Child] = []
+    children: list[Child] = []
     try:
-        redis_url = args.redis_url or _start_redis(log_dir, children)
+        redis_url = args.redis_url or start_redis(log_dir, children)
         common = ["--redis-url", redis_url, "--model", model]
         for i in range(args.prefill):
-            _spawn(f"prefill-{i}", ["prefill", *common, "--num-threads", str(args.num_threads)], log_dir, children)
+            spawn(f"prefill-{i}", ["prefill", *common, "--num-threads", str(args.num_threads)], log_dir, children)
         for i in range(args.decode):
-            _spawn(f"decode-{i}", ["decode", *common, "--num-threads", str(args.num_threads)], log_dir, children)
+            spawn(f"decode-{i}", ["decode", *common, "--num-threads", str(args.num_threads)], log_dir, children)
         router = ["router", *common, "--port", str(args.port)]
         if args.disagg_threshold_tokens is not None:
             router += ["--disagg-threshold-tokens", str(args.disagg_threshold_tokens)]
-        _spawn("router", router, log_dir, children)
+        spawn("router", router, log_dir, children)
         _announce(args, redis_url, log_dir)
         return _wait(children)
     except FileNotFoundError:
         print(f"baton up: {_REDIS_HINT}", file=sys.stderr)
         return 2
     finally:
-        _stop_all(children)
+        stop_all(children)
 
 
 def _ensure_tiny() -> Path:
@@ -76,7 +76,7 @@ def _ensure_tiny() -> Path:
     return ensure_model("tiny")
 
 
-def _start_redis(log_dir: Path, children: list[_Child]) -> str:
+def start_redis(log_dir: Path, children: list[Child]) -> str:
     binary = os.environ.get("BATON_REDIS_SERVER") or shutil.which("redis-server")
     if binary is None:
         raise FileNotFoundError("redis-server")
@@ -84,16 +84,16 @@ def _start_redis(log_dir: Path, children: list[_Child]) -> str:
     cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
            "--dir", str(log_dir)]
     with (log_dir / "redis.log").open("wb") as log:
-        children.append(_Child("redis", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+        children.append(Child("redis", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
     return f"redis://127.0.0.1:{port}"
 
 
-def _spawn(name: str, args: list[str], log_dir: Path, children: list[_Child]) -> None:
+def spawn(name: str, args: list[str], log_dir: Path, children: list[Child]) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     with (log_dir / f"{name}.log").open("wb") as log:
         popen = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                                  env=env)
-    children.append(_Child(name, popen))
+    children.append(Child(name, popen))
 
 
 def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
@@ -105,7 +105,7 @@ def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
           flush=True)
 
 
-def _wait(children: list[_Child]) -> int:
+def _wait(children: list[Child]) -> int:
     stop = {"signal": False}
 
     def on_signal(signum, frame) -> None:
@@ -123,7 +123,7 @@ def _wait(children: list[_Child]) -> int:
     return 0
 
 
-def _stop_all(children: list[_Child], grace_s: float = 10.0) -> None:
+def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
     for child in reversed(children):
         if child.popen.poll() is None:
             child.popen.send_signal(signal.SIGTERM)
