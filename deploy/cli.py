@@ -11,6 +11,7 @@ import sys
 # name -> (module:function taking argv, one-line help). Later issues add up/generate/admin/...
 _COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("deploy.up:main", "start the local platform: redis, router, prefill and decode workers"),
+    "deploy": ("deploy.commands:main", "render a BatonGraphDeployment spec to Kubernetes manifests; print the CRD"),
     "model": ("engine.tiny:main", "build the tiny (default) or small offline checkpoint"),
     "demo": ("engine.demo:main", "stream an offline generation from the engine (no servers)"),
     "bench": ("bench.__main__:main", "run benchmarks (throughput, kv-transfer)"),

@@ -32,143 +32,36 @@ import socket
 import struct
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from kv_transfer.errors import KVTransferError, LayoutMismatch, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.tcp_wire import (  # noqa: F401 - re-exported: the protocol's names live with it
+    DATA,
+    HEADER,
+    DONE,
+    ERROR,
+    ERR_INTERNAL,
+    ERR_LAYOUT,
+    ERR_LEASE,
+    ERR_PROTOCOL,
+    ERR_REFUSED,
+    Frame,
+    HELLO,
+    HELLO_OK,
+    READ,
+    _transfer,
+    _tune,
+    _wait_ready,
+    decode_read,
+    encode_frame,
+    encode_read,
+    recv_frame,
+    send_frame,
+)
 from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args, check_read
 
 logger = logging.getLogger(__name__)
-
-MAGIC, VERSION = b"BTKV", 1
-HEADER = struct.Struct("<4sBBHI")
-HELLO, HELLO_OK, READ, DATA, DONE, ERROR = 1, 2, 3, 4, 5, 6
-ERR_PROTOCOL, ERR_LAYOUT, ERR_LEASE, ERR_REFUSED, ERR_INTERNAL = 1, 2, 3, 4, 5
-MAX_PAYLOAD_BYTES = 8 << 20  # control frames only; KV bytes are not framed
-MAX_LEASE_ID_BYTES = 1024
-IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
-YIELD_EVERY = 16  # successive non-blocking socket calls before yielding to other tasks
-
-
-class Frame(NamedTuple):
-    kind: int
-    code: int
-    payload: bytes
-
-
-def encode_frame(kind: int, payload: bytes = b"", code: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, kind, code, len(payload)) + payload
-
-
-def encode_read(lease_id: str, block_ids: Sequence[int]) -> bytes:
-    lease = lease_id.encode()
-    if len(lease) > MAX_LEASE_ID_BYTES:
-        raise KVTransferError(f"lease id longer than {MAX_LEASE_ID_BYTES} bytes")
-    if any(not 0 <= b < 1 << 32 for b in block_ids):
-        raise KVTransferError("source block ids must be in [0, 2**32)")
-    return struct.pack(f"<H{len(lease)}sI{len(block_ids)}I", len(lease), lease, len(block_ids), *block_ids)
-
-
-def decode_read(payload: bytes) -> tuple[str, list[int]]:
-    try:
-        (lease_len,) = struct.unpack_from("<H", payload)
-        lease, count = struct.unpack_from(f"<{lease_len}sI", payload, 2)
-        if len(payload) != 6 + lease_len + 4 * count:
-            raise ValueError("READ length does not match its block count")
-        return lease.decode(), list(struct.unpack_from(f"<{count}I", payload, 6 + lease_len))
-    except (struct.error, ValueError) as exc:
-        raise KVTransferError(f"malformed READ: {exc}") from exc
-
-
-# --- non-blocking socket I/O on the running event loop -------------------------------------------
-
-
-def _wake(fut: asyncio.Future, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(exc)
-
-
-async def _wait_ready(sock: socket.socket, *, write: bool, timeout_s: float, what: str) -> None:
-    """Wait until ``sock`` is readable (writable), at most ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    fut, fd = loop.create_future(), sock.fileno()
-    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-    add(fd, _wake, fut, None)
-    timer = loop.call_later(timeout_s, _wake, fut, KVTransferError(f"{what}: peer silent for {timeout_s:g} s"))
-    try:
-        await fut
-    finally:
-        remove(fd)
-        timer.cancel()
-
-
-def _advance(views: list[memoryview], i: int, num_bytes: int) -> int:
-    """Consume ``num_bytes`` from ``views[i:]``; returns the index of the first view not yet full."""
-    while num_bytes and num_bytes >= views[i].nbytes:
-        num_bytes -= views[i].nbytes
-        i += 1
-    if num_bytes:
-        views[i] = views[i][num_bytes:]
-    return i
-
-
-async def _transfer(
-    sock: socket.socket, views: Sequence[memoryview], *, write: bool, timeout_s: float, what: str
-) -> None:
-    """Send (``write``) or receive every byte of ``views`` in order, gather/scatter, IOV_MAX views a call."""
-    pending = [v for v in views if v.nbytes]
-    total, done, i, streak = sum(v.nbytes for v in pending), 0, 0, 0
-    while i < len(pending):
-        batch = pending[i : i + IOV_MAX]
-        try:
-            n = sock.sendmsg(batch) if write else sock.recvmsg_into(batch)[0]
-        except (BlockingIOError, InterruptedError):
-            await _wait_ready(sock, write=write, timeout_s=timeout_s, what=what)
-            streak = 0
-            continue
-        if n == 0:
-            raise KVTransferError(f"{what}: peer closed the connection after {done} of {total} bytes")
-        done += n
-        i = _advance(pending, i, n)
-        streak += 1
-        if streak == YIELD_EVERY:  # a fast stream must not starve the loop's other tasks
-            streak = 0
-            await asyncio.sleep(0)
-
-
-async def send_frame(sock: socket.socket, frame: bytes, timeout_s: float, what: str) -> None:
-    await _transfer(sock, [memoryview(frame)], write=True, timeout_s=timeout_s, what=what)
-
-
-async def recv_frame(sock: socket.socket, timeout_s: float, what: str) -> Frame:
-    header = bytearray(HEADER.size)
-    await _transfer(sock, [memoryview(header)], write=False, timeout_s=timeout_s, what=what)
-    magic, version, kind, code, length = HEADER.unpack(header)
-    if magic != MAGIC or version != VERSION:
-        raise KVTransferError(f"{what}: not a Baton KV peer (bad magic or version {version})")
-    if length > MAX_PAYLOAD_BYTES:
-        raise KVTransferError(f"{what}: control frame of {length} bytes exceeds {MAX_PAYLOAD_BYTES}")
-    payload = bytearray(length)
-    await _transfer(sock, [memoryview(payload)], write=False, timeout_s=timeout_s, what=what)
-    return Frame(kind, code, bytes(payload))
-
-
-def _tune(sock: socket.socket, config: TransportConfig) -> None:
-    if config.socket_buffer_bytes:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.socket_buffer_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.socket_buffer_bytes)
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setblocking(False)
-
-
-# --- server ---------------------------------------------------------------------------------------
-
 
 class TcpServer:
     """Serves reads of leased blocks of ``buffer``; ``resolve`` maps a lease id to its block ids."""

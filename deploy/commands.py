@@ -1,0 +1,33 @@
+"""``baton deploy <command>``: ``render`` a BatonGraphDeployment spec to manifests, or print the ``crd``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+CRD_PATH = Path(__file__).with_name("crd.yaml")
+_USAGE = """usage: baton deploy <command> [options]
+
+commands:
+  render  render a BatonGraphDeployment spec to Kubernetes manifests (baton deploy render SPEC.yaml [-o DIR])
+  crd     print the BatonGraphDeployment CustomResourceDefinition (kubectl apply -f -)"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_USAGE)
+        return 0
+    if argv[0] == "render":
+        from deploy.render import main as render_main
+
+        return render_main(argv[1:])
+    if argv[0] == "crd":
+        sys.stdout.write(CRD_PATH.read_text())
+        return 0
+    print(f"baton deploy: unknown command {argv[0]!r}\n\n{_USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
