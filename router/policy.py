@@ -2,19 +2,29 @@
 
 Pure logic (no I/O, no asyncio, no proto): the shell hands in every live worker with its last reported
 load and the number of leading prompt blocks the KV index says it holds; this returns a ``RouteDecision``.
-This is the simple policy of issue 3 — least loaded, prefix overlap as the tie-break; the cost model of
-DESIGN.md "Routing" replaces ``pick_decode`` / ``pick_prefill`` later without changing the shell.
+The default policy is the cost model of DESIGN.md "Routing" (``router.cost_model``, rates learned online in
+``router.rates``); the baselines stay selectable for benchmarks: ``least_loaded`` (the simple policy of
+issue 3: least loaded, prefix overlap as the tie-break, fixed threshold), ``round_robin``, ``random`` and
+``prefix_overlap`` (Dynamo's ``overlap_weight * prefill_blocks + active_blocks``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+import random
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.errors import CapacityExceeded
 from kv_transfer.registry import WorkerInfo, WorkerLoad
+from router import cost_model
+from router.cost_model import CostConfig
 from router.errors import WorkerUnavailable
+from router.rates import Rates, RatesConfig
+
+PolicyName = Literal["cost", "least_loaded", "round_robin", "random", "prefix_overlap"]
+POLICIES: tuple[str, ...] = ("cost", "least_loaded", "round_robin", "random", "prefix_overlap")
 
 
 class RouteKind(enum.Enum):
@@ -26,8 +36,14 @@ class RouteKind(enum.Enum):
 class PolicyConfig:
     disagg_threshold_tokens: int = 64  # uncached prompt tokens at or below this always prefill locally
     max_queued_prefill_tokens: int | None = None  # a prefill worker queueing more is saturated (None: no cap)
+    policy: PolicyName = "cost"
+    overlap_weight: float = 1.0  # prefix_overlap: weight of the blocks still to prefill
+    cost: CostConfig = field(default_factory=CostConfig)
+    rates: RatesConfig = field(default_factory=RatesConfig)
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.disagg_threshold_tokens < 0:
             raise ValueError(f"disagg_threshold_tokens must be >= 0, got {self.disagg_threshold_tokens}")
         if self.max_queued_prefill_tokens is not None and self.max_queued_prefill_tokens < 0:
@@ -91,9 +107,23 @@ class RouteDecision:
     decode_id: str
     prefill_id: str | None  # set exactly when kind is REMOTE
     decode_cached_tokens: int = 0
+    predicted_ttft_s: float | None = None  # the cost policy's prediction
 
     def __post_init__(self) -> None:
         assert (self.prefill_id is not None) == (self.kind is RouteKind.REMOTE), self
+
+
+@dataclass(slots=True, kw_only=True)
+class RoutingState:
+    """What one router process carries between decisions: learned rates, its RNG, the round-robin cursor."""
+
+    rates: Rates = field(default_factory=Rates)
+    rng: random.Random = field(default_factory=random.Random)
+    next_index: int = 0
+
+    @classmethod
+    def for_config(cls, config: PolicyConfig, *, seed: int | None = None) -> RoutingState:
+        return cls(rates=Rates(config.rates), rng=random.Random(seed))
 
 
 def route(
@@ -102,8 +132,23 @@ def route(
     config: PolicyConfig,
     *,
     exclude: Collection[str] = (),
+    state: RoutingState | None = None,
 ) -> RouteDecision:
-    """Decode worker first (it holds the request for its whole life), then where its prompt is computed."""
+    """Decode worker first (it holds the request for its whole life), then where its prompt is computed.
+
+    ``state`` carries rates and randomness across calls; without one, defaults and a fixed seed."""
+    state = RoutingState.for_config(config, seed=0) if state is None else state
+    if config.policy == "cost":
+        return route_by_cost(request, candidates, config, state, exclude)
+    if config.policy == "least_loaded":
+        return route_least_loaded(request, candidates, config, exclude)
+    return _route_baseline(request, candidates, config, state, exclude)
+
+
+def route_least_loaded(
+    request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig, exclude: Collection[str] = ()
+) -> RouteDecision:
+    """The simple policy: least-loaded decode, fixed threshold, least-queued prefill."""
     decode, note = pick_decode(request, candidates, exclude)
     uncached = request.uncached_tokens(decode)
     threshold = config.disagg_threshold_tokens
@@ -117,6 +162,89 @@ def route(
         reason=f"{uncached} uncached prompt tokens > threshold {threshold}{note}",
         decode_cached_tokens=request.cached_tokens(decode),
     )
+
+
+def route_by_cost(
+    request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig, state: RoutingState,
+    exclude: Collection[str] = (),
+) -> RouteDecision:
+    """Price each decode worker that fits (two of them in a large pool) with its best prefill plan."""
+    fits, note = _fitting_decodes(request, candidates, exclude)
+    prefills, no_remote_reason = _usable_prefills(candidates, config, exclude)
+    quotes = cost_model.quote_prefills(request, prefills, state.rates)
+    sampled = cost_model.sample_decodes(fits, config.cost, state.rng)
+    priced = [
+        cost_model.price_decode(request, decode, quotes, state.rates, config.cost,
+                                floor_tokens=config.disagg_threshold_tokens, no_remote_reason=no_remote_reason)
+        for decode in sampled
+    ]
+    best = cost_model.choose(priced, config.cost, state.rng)
+    sampled_note = f" ({len(sampled)} of {len(fits)} decode workers priced)" if len(sampled) < len(fits) else ""
+    kind = RouteKind.REMOTE if best.plan.kind == "remote" else RouteKind.LOCAL
+    return RouteDecision(
+        kind=kind, decode_id=best.decode.worker_id, prefill_id=best.plan.prefill_id,
+        reason=f"cost{sampled_note}: {best.describe(config.cost)}{note}",
+        decode_cached_tokens=request.cached_tokens(best.decode), predicted_ttft_s=best.plan.ttft_s,
+    )
+
+
+def _route_baseline(
+    request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig, state: RoutingState,
+    exclude: Collection[str],
+) -> RouteDecision:
+    """round_robin / random / prefix_overlap: the decode pick differs; threshold as the simple policy."""
+    fits, note = _fitting_decodes(request, candidates, exclude)
+    pick = _baseline_picker(request, config, state)
+    decode = pick(fits, "decode")
+    uncached, threshold = request.uncached_tokens(decode), config.disagg_threshold_tokens
+    prefix = f"{config.policy}: "
+    if uncached <= threshold:
+        return _local(decode, request, f"{prefix}{uncached} uncached prompt tokens <= threshold {threshold}{note}")
+    prefills, why_not = _usable_prefills(candidates, config, exclude)
+    if not prefills:
+        return _local(decode, request, f"{prefix}{why_not}{note}")
+    return RouteDecision(
+        kind=RouteKind.REMOTE, decode_id=decode.worker_id, prefill_id=pick(prefills, "prefill").worker_id,
+        reason=f"{prefix}{uncached} uncached prompt tokens > threshold {threshold}{note}",
+        decode_cached_tokens=request.cached_tokens(decode),
+    )
+
+
+def _baseline_picker(
+    request: RouteRequest, config: PolicyConfig, state: RoutingState
+) -> Callable[[Sequence[Candidate], str], Candidate]:
+    def round_robin(pool: Sequence[Candidate], role: str) -> Candidate:
+        ordered = sorted(pool, key=lambda c: c.worker_id)
+        state.next_index += 1
+        return ordered[(state.next_index - 1) % len(ordered)]
+
+    def uniform(pool: Sequence[Candidate], role: str) -> Candidate:
+        return state.rng.choice(sorted(pool, key=lambda c: c.worker_id))
+
+    def prefix_overlap(pool: Sequence[Candidate], role: str) -> Candidate:
+        def score(c: Candidate) -> tuple[float, str]:
+            prefill_blocks = request.blocks_for(request.uncached_tokens(c))
+            if role == "decode":
+                active_blocks = c.info.total_blocks - c.free_blocks
+            else:
+                active_blocks = request.blocks_for(c.queued_prefill_tokens)
+            return config.overlap_weight * prefill_blocks + active_blocks, c.worker_id
+
+        return min(pool, key=score)
+
+    return {"round_robin": round_robin, "random": uniform, "prefix_overlap": prefix_overlap}[config.policy]
+
+
+def _fitting_decodes(
+    request: RouteRequest, candidates: Sequence[Candidate], exclude: Collection[str]
+) -> tuple[list[Candidate], str]:
+    """Decode workers whose free blocks hold the request; when none, the one it queues on and a note."""
+    pool = _eligible(candidates, "decode", exclude)
+    fits = [c for c in pool if c.free_blocks >= request.blocks_to_admit - c.cached_blocks]
+    if fits:
+        return fits, ""
+    decode, note = pick_decode(request, candidates, exclude)  # raises when none could ever hold it
+    return [decode], note
 
 
 def pick_decode(
@@ -148,15 +276,23 @@ def pick_prefill(
     candidates: Sequence[Candidate], config: PolicyConfig, exclude: Collection[str] = ()
 ) -> tuple[Candidate | None, str]:
     """Fewest queued prefill tokens; ties: more cached, then id. ``(None, reason)`` when none fits."""
+    pool, why_not = _usable_prefills(candidates, config, exclude)
+    return (min(pool, key=_prefill_key), "") if pool else (None, why_not)
+
+
+def _usable_prefills(
+    candidates: Sequence[Candidate], config: PolicyConfig, exclude: Collection[str]
+) -> tuple[list[Candidate], str]:
+    """Prefill workers that may take the request, or ``([], why none)``."""
     pool = _eligible(candidates, "prefill", exclude)
     if not pool:
-        return None, "no prefill workers"
+        return [], "no prefill workers"
     limit = config.max_queued_prefill_tokens
     if limit is not None:
         pool = [c for c in pool if c.queued_prefill_tokens <= limit]
         if not pool:
-            return None, f"prefill pool saturated (every worker queues > {limit} tokens)"
-    return min(pool, key=_prefill_key), ""
+            return [], f"prefill pool saturated (every worker queues > {limit} tokens)"
+    return pool, ""
 
 
 def _eligible(candidates: Sequence[Candidate], role: str, exclude: Collection[str]) -> list[Candidate]:

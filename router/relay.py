@@ -34,7 +34,9 @@ from router.directory import Snapshot, WorkerDirectory, build_candidates, served
 from router.errors import DeadlineExceeded, WorkerUnavailable, error_from_status
 from router.frontend import Job
 from router.output import TextStream
-from router.policy import Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, pick_decode, route
+from router.policy import (
+    Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, pick_decode, route,
+)
 from router.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class Relay:
         # Requests this router sent to each decode worker and not yet finished: heartbeats report load
         # every ~2 s, so a burst would otherwise pile onto whichever worker looked idlest.
         self.inflight: Counter[str] = Counter()
+        self.routing = RoutingState.for_config(policy)  # learned rates, RNG, round-robin cursor
 
     def generate(self, job: Job, deadline_s: float) -> AsyncIterator[pb.GenerateResponse]:
         """Stream ``job``'s responses; ``deadline_s`` is on the event loop's clock."""
@@ -136,7 +139,7 @@ class _Flow:
         cached = await self._relay.directory.lookup(hash_blocks(prompt, scheme.block_size, root))
         self._candidates = build_candidates(self._snapshot, scheme, cached, self._relay.inflight)
         self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size)
-        decision = route(self._route_request, self._candidates, self._relay.policy)
+        decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
         self._trace.route(decision.kind.value, decision.reason)
@@ -183,6 +186,10 @@ class _Flow:
 
     def _on_prefilled(self, response: pb.PrefillResponse) -> pb.GenerateResponse:
         self._trace.merge(response.timings)
+        if self._prefill_worker is not None:  # learn P's prefill rate (the cost model's input)
+            computed = len(self._job.prompt_token_ids) - response.num_cached_tokens
+            self._relay.routing.rates.observe_prefill(self._prefill_worker.worker_id, computed,
+                                                      response.timings.prefill_ms)
         self._prefilled_remotely = True
         self._cached_prompt_tokens = response.num_cached_tokens
         logprobs = [response.logprobs] if response.HasField("logprobs") else []
@@ -259,6 +266,11 @@ class _Flow:
 
     def _on_decode_progress(self, response: pb.DecodeResponse) -> None:
         self._trace.merge(response.timings)
+        timings = response.timings
+        if timings.transfer_bytes and self._prefill_worker is not None and self._decode_worker is not None:
+            self._relay.routing.rates.observe_transfer(  # learn the P -> D link
+                self._prefill_worker.worker_id, self._decode_worker.worker_id, timings.transfer_bytes,
+                timings.transfer_ms, num_tokens=timings.transfer_blocks * self._route_request.block_size)
         if not self._prefilled_remotely:  # D computed the prompt
             self._cached_prompt_tokens = max(self._cached_prompt_tokens, response.num_cached_tokens)
 

@@ -10,7 +10,7 @@ from router.errors import WorkerUnavailable
 from router.policy import Candidate, PolicyConfig, RouteKind, RouteRequest, pick_decode, pick_prefill, route
 
 BS = 16
-CONFIG = PolicyConfig(disagg_threshold_tokens=64)
+CONFIG = PolicyConfig(disagg_threshold_tokens=64, policy="least_loaded")  # the simple policy (cost: its own file)
 
 
 def worker(
@@ -128,7 +128,7 @@ def test_no_prefill_worker_means_local():
 
 
 def test_saturated_prefill_pool_means_local():
-    config = PolicyConfig(disagg_threshold_tokens=64, max_queued_prefill_tokens=1000)
+    config = PolicyConfig(disagg_threshold_tokens=64, max_queued_prefill_tokens=1000, policy="least_loaded")
     cands = [worker("d0"), worker("p0", "prefill", queued=1001), worker("p1", "prefill", queued=5000)]
     decision = route(req(500), cands, config)
     assert decision.kind is RouteKind.LOCAL and "saturated" in decision.reason

@@ -188,7 +188,9 @@ def router_config(model_dir: Path, redis_url: str, **overrides: Any) -> RouterCo
 def stub(loop, model_dir, redis_server) -> Iterator[pb_grpc.GenerationStub]:
     running = loop.run(start_router(router_config(model_dir, redis_server.url)))
     with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
+        generation = pb_grpc.GenerationStub(channel)
+        generation.running = running  # tests read the relay's learned rates
+        yield generation
     loop.run(running.stop(0.5))
 
 
@@ -261,6 +263,11 @@ def test_long_prompt_prefills_remotely_then_decodes_with_the_handle(stub, cluste
     # D's first answer acks the pull: the router releases P's lease on D's behalf, exactly once.
     wait_until(lambda: p0.releases == [decode.handle.lease_id])
     assert p0.aborts == [] and d0.aborts == []
+    # the measured timings feed the cost model: 1 MB in 2 ms is 0.5 GB/s on the p0 -> d0 link
+    rates = stub.running.relay.routing.rates
+    assert rates.link_gb_per_s("p0", "d0") == pytest.approx(0.5)
+    computed = len(prompt_ids) - 16
+    assert rates.prefill_tokens_per_s("p0", None) == pytest.approx(computed / 3e-3)
 
 
 def test_a_decode_worker_note_is_appended_to_the_route_reason(stub, cluster, tokens):

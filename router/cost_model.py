@@ -1,0 +1,206 @@
+"""The cost model of DESIGN.md "Routing": every option priced in predicted seconds.
+
+For a decode worker D, the prompt is computed either
+
+    remote on P:  queue_wait(P) + uncached(P) / rate(P) + kv_bytes(uncached on D) / link(P, D)
+    local on D:   queued(D) / rate(D) + uncached(D) / rate(D) + chunks * decode_step(D)   (interference)
+
+and the lower predicted TTFT wins, unless local prefill would push D's running decodes past the ITL target
+(each of D's steps then carries a prefill chunk). Under ``floor_tokens`` uncached tokens, always local.
+D itself is priced ``ttft + expected_output_tokens * itl(D with this request added)``; the caller only
+offers decode workers whose free blocks hold the request. Pure logic: no I/O, no clock, the RNG is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from kv_transfer.errors import KVTransferError
+from kv_transfer.layout import KVLayout
+from router.rates import Rates
+
+if TYPE_CHECKING:
+    from router.policy import Candidate, RouteRequest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostConfig:
+    itl_target_s: float = 0.100  # local prefill may not push D's running decodes' step time past this
+    prefill_chunk_tokens: int = 512  # prompt tokens D adds to one step when it prefills locally
+    expected_output_tokens: int = 64  # decode steps a request is priced for on D
+    kv_bytes_per_token: float = 131_072.0  # when neither the layout nor a measurement says (8B-class, bf16)
+    temperature_s: float = 0.0  # softmax temperature over costs (0: argmin, deterministic)
+    power_of_two_above: int = 8  # more fitting decode workers than this: price only two of them
+
+    def __post_init__(self) -> None:
+        if not self.itl_target_s > 0 or self.prefill_chunk_tokens < 1 or self.kv_bytes_per_token <= 0:
+            raise ValueError(f"CostConfig: itl_target_s, prefill_chunk_tokens, kv_bytes_per_token must be > 0: {self}")
+        if self.expected_output_tokens < 0 or self.temperature_s < 0 or self.power_of_two_above < 2:
+            raise ValueError(f"CostConfig: expected_output_tokens, temperature_s >= 0; power_of_two_above >= 2: {self}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillPlan:
+    """One way to compute the prompt for a given D, with its predicted TTFT split into terms."""
+
+    kind: Literal["remote", "local"]
+    prefill_id: str | None
+    uncached_tokens: int
+    queue_s: float
+    compute_s: float
+    transfer_s: float = 0.0
+    interference_s: float = 0.0  # local: D's decode steps interleaved with the prompt's chunks
+    itl_s: float = 0.0  # local: D's step time while a chunk rides along (0 when D runs no decodes)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.compute_s + self.transfer_s + self.interference_s
+
+    def describe(self) -> str:
+        terms = f"queue {self.queue_s:.4f} + prefill {self.compute_s:.4f}"
+        if self.kind == "remote":
+            terms += f" + transfer {self.transfer_s:.4f}"
+            return f"remote on {self.prefill_id} {self.ttft_s:.4f} s = {terms}"
+        return f"local {self.ttft_s:.4f} s = {terms} + interference {self.interference_s:.4f} (itl {self.itl_s:.4f})"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillQuote:
+    """A prefill worker's part of a remote plan, the same for every D: its queue and the prompt's compute."""
+
+    prefill: Candidate
+    queue_s: float
+    compute_s: float
+    uncached_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PricedDecode:
+    decode: Candidate
+    plan: PrefillPlan
+    itl_s: float  # D's predicted decode step with this request added
+    cost_s: float
+    verdict: str  # why this plan
+    alternative: PrefillPlan | None = None  # the plan it was compared with
+
+    def describe(self, config: CostConfig) -> str:
+        """The decision's terms and values (built only for the chosen worker)."""
+        plans = self.plan.describe()
+        if self.alternative is not None:
+            pair = (self.plan, self.alternative)
+            remote, local = pair if self.plan.kind == "remote" else pair[::-1]
+            plans = f"{remote.describe()} vs {local.describe()}"
+        return (f"{self.decode.worker_id}: cost {self.cost_s:.4f} s = ttft {self.plan.ttft_s:.4f} + "
+                f"{config.expected_output_tokens} x itl {self.itl_s:.4f}; {plans}; {self.verdict}")
+
+
+def kv_bytes_per_token(decode: Candidate, rates: Rates, config: CostConfig) -> float:
+    """KV bytes D pulls per prompt token: measured, else from D's registered layout, else the default."""
+    try:
+        layout = KVLayout.from_json(decode.info.layout_json)
+        default = layout.bytes_per_block / layout.block_size
+    except KVTransferError:  # a layout without the model's dimensions (test doubles)
+        default = config.kv_bytes_per_token
+    return rates.kv_bytes_per_token(default)
+
+
+def quote_prefills(request: RouteRequest, prefills: Sequence[Candidate], rates: Rates) -> list[PrefillQuote]:
+    """Each prefill worker's queue wait and compute for this prompt; priced once per request."""
+    quotes = []
+    for prefill in prefills:
+        rate = rates.prefill_tokens_per_s(prefill.worker_id, prefill.load)
+        uncached = request.uncached_tokens(prefill)
+        quotes.append(PrefillQuote(prefill, prefill.queued_prefill_tokens / rate, uncached / rate, uncached))
+    return quotes
+
+
+def remote_plan(
+    request: RouteRequest, quotes: Sequence[PrefillQuote], decode: Candidate, rates: Rates, config: CostConfig
+) -> PrefillPlan:
+    """The fastest remote plan for D: each P's quote plus the pull of what D lacks over that pair's link."""
+    num_bytes = request.uncached_tokens(decode) * kv_bytes_per_token(decode, rates, config)
+
+    def ttft_s(quote: PrefillQuote) -> tuple[float, str]:
+        transfer_s = num_bytes / (rates.link_gb_per_s(quote.prefill.worker_id, decode.worker_id) * 1e9)
+        return quote.queue_s + quote.compute_s + transfer_s, quote.prefill.worker_id
+
+    best = min(quotes, key=ttft_s)
+    return PrefillPlan(
+        kind="remote", prefill_id=best.prefill.worker_id, uncached_tokens=best.uncached_tokens,
+        queue_s=best.queue_s, compute_s=best.compute_s, transfer_s=ttft_s(best)[0] - best.queue_s - best.compute_s,
+    )
+
+
+def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: CostConfig) -> PrefillPlan:
+    """D prefills itself: its queued prompts, this one's chunks, and a decode step of its batch per chunk."""
+    rate = rates.prefill_tokens_per_s(decode.worker_id, decode.load, on_decode=True)
+    uncached = request.uncached_tokens(decode)
+    running = decode.num_active
+    interference_s = itl_s = 0.0
+    if running:
+        step_s = rates.decode_step_s(decode.worker_id, decode.load, running)
+        interference_s = math.ceil(uncached / config.prefill_chunk_tokens) * step_s
+        itl_s = step_s + min(uncached, config.prefill_chunk_tokens) / rate
+    return PrefillPlan(
+        kind="local", prefill_id=None, uncached_tokens=uncached, queue_s=decode.queued_prefill_tokens / rate,
+        compute_s=uncached / rate, interference_s=interference_s, itl_s=itl_s,
+    )
+
+
+def price_decode(
+    request: RouteRequest, decode: Candidate, quotes: Sequence[PrefillQuote], rates: Rates, config: CostConfig,
+    *, floor_tokens: int, no_remote_reason: str = "no prefill workers",
+) -> PricedDecode:
+    """D's best prefill plan and its cost; ``quotes`` are the usable prefill workers' (may be empty)."""
+    itl_s = rates.decode_step_s(decode.worker_id, decode.load, decode.num_active + 1)
+    local = local_plan(request, decode, rates, config)
+    plan, alternative, verdict = _choose_plan(
+        request, decode, local, quotes, rates, config, floor_tokens=floor_tokens, no_remote_reason=no_remote_reason
+    )
+    cost_s = plan.ttft_s + config.expected_output_tokens * itl_s
+    return PricedDecode(decode=decode, plan=plan, itl_s=itl_s, cost_s=cost_s, verdict=verdict,
+                        alternative=alternative)
+
+
+def _choose_plan(
+    request: RouteRequest, decode: Candidate, local: PrefillPlan, quotes: Sequence[PrefillQuote], rates: Rates,
+    config: CostConfig, *, floor_tokens: int, no_remote_reason: str,
+) -> tuple[PrefillPlan, PrefillPlan | None, str]:
+    """(chosen, the other, verdict): lower TTFT wins unless local breaks D's ITL target; a floor first."""
+    uncached = local.uncached_tokens
+    if uncached <= floor_tokens:
+        return local, None, f"{uncached} uncached prompt tokens <= threshold {floor_tokens}"
+    if not quotes:
+        return local, None, no_remote_reason
+    remote = remote_plan(request, quotes, decode, rates, config)
+    above = f"{uncached} uncached prompt tokens > threshold {floor_tokens}"
+    if local.itl_s > config.itl_target_s:
+        return remote, local, f"local would push itl past target {config.itl_target_s:.4f}; {above}"
+    if local.ttft_s < remote.ttft_s:
+        return local, remote, "local predicts the lower ttft"
+    return remote, local, f"remote predicts the lower ttft; {above}"
+
+
+def sample_decodes(decodes: Sequence[Candidate], config: CostConfig, rng: random.Random) -> list[Candidate]:
+    """Power of two choices in a large pool: the longest cached prefix (when any) and one at random."""
+    if len(decodes) <= config.power_of_two_above:
+        return list(decodes)
+    best_cached = max(decodes, key=lambda c: (c.cached_blocks, c.worker_id))
+    if best_cached.cached_blocks == 0:
+        return rng.sample(list(decodes), 2)
+    others = [c for c in decodes if c is not best_cached]
+    return [best_cached, rng.choice(others)]
+
+
+def choose(priced: Sequence[PricedDecode], config: CostConfig, rng: random.Random) -> PricedDecode:
+    """Lowest cost (ties: worker id); with a temperature, softmax over ``-cost / temperature_s``."""
+    ordered = sorted(priced, key=lambda p: (p.cost_s, p.decode.worker_id))
+    if config.temperature_s == 0 or len(ordered) == 1:
+        return ordered[0]
+    best = ordered[0].cost_s
+    weights = [math.exp(-(p.cost_s - best) / config.temperature_s) for p in ordered]
+    return rng.choices(ordered, weights=weights)[0]

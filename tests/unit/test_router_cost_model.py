@@ -1,0 +1,236 @@
+"""The cost policy and the baselines on hand-built pool states: exact choices, reasons and predictions.
+
+Defaults priced with (RatesConfig / CostConfig): prefill 10,000 tok/s on P and 5,000 tok/s on D, decode step
+0.010 s + 0.0005 s per sequence, link 10 GB/s, 131,072 KV bytes per token (the test layouts carry only the
+block size), 64 expected output tokens, ITL target 0.100 s, 512-token prefill chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from kv_transfer.registry import WorkerLoad
+from router.cost_model import CostConfig, sample_decodes
+from router.policy import Candidate, PolicyConfig, RouteKind, RoutingState, route
+from router.rates import Rates, RatesConfig
+from tests.unit.test_router_policy import req, worker
+
+COST = PolicyConfig(disagg_threshold_tokens=64)
+
+
+def state(seed: int = 0, rates: Rates | None = None) -> RoutingState:
+    return RoutingState(rates=rates or Rates(), rng=random.Random(seed))
+
+
+def with_cost(**changes: object) -> PolicyConfig:
+    return dataclasses.replace(COST, cost=dataclasses.replace(COST.cost, **changes))
+
+
+def test_cost_is_the_default_policy():
+    assert PolicyConfig().policy == "cost"
+    with pytest.raises(ValueError, match="policy must be one of"):
+        PolicyConfig(policy="fastest")  # type: ignore[arg-type]
+
+
+def test_long_shared_prefix_wins_despite_slightly_higher_load():
+    # 2,000 tokens; d0 holds 100 blocks (1,600 tokens) and runs one more sequence than d1.
+    # d0: local 400/5000 + 1 chunk x 0.011 = 0.091 s (itl 0.091 < 0.1); cost 0.091 + 64 x 0.0115 = 0.827
+    # d1: local would push itl to 0.1129 > 0.1, remote 0.2 + 2000 x 131072 / 1e10 = 0.2262; cost 0.9302
+    cands = [worker("d0", running=2, cached=100, total=300, free=200), worker("d1", running=1, total=300, free=200),
+             worker("p0", "prefill", total=300, free=300)]
+    decision = route(req(2000), cands, COST, state=state())
+    assert (decision.kind, decision.decode_id, decision.prefill_id) == (RouteKind.LOCAL, "d0", None)
+    assert decision.predicted_ttft_s == pytest.approx(0.091)
+    assert decision.decode_cached_tokens == 1600
+    assert decision.reason.startswith("cost: d0: cost 0.8270 s = ttft 0.0910 + 64 x itl 0.0115; ")
+    assert decision.reason.endswith("local predicts the lower ttft")
+    least_loaded = dataclasses.replace(COST, policy="least_loaded")
+    assert route(req(2000), cands, least_loaded).decode_id == "d1"  # the simple policy ignores the prefix
+
+
+def test_saturated_prefill_pool_sends_short_and_medium_prompts_local():
+    idle = [worker("d0"), worker("p0", "prefill")]
+    decision = route(req(300), idle, COST, state=state())
+    # remote 300/10000 + 300 x 131072 / 1e10 = 0.0339 s beats local 300/5000 = 0.06 s
+    assert (decision.kind, decision.prefill_id) == (RouteKind.REMOTE, "p0")
+    assert decision.predicted_ttft_s == pytest.approx(0.03 + 300 * 131072 / 1e10)
+    assert decision.reason.endswith("remote predicts the lower ttft; 300 uncached prompt tokens > threshold 64")
+    saturated = [worker("d0"), worker("p0", "prefill", queued=1_000_000)]  # 100 s of queue
+    for num_tokens in (100, 300, 1000):
+        decision = route(req(num_tokens), saturated, COST, state=state())
+        assert decision.kind is RouteKind.LOCAL, num_tokens
+        assert decision.predicted_ttft_s == pytest.approx(num_tokens / 5000)
+        assert "queue 100.0000" in decision.reason and decision.reason.endswith("local predicts the lower ttft")
+
+
+def test_least_queued_prefill_worker_is_the_remote_choice():
+    cands = [worker("d0", running=30), worker("p0", "prefill", queued=3000), worker("p1", "prefill", queued=1000),
+             worker("p2", "prefill", queued=2000)]
+    decision = route(req(600), cands, COST, state=state())
+    assert (decision.kind, decision.prefill_id) == (RouteKind.REMOTE, "p1")
+
+
+def test_slow_link_makes_remote_lose_for_a_big_prompt():
+    cands = [worker("d0", total=400, free=400), worker("p0", "prefill", total=400, free=400)]
+    assert route(req(4000), cands, COST, state=state()).kind is RouteKind.REMOTE  # 0.452 s vs 0.8 s local
+    rates = Rates()
+    rates.observe_transfer("p0", "d0", num_bytes=100_000_000, transfer_ms=1000.0)  # 0.1 GB/s
+    decision = route(req(4000), cands, COST, state=state(rates=rates))
+    # remote 0.4 + 4000 x 131072 / 1e8 = 5.64 s; local 0.8 s
+    assert decision.kind is RouteKind.LOCAL and decision.predicted_ttft_s == pytest.approx(0.8)
+    assert "transfer 5.2429" in decision.reason
+
+
+def test_local_prefill_that_breaks_the_itl_target_goes_remote_even_when_slower():
+    # d0 runs 10: a 512-token chunk makes its step 0.015 + 0.1024 = 0.1174 s > 0.1 target.
+    cands = [worker("d0", running=10), worker("p0", "prefill", queued=20_000)]
+    decision = route(req(600), cands, COST, state=state())
+    assert (decision.kind, decision.prefill_id) == (RouteKind.REMOTE, "p0")
+    assert decision.predicted_ttft_s == pytest.approx(2.0 + 0.06 + 600 * 131072 / 1e10)
+    assert "local would push itl past target 0.1000" in decision.reason
+    relaxed = with_cost(itl_target_s=0.2)
+    assert route(req(600), cands, relaxed, state=state()).kind is RouteKind.LOCAL
+
+
+def test_threshold_stays_a_floor():
+    # remote would be faster (p0 idle, d0 busy) but 64 uncached tokens always prefill locally.
+    cands = [worker("d0", running=40), worker("p0", "prefill")]
+    decision = route(req(64), cands, COST, state=state())
+    assert decision.kind is RouteKind.LOCAL
+    assert decision.reason.endswith("64 uncached prompt tokens <= threshold 64")
+
+
+def test_decode_without_room_is_never_chosen():
+    # 200 tokens + 1 -> 13 blocks; d0 is idle and holds a prefix but has 2 free blocks for the 8 it needs.
+    cands = [worker("d0", free=2, cached=5), worker("d1", running=20, free=13), worker("p0", "prefill")]
+    for seed in range(20):
+        config = with_cost(temperature_s=10.0)
+        assert route(req(200), cands, config, state=state(seed)).decode_id == "d1"
+    short = [worker("d0", running=3, free=0), worker("d1", running=1, free=0)]
+    decision = route(req(200), short, COST, state=state())
+    assert decision.decode_id == "d1" and decision.reason.endswith("short of free blocks, queued")
+
+
+def test_no_prefill_workers_or_a_capped_pool_means_local_with_the_reason():
+    decision = route(req(500), [worker("d0")], COST, state=state())
+    assert decision.kind is RouteKind.LOCAL and decision.reason.endswith("; no prefill workers")
+    config = dataclasses.replace(COST, max_queued_prefill_tokens=1000)
+    decision = route(req(500), [worker("d0"), worker("p0", "prefill", queued=1001)], config, state=state())
+    assert decision.kind is RouteKind.LOCAL and "prefill pool saturated" in decision.reason
+
+
+def test_temperature_zero_is_deterministic_and_positive_temperature_spreads():
+    cands = [worker(f"d{i}") for i in range(4)] + [worker("p0", "prefill")]
+    chosen = {route(req(300), cands, COST, state=state(seed)).decode_id for seed in range(50)}
+    assert chosen == {"d0"}  # equal costs: the lowest id
+    warm = with_cost(temperature_s=1.0)
+    rng_state = state(seed=7)
+    spread = [route(req(300), cands, warm, state=rng_state).decode_id for _ in range(200)]
+    assert set(spread) == {"d0", "d1", "d2", "d3"}
+    again = state(seed=7)
+    assert [route(req(300), cands, warm, state=again).decode_id for _ in range(200)] == spread  # seeded
+
+
+def test_temperature_still_prefers_the_cheaper_worker():
+    cands = [worker("d0", cached=60, total=200, free=200), worker("d1", total=200, free=200)]
+    config = with_cost(temperature_s=0.05)
+    rng_state = state(seed=3)
+    picks = [route(req(1000), cands, config, state=rng_state).decode_id for _ in range(300)]
+    assert picks.count("d0") > 250
+
+
+def test_power_of_two_prices_only_two_decode_workers_in_a_large_pool():
+    pool = [worker(f"d{i:02}") for i in range(10)]
+    config = COST.cost
+    sampled = sample_decodes(pool, config, random.Random(1))
+    assert len(sampled) == 2 and len({c.worker_id for c in sampled}) == 2
+    assert sample_decodes(pool, config, random.Random(1)) == sampled
+    assert sample_decodes(pool[:8], config, random.Random(1)) == pool[:8]  # small pools: all priced
+    cached = [*pool, worker("d10", cached=3)]
+    assert "d10" in {c.worker_id for c in sample_decodes(cached, config, random.Random(5))}
+    decision = route(req(300), pool + [worker("p0", "prefill")], COST, state=state(seed=1))
+    assert decision.reason.startswith("cost (2 of 10 decode workers priced): ")
+    assert decision.decode_id in {c.worker_id for c in sampled}
+
+
+def test_reported_rates_are_used_until_measured():
+    fast_p = WorkerLoad(running=0, waiting=0, free_blocks=100, queued_prefill_tokens=0, prefill_tokens_per_s=40_000.0)
+    p0 = Candidate(info=worker("p0", "prefill").info, load=fast_p)
+    decision = route(req(400), [worker("d0"), p0], COST, state=state())
+    assert decision.predicted_ttft_s == pytest.approx(400 / 40_000 + 400 * 131072 / 1e10)
+    rates = Rates()
+    rates.observe_prefill("p0", num_tokens=400, prefill_ms=100.0)  # measured 4,000 tok/s wins over the report
+    decision = route(req(400), [worker("d0"), p0], COST, state=state(rates=rates))
+    assert decision.kind is RouteKind.LOCAL and decision.predicted_ttft_s == pytest.approx(400 / 5000)
+
+
+def test_rates_converge_to_measured_values_and_go_stale():
+    now = [0.0]
+    rates = Rates(RatesConfig(stale_after_s=60.0), clock=lambda: now[0])
+    assert rates.prefill_tokens_per_s("p0", None) == 10_000.0
+    assert rates.prefill_tokens_per_s("d0", None, on_decode=True) == 5_000.0
+    for _ in range(60):
+        rates.observe_prefill("p0", num_tokens=1000, prefill_ms=50.0)
+        rates.observe_transfer("p0", "d0", num_bytes=2_000_000, transfer_ms=1.0, num_tokens=100)
+        for batch in range(1, 9):
+            rates.observe_decode_step("d0", batch, 0.020 + 0.001 * batch)
+    assert rates.prefill_tokens_per_s("p0", None) == pytest.approx(20_000.0)
+    assert rates.link_gb_per_s("p0", "d0") == pytest.approx(2.0)
+    assert rates.link_gb_per_s("p1", "d0") == 10.0  # another pair keeps the default
+    assert rates.kv_bytes_per_token(131_072.0) == pytest.approx(20_000.0)
+    assert rates.decode_step_s("d0", None, 0) == pytest.approx(0.020, abs=2e-3)
+    assert rates.decode_step_s("d0", None, 16) == pytest.approx(0.036, abs=2e-3)
+    now[0] = 61.0
+    assert rates.prefill_tokens_per_s("p0", None) == 10_000.0 and rates.link_gb_per_s("p0", "d0") == 10.0
+
+
+def test_ewma_tracks_a_change():
+    rates = Rates(RatesConfig(alpha=0.5))
+    rates.observe_prefill("p0", 1000, 100.0)  # 10k
+    rates.observe_prefill("p0", 1000, 50.0)  # 20k
+    assert rates.prefill_tokens_per_s("p0", None) == pytest.approx(15_000.0)
+    rates.observe_decode("d0", batch_size=4, tokens_per_s=50.0)  # one sample: default slope
+    assert rates.decode_step_s("d0", None, 4) == pytest.approx(0.02)
+    assert rates.decode_step_s("d0", None, 6) == pytest.approx(0.021)
+
+
+def test_configs_reject_bad_values():
+    with pytest.raises(ValueError, match="alpha"):
+        RatesConfig(alpha=0.0)
+    with pytest.raises(ValueError, match="link_gb_per_s"):
+        RatesConfig(link_gb_per_s=0.0)
+    with pytest.raises(ValueError, match="temperature_s"):
+        CostConfig(temperature_s=-1.0)
+
+
+# ---- baselines ---------------------------------------------------------------------------------
+
+
+def test_round_robin_rotates_over_decode_workers_that_fit():
+    config = dataclasses.replace(COST, policy="round_robin")
+    cands = [worker("d1"), worker("d0"), worker("d2", free=0), worker("d3", running=50)]
+    rr = state()
+    assert [route(req(10), cands, config, state=rr).decode_id for _ in range(4)] == ["d0", "d1", "d3", "d0"]
+
+
+def test_random_is_seeded():
+    config = dataclasses.replace(COST, policy="random")
+    cands = [worker(f"d{i}") for i in range(3)]
+    first, second = state(seed=4), state(seed=4)
+    picks = [route(req(10), cands, config, state=first).decode_id for _ in range(30)]
+    assert picks == [route(req(10), cands, config, state=second).decode_id for _ in range(30)]
+    assert set(picks) == {"d0", "d1", "d2"}
+
+
+def test_prefix_overlap_is_dynamos_formula():
+    # 320 tokens = 20 blocks. d0: 5 blocks to prefill + 20 active = 25; d1: 20 + 0 = 20.
+    cands = [worker("d0", cached=15, free=80), worker("d1"), worker("p0", "prefill")]
+    config = dataclasses.replace(COST, policy="prefix_overlap")
+    decision = route(req(320), cands, config)
+    assert (decision.decode_id, decision.kind) == ("d1", RouteKind.REMOTE)
+    assert decision.reason == "prefix_overlap: 320 uncached prompt tokens > threshold 64"
+    heavier = dataclasses.replace(config, overlap_weight=2.0)  # d0: 10 + 20 = 30; d1: 40
+    assert route(req(320), cands, heavier).decode_id == "d0"
