@@ -35,11 +35,15 @@ class CostConfig:
     kv_bytes_per_token: float = 131_072.0  # when neither the layout nor a measurement says (8B-class, bf16)
     temperature_s: float = 0.0  # softmax temperature over costs (0: argmin, deterministic)
     power_of_two_above: int = 8  # more fitting decode workers than this: price only two of them
+    # Costs within this fraction of the best count as a tie, won by the longest cached prefix: the
+    # prediction is noisy (loads lag by a heartbeat) and reuse also saves KV memory the model does not price.
+    affinity_tolerance: float = 0.10
 
     def __post_init__(self) -> None:
         if not self.itl_target_s > 0 or self.prefill_chunk_tokens < 1 or self.kv_bytes_per_token <= 0:
             raise ValueError(f"CostConfig: itl_target_s, prefill_chunk_tokens, kv_bytes_per_token must be > 0: {self}")
-        if self.expected_output_tokens < 0 or self.temperature_s < 0 or self.power_of_two_above < 2:
+        if self.expected_output_tokens < 0 or self.temperature_s < 0 or self.power_of_two_above < 2 \
+                or self.affinity_tolerance < 0:
             raise ValueError(f"CostConfig: expected_output_tokens, temperature_s >= 0; power_of_two_above >= 2: {self}")
 
 
@@ -197,10 +201,12 @@ def sample_decodes(decodes: Sequence[Candidate], config: CostConfig, rng: random
 
 
 def choose(priced: Sequence[PricedDecode], config: CostConfig, rng: random.Random) -> PricedDecode:
-    """Lowest cost (ties: worker id); with a temperature, softmax over ``-cost / temperature_s``."""
+    """Lowest cost, near-ties (``affinity_tolerance``) going to the longest cached prefix, then worker id;
+    with a temperature, softmax over ``-cost / temperature_s``."""
     ordered = sorted(priced, key=lambda p: (p.cost_s, p.decode.worker_id))
     if config.temperature_s == 0 or len(ordered) == 1:
-        return ordered[0]
+        near = [p for p in ordered if p.cost_s <= ordered[0].cost_s * (1 + config.affinity_tolerance)]
+        return min(near, key=lambda p: (-p.decode.cached_blocks, p.cost_s, p.decode.worker_id))
     best = ordered[0].cost_s
     weights = [math.exp(-(p.cost_s - best) / config.temperature_s) for p in ordered]
     return rng.choices(ordered, weights=weights)[0]

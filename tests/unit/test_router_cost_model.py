@@ -51,6 +51,18 @@ def test_long_shared_prefix_wins_despite_slightly_higher_load():
     assert route(req(2000), cands, least_loaded).decode_id == "d1"  # the simple policy ignores the prefix
 
 
+def test_near_tie_goes_to_the_cached_prefix_and_a_clear_win_does_not():
+    # 200 tokens, both remote-prefilled (0.0266 s). A stale report has d0 (the holder of 12 blocks) one
+    # sequence busier: cost 0.0266 - small transfer saving + 64 x 0.0110 vs d1's 64 x 0.0105, ~4.5% apart.
+    cands = [worker("d0", running=1, cached=12), worker("d1"), worker("p0", "prefill")]
+    assert route(req(200), cands, COST, state=state()).decode_id == "d0"
+    assert route(req(200), cands, with_cost(affinity_tolerance=0.0), state=state()).decode_id == "d1"
+    busy = [worker("d0", running=40, cached=12), worker("d1"), worker("p0", "prefill")]
+    assert route(req(200), busy, COST, state=state()).decode_id == "d1"  # 40 sequences: not a near tie
+    with pytest.raises(ValueError):
+        CostConfig(affinity_tolerance=-0.1)
+
+
 def test_saturated_prefill_pool_sends_short_and_medium_prompts_local():
     idle = [worker("d0"), worker("p0", "prefill")]
     decision = route(req(300), idle, COST, state=state())
