@@ -13,10 +13,19 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_UP: _ClassVar[WorkerState]
+    WORKER_STATE_DRAINING: _ClassVar[WorkerState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_UP: WorkerState
+WORKER_STATE_DRAINING: WorkerState
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "logprobs")
@@ -359,3 +368,169 @@ class StatsResponse(_message.Message):
     prefix_cache_hits: int
     num_preemptions: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_open_leases: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+
+class AdminWorker(_message.Message):
+    __slots__ = ("worker_id", "role", "grpc_address", "kv_uri", "state", "has_load", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "kv_cache_usage", "load_age_ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_URI_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    grpc_address: str
+    kv_uri: str
+    state: WorkerState
+    has_load: bool
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    queued_prefill_tokens: int
+    kv_cache_usage: float
+    load_age_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_uri: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., has_load: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., load_age_ms: _Optional[int] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[AdminWorker]
+    def __init__(self, workers: _Optional[_Iterable[_Union[AdminWorker, _Mapping]]] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("role", "desired", "actual", "draining")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    desired: int
+    actual: int
+    draining: int
+    def __init__(self, role: _Optional[str] = ..., desired: _Optional[int] = ..., actual: _Optional[int] = ..., draining: _Optional[int] = ...) -> None: ...
+
+class GetPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+
+class ScalePoolRequest(_message.Message):
+    __slots__ = ("role", "size")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    size: int
+    def __init__(self, role: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ScalePoolResponse(_message.Message):
+    __slots__ = ("pool", "previous_desired")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_DESIRED_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolStatus
+    previous_desired: int
+    def __init__(self, pool: _Optional[_Union[PoolStatus, _Mapping]] = ..., previous_desired: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: bool
+    def __init__(self, changed: _Optional[bool] = ...) -> None: ...
+
+class PrefillCurve(_message.Message):
+    __slots__ = ("prompt_lens", "tokens_per_s")
+    PROMPT_LENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    prompt_lens: _containers.RepeatedScalarFieldContainer[int]
+    tokens_per_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_lens: _Optional[_Iterable[int]] = ..., tokens_per_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DecodeCurve(_message.Message):
+    __slots__ = ("batch_sizes", "itl_ms", "kv_tokens_per_worker")
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    ITL_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    itl_ms: _containers.RepeatedScalarFieldContainer[float]
+    kv_tokens_per_worker: int
+    def __init__(self, batch_sizes: _Optional[_Iterable[int]] = ..., itl_ms: _Optional[_Iterable[float]] = ..., kv_tokens_per_worker: _Optional[int] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("ttft_p90_ms", "itl_p90_ms", "rate", "isl", "osl", "prefill_curve", "decode_curve", "prefill_correction", "decode_correction", "apply")
+    TTFT_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    ISL_FIELD_NUMBER: _ClassVar[int]
+    OSL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CURVE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CURVE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    APPLY_FIELD_NUMBER: _ClassVar[int]
+    ttft_p90_ms: float
+    itl_p90_ms: float
+    rate: float
+    isl: float
+    osl: float
+    prefill_curve: PrefillCurve
+    decode_curve: DecodeCurve
+    prefill_correction: float
+    decode_correction: float
+    apply: bool
+    def __init__(self, ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., rate: _Optional[float] = ..., isl: _Optional[float] = ..., osl: _Optional[float] = ..., prefill_curve: _Optional[_Union[PrefillCurve, _Mapping]] = ..., decode_curve: _Optional[_Union[DecodeCurve, _Mapping]] = ..., prefill_correction: _Optional[float] = ..., decode_correction: _Optional[float] = ..., apply: _Optional[bool] = ...) -> None: ...
+
+class PlanTerm(_message.Message):
+    __slots__ = ("pool", "name", "value", "unit", "note")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    name: str
+    value: float
+    unit: str
+    note: str
+    def __init__(self, pool: _Optional[str] = ..., name: _Optional[str] = ..., value: _Optional[float] = ..., unit: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
+
+class PlanResponse(_message.Message):
+    __slots__ = ("prefill", "decode", "prefill_raw", "decode_raw", "feasible", "terms", "reasoning", "applied")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RAW_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RAW_FIELD_NUMBER: _ClassVar[int]
+    FEASIBLE_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    prefill_raw: int
+    decode_raw: int
+    feasible: bool
+    terms: _containers.RepeatedCompositeFieldContainer[PlanTerm]
+    reasoning: str
+    applied: bool
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., prefill_raw: _Optional[int] = ..., decode_raw: _Optional[int] = ..., feasible: _Optional[bool] = ..., terms: _Optional[_Iterable[_Union[PlanTerm, _Mapping]]] = ..., reasoning: _Optional[str] = ..., applied: _Optional[bool] = ...) -> None: ...

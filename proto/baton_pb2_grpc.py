@@ -425,3 +425,290 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListWorkers = channel.unary_unary(
+                '/baton.v1.Admin/ListWorkers',
+                request_serializer=proto_dot_baton__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.GetPools = channel.unary_unary(
+                '/baton.v1.Admin/GetPools',
+                request_serializer=proto_dot_baton__pb2.GetPoolsRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.GetPoolsResponse.FromString,
+                _registered_method=True)
+        self.ScalePool = channel.unary_unary(
+                '/baton.v1.Admin/ScalePool',
+                request_serializer=proto_dot_baton__pb2.ScalePoolRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.ScalePoolResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/baton.v1.Admin/Drain',
+                request_serializer=proto_dot_baton__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/baton.v1.Admin/Undrain',
+                request_serializer=proto_dot_baton__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Plan = channel.unary_unary(
+                '/baton.v1.Admin/Plan',
+                request_serializer=proto_dot_baton__pb2.PlanRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.PlanResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScalePool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undrain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Plan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=proto_dot_baton__pb2.ListWorkersRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'GetPools': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPools,
+                    request_deserializer=proto_dot_baton__pb2.GetPoolsRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.GetPoolsResponse.SerializeToString,
+            ),
+            'ScalePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScalePool,
+                    request_deserializer=proto_dot_baton__pb2.ScalePoolRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.ScalePoolResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_baton__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=proto_dot_baton__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.DrainResponse.SerializeToString,
+            ),
+            'Plan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Plan,
+                    request_deserializer=proto_dot_baton__pb2.PlanRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.PlanResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'baton.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('baton.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/ListWorkers',
+            proto_dot_baton__pb2.ListWorkersRequest.SerializeToString,
+            proto_dot_baton__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/GetPools',
+            proto_dot_baton__pb2.GetPoolsRequest.SerializeToString,
+            proto_dot_baton__pb2.GetPoolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScalePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/ScalePool',
+            proto_dot_baton__pb2.ScalePoolRequest.SerializeToString,
+            proto_dot_baton__pb2.ScalePoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/Drain',
+            proto_dot_baton__pb2.DrainRequest.SerializeToString,
+            proto_dot_baton__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/Undrain',
+            proto_dot_baton__pb2.DrainRequest.SerializeToString,
+            proto_dot_baton__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Plan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/Plan',
+            proto_dot_baton__pb2.PlanRequest.SerializeToString,
+            proto_dot_baton__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

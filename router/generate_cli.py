@@ -51,7 +51,8 @@ def format_timings(final: pb.GenerateResponse) -> str:
     """One line: TTFT, where prefill and decode ran, KV moved, decode speed, tokens and finish reason."""
     t, usage = final.timings, final.usage
     prefill = t.prefill_worker or f"local on {t.decode_worker or '?'}"
-    parts = [f"TTFT {t.ttft_ms:.1f} ms", f"prefill {prefill}", f"decode {t.decode_worker or '?'}",
+    predicted = f" (predicted {t.predicted_ttft_ms:.1f} ms)" if t.predicted_ttft_ms else ""
+    parts = [f"TTFT {t.ttft_ms:.1f} ms{predicted}", f"prefill {prefill}", f"decode {t.decode_worker or '?'}",
              f"route {t.route_kind or '?'} ({t.route_reason})" if t.route_reason else f"route {t.route_kind or '?'}"]
     if t.transfer_blocks or t.transfer_bytes:
         via = f", {t.transport}" if t.transport else ""

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0,
                         help="deadline of requests whose client sets none shorter (default: %(default)s)")
+    parser.add_argument("--admin-token", default=os.environ.get("BATON_ADMIN_TOKEN") or None,
+                        help="require `authorization: Bearer TOKEN` on baton.v1.Admin calls "
+                        "(default: $BATON_ADMIN_TOKEN; unset: the admin API is open)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return parser
 
@@ -65,9 +68,9 @@ def _default_model_dir() -> Path:
     return default_model_dir("tiny")
 
 
-async def serve(config: RouterConfig) -> None:
+async def serve(config: RouterConfig, *, admin_token: str | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then stop gracefully."""
-    router = await start_router(config)
+    router = await start_router(config, admin_token=admin_token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (config.model_dir / "tokenizer.json").is_file():
         parser.error(f"--model {config.model_dir}: no tokenizer.json there (build one with `baton model tiny`)")
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, admin_token=args.admin_token))
     except (BatonError, OSError, RuntimeError) as exc:  # bad model folder, port taken, ...
         print(f"baton router: error: {exc}", file=sys.stderr)
         return 1

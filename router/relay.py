@@ -142,7 +142,7 @@ class _Flow:
         decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
-        self._trace.route(decision.kind.value, decision.reason)
+        self._trace.route(decision.kind.value, decision.reason, decision.predicted_ttft_s)
         log.debug("request_id=%s routed %s: decode=%s prefill=%s (%s)", self._job.worker_request_id,
                   decision.kind.value, decision.decode_id, decision.prefill_id, decision.reason)
         return decision

@@ -1,4 +1,4 @@
-"""The router's gRPC shell: ``baton.v1.Generation`` plus health checking and reflection.
+"""The router's gRPC shell: ``baton.v1.Generation`` and ``baton.v1.Admin``, health checking, reflection.
 
 Servicer methods only convert and delegate: ``Frontend`` validates and tokenizes, ``Relay`` runs the
 request across the workers. ``ErrorInterceptor`` is the one place typed errors become gRPC statuses.
@@ -22,6 +22,7 @@ from engine.errors import BatonError
 from engine.tokenizer import Tokenizer
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from router.admin import ADMIN_SERVICE, AdminServicer
 from router.config import ModelCard, RouterConfig, resolve_max_model_len
 from router.directory import WorkerDirectory, served_scheme
 from router.errors import WorkerUnavailable, status_for
@@ -136,8 +137,13 @@ class RunningRouter:
         await self.redis.aclose()
 
 
-async def start_router(config: RouterConfig, *, tokenizer: Tokenizer | None = None) -> RunningRouter:
-    """Build and start the router (``config.port`` 0 binds a free port; see ``RunningRouter.port``)."""
+async def start_router(
+    config: RouterConfig, *, tokenizer: Tokenizer | None = None, admin_token: str | None = None,
+) -> RunningRouter:
+    """Build and start the router (``config.port`` 0 binds a free port; see ``RunningRouter.port``).
+
+    ``admin_token``: when set, ``baton.v1.Admin`` calls must carry ``authorization: Bearer <token>``.
+    """
     card = ModelCard.from_folder(config.model_dir)
     tokenizer = tokenizer or Tokenizer.from_pretrained(config.model_dir)
     limits = ModelLimits(name=config.served_model_name, vocab_size=card.vocab_size,
@@ -151,9 +157,11 @@ async def start_router(config: RouterConfig, *, tokenizer: Tokenizer | None = No
                                   request_timeout_s=config.request_timeout_s)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(Registry(redis, config.ns), redis, token=admin_token), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    services = (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(services, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     for service in ("", GENERATION_SERVICE):

@@ -17,11 +17,12 @@ class RequestTrace:
         self.num_tokens = 0
         self.route_kind = ""
         self.route_reason = ""
+        self.predicted_ttft_s: float | None = None  # the cost policy's prediction, reported beside the measured
         self._worker_notes: list[str] = []  # route_reason a worker reported, e.g. "KV pull failed; ..."
         self._timings = pb.Timings()  # workers' non-zero fields merged in
 
-    def route(self, kind: str, reason: str) -> None:
-        self.route_kind, self.route_reason = kind, reason
+    def route(self, kind: str, reason: str, predicted_ttft_s: float | None = None) -> None:
+        self.route_kind, self.route_reason, self.predicted_ttft_s = kind, reason, predicted_ttft_s
 
     def tokens_sent(self, num_tokens: int) -> None:
         now = self._clock()
@@ -45,6 +46,8 @@ class RequestTrace:
         t.ttft_ms, t.e2e_ms = (first - self.start_s) * 1e3, (now - self.start_s) * 1e3
         t.route_kind, t.route_reason = self.route_kind, "; ".join([self.route_reason, *self._worker_notes])
         t.prefill_worker, t.decode_worker = prefill_worker, decode_worker
+        if self.predicted_ttft_s is not None:
+            t.predicted_ttft_ms = self.predicted_ttft_s * 1e3
         if not t.transfer_gbps and t.transfer_ms > 0:
             t.transfer_gbps = t.transfer_bytes / (t.transfer_ms * 1e-3) / 1e9
         if self.num_tokens > 1 and self.last_token_s > first:

@@ -112,6 +112,7 @@ def test_remote_timings_report_the_transfer(platform):
     t = last.timings
     assert t.route_kind == "remote" and t.prefill_worker == "p0" and t.decode_worker == "d0"
     assert t.transfer_blocks == 25 and t.transfer_bytes > 0 and t.transfer_gbps > 0 and t.ttft_ms > 0
+    assert t.predicted_ttft_ms > 0  # the cost model's prediction, beside the measured ttft
     assert_pools_full(platform)
 
 

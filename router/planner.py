@@ -1,0 +1,268 @@
+"""Pool sizing from SLOs: how many prefill and decode workers for this traffic (pure math, no I/O).
+
+Prefill (DistServe-style): requests arrive Poisson at ``rate_per_s`` and are spread over ``n`` prefill
+workers; each worker is an M/D/1 queue whose service time is ``isl / throughput(isl)`` from the profiled
+prefill curve. The p90 TTFT is the service time plus the p90 queueing wait. The wait uses the M/D/1 mean
+``rho * D / (2 (1 - rho))`` with an exponential tail behind the probability ``rho`` of waiting at all
+(Kingman), so ``W90 = D * ln(10 rho) / (2 (1 - rho))`` when ``rho > 0.1`` and 0 otherwise.
+
+Decode (Dynamo-style throughput at ITL): the profiled ITL-vs-batch curve, scaled by the correction factor,
+gives the largest batch ``B*`` a worker can run within the ITL target (linear interpolation, no
+extrapolation, capped by the KV capacity). By Little's law the cluster holds ``rate * osl * ITL`` decoding
+sequences, so ``ceil(rate * osl * ITL / B*)`` workers are needed.
+
+Correction factors are measured / predicted latency (1.0 = the model is right); they scale the prediction.
+Hysteresis: a pool grows as soon as the plan asks for more (after ``up_cooldown_s``), but shrinks only after
+``down_cooldown_s`` since the last change and only to what would still hold at ``1 + down_headroom`` times
+the traffic, so a rate near a boundary does not flap the pool. Never below 1 worker per pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field, replace
+
+from engine.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillProfile:
+    """Prefill throughput of one worker (tokens/s) at each profiled prompt length (increasing)."""
+
+    prompt_lens: tuple[int, ...]
+    tokens_per_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        _check_curve("prefill", self.prompt_lens, self.tokens_per_s)
+
+    def service_time_s(self, isl: float) -> float:
+        return isl / _interpolate(self.prompt_lens, self.tokens_per_s, isl)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeProfile:
+    """Inter-token latency (s) of one worker at each profiled batch size (increasing)."""
+
+    batch_sizes: tuple[int, ...]
+    itl_s: tuple[float, ...]
+    kv_tokens_per_worker: int | None = None  # caps the batch at kv_tokens / (isl + osl) when known
+
+    def __post_init__(self) -> None:
+        _check_curve("decode", self.batch_sizes, self.itl_s)
+        if any(nxt < cur for cur, nxt in zip(self.itl_s, self.itl_s[1:])):
+            raise InvalidRequest("decode profile: itl must not decrease with batch size")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Slo:
+    ttft_p90_s: float
+    itl_p90_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Traffic:
+    rate_per_s: float  # requests per second
+    mean_isl: float  # prompt tokens
+    mean_osl: float  # output tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Corrections:
+    """Measured / predicted latency per pool; 1.0 trusts the profile as is."""
+
+    prefill: float = 1.0
+    decode: float = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerConfig:
+    max_workers: int = 64  # per pool; the search stops here
+    infeasible_utilization: float = 0.8  # prefill target when no count meets the TTFT SLO
+    down_headroom: float = 0.2  # shrink only to a size that holds 1.2x the traffic
+    up_cooldown_s: float = 0.0
+    down_cooldown_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolState:
+    """The sizes now in force and when either last changed (None: never)."""
+
+    prefill: int | None = None
+    decode: int | None = None
+    last_change_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Term:
+    pool: str  # prefill | decode | plan
+    name: str
+    value: float
+    unit: str
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolPlan:
+    raw: int  # what the traffic needs now
+    sticky: int  # what would still hold at (1 + down_headroom) x traffic
+    feasible: bool  # False: no count meets the SLO (see the terms)
+    terms: tuple[Term, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    prefill: int
+    decode: int
+    prefill_plan: PoolPlan
+    decode_plan: PoolPlan
+    decisions: tuple[Term, ...] = field(default=())
+
+    @property
+    def feasible(self) -> bool:
+        return self.prefill_plan.feasible and self.decode_plan.feasible
+
+    @property
+    def terms(self) -> tuple[Term, ...]:
+        return self.prefill_plan.terms + self.decode_plan.terms + self.decisions
+
+    def explain(self) -> str:
+        """The reasoning, one term per line: ``pool  name = value unit  (note)``."""
+        lines = [f"{t.pool:<8} {t.name:<28} = {_num(t.value)} {t.unit}" + (f"  ({t.note})" if t.note else "")
+                 for t in self.terms]
+        lines.append(f"plan: {self.prefill} prefill, {self.decode} decode" + ("" if self.feasible else
+                     "  (SLO not reachable with these profiles: best effort)"))
+        return "\n".join(lines)
+
+
+def plan_pools(slo: Slo, traffic: Traffic, prefill: PrefillProfile, decode: DecodeProfile, *,
+               corrections: Corrections = Corrections(), config: PlannerConfig = PlannerConfig(),
+               state: PoolState = PoolState(), now_s: float = 0.0) -> Plan:
+    """Recommend pool sizes; with ``state``, damp the change (hysteresis, cool-downs)."""
+    _check_inputs(slo, traffic, corrections)
+    busier = replace(traffic, rate_per_s=traffic.rate_per_s * (1.0 + config.down_headroom))
+    p_plan = replace(size_prefill(slo, traffic, prefill, corrections.prefill, config),
+                     sticky=size_prefill(slo, busier, prefill, corrections.prefill, config).raw)
+    d_plan = replace(size_decode(slo, traffic, decode, corrections.decode, config),
+                     sticky=size_decode(slo, busier, decode, corrections.decode, config).raw)
+    since_s = None if state.last_change_s is None else now_s - state.last_change_s
+    p_count, p_why = damp(state.prefill, p_plan, since_s, config)
+    d_count, d_why = damp(state.decode, d_plan, since_s, config)
+    decisions = (Term(pool="prefill", name="decision", value=p_count, unit="workers", note=p_why),
+                 Term(pool="decode", name="decision", value=d_count, unit="workers", note=d_why))
+    return Plan(prefill=p_count, decode=d_count, prefill_plan=p_plan, decode_plan=d_plan, decisions=decisions)
+
+
+def prefill_ttft_p90_s(rate_per_s: float, service_s: float, workers: int) -> tuple[float, float]:
+    """(rho, p90 TTFT in s) of ``workers`` M/D/1 queues sharing Poisson traffic; inf when unstable."""
+    rho = rate_per_s / workers * service_s
+    if rho >= 1.0:
+        return rho, math.inf
+    wait_s = service_s * math.log(10 * rho) / (2 * (1 - rho)) if rho > 0.1 else 0.0
+    return rho, service_s + wait_s
+
+
+def size_prefill(slo: Slo, traffic: Traffic, profile: PrefillProfile, correction: float,
+                 config: PlannerConfig) -> PoolPlan:
+    service_s = profile.service_time_s(traffic.mean_isl)
+    terms = [Term(pool="prefill", name="throughput at isl", value=traffic.mean_isl / service_s, unit="tok/s"),
+             Term(pool="prefill", name="service time D", value=service_s * 1e3, unit="ms", note="isl / throughput"),
+             Term(pool="prefill", name="correction", value=correction, unit="x", note="measured / predicted TTFT")]
+    for n in range(1, config.max_workers + 1):
+        rho, ttft_s = prefill_ttft_p90_s(traffic.rate_per_s, service_s, n)
+        if ttft_s * correction <= slo.ttft_p90_s:
+            terms += [Term(pool="prefill", name="utilization rho", value=rho, unit="", note=f"rate / n * D at n = {n}"),
+                      Term(pool="prefill", name="predicted TTFT p90", value=ttft_s * correction * 1e3, unit="ms",
+                           note=f"M/D/1, <= SLO {slo.ttft_p90_s * 1e3:g} ms")]
+            return PoolPlan(raw=n, sticky=n, feasible=True, terms=tuple(terms))
+    n = max(1, math.ceil(traffic.rate_per_s * service_s / config.infeasible_utilization))
+    n = min(n, config.max_workers)
+    terms.append(Term(pool="prefill", name="utilization rho", value=traffic.rate_per_s / n * service_s, unit="",
+                      note=f"no count meets the TTFT SLO; sized for rho <= {config.infeasible_utilization:g}"))
+    return PoolPlan(raw=n, sticky=n, feasible=False, terms=tuple(terms))
+
+
+def max_batch_at_itl(profile: DecodeProfile, itl_target_s: float) -> float | None:
+    """Largest (interpolated) batch whose ITL stays within the target; None when even the smallest misses."""
+    sizes, itls = profile.batch_sizes, profile.itl_s
+    if itls[0] > itl_target_s:
+        return None
+    i = bisect.bisect_right(itls, itl_target_s)
+    if i == len(itls):
+        return float(sizes[-1])  # no extrapolation past the profile
+    lo, hi = i - 1, i
+    return sizes[lo] + (sizes[hi] - sizes[lo]) * (itl_target_s - itls[lo]) / (itls[hi] - itls[lo])
+
+
+def size_decode(slo: Slo, traffic: Traffic, profile: DecodeProfile, correction: float,
+                config: PlannerConfig) -> PoolPlan:
+    batch = max_batch_at_itl(profile, slo.itl_p90_s / correction)
+    feasible = batch is not None
+    batch = batch if batch is not None else float(profile.batch_sizes[0])
+    terms = [Term(pool="decode", name="correction", value=correction, unit="x", note="measured / predicted ITL"),
+             Term(pool="decode", name="batch at ITL target", value=batch, unit="seqs",
+                  note=f"profile ITL * correction <= {slo.itl_p90_s * 1e3:g} ms" if feasible
+                  else "smallest profiled batch already misses the ITL SLO")]
+    if profile.kv_tokens_per_worker is not None:
+        kv_batch = profile.kv_tokens_per_worker / (traffic.mean_isl + traffic.mean_osl)
+        terms.append(Term(pool="decode", name="batch by KV capacity", value=kv_batch, unit="seqs",
+                          note="kv tokens / (isl + osl)"))
+        batch = max(1.0, min(batch, kv_batch))
+    itl_s = _interpolate(profile.batch_sizes, profile.itl_s, batch) * correction  # <= the target when feasible
+    concurrent = traffic.rate_per_s * traffic.mean_osl * itl_s
+    n = min(config.max_workers, max(1, math.ceil(concurrent / batch - 1e-9)))
+    terms += [Term(pool="decode", name="concurrent sequences", value=concurrent, unit="seqs",
+                   note="Little: rate * osl * ITL"),
+              Term(pool="decode", name="per-worker throughput", value=batch / itl_s, unit="tok/s",
+                   note="batch / ITL"),
+              Term(pool="decode", name="workers needed", value=concurrent / batch, unit="", note="ceil -> raw")]
+    return PoolPlan(raw=n, sticky=n, feasible=feasible, terms=tuple(terms))
+
+
+def damp(current: int | None, plan: PoolPlan, since_change_s: float | None, config: PlannerConfig) -> tuple[int, str]:
+    """The size to set now and why: grow to ``raw``; shrink to ``sticky`` only after the cool-down."""
+    if current is None:
+        return plan.raw, "no current size: take the plan"
+    ready_up = since_change_s is None or since_change_s >= config.up_cooldown_s
+    ready_down = since_change_s is None or since_change_s >= config.down_cooldown_s
+    if plan.raw > current:
+        return (plan.raw, "scale up") if ready_up else (current, "scale up waits for the cool-down")
+    target = max(plan.raw, plan.sticky)
+    if target < current:
+        return (target, f"scale down (holds {1 + config.down_headroom:g}x traffic)") if ready_down else (
+            current, "scale down waits for the cool-down")
+    return current, "hold (within the hysteresis band)"
+
+
+def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise-linear y(x), flat beyond the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def _check_curve(name: str, xs: tuple[int, ...], ys: tuple[float, ...]) -> None:
+    if not xs or len(xs) != len(ys):
+        raise InvalidRequest(f"{name} profile: need matching, non-empty points, got {len(xs)} and {len(ys)}")
+    if any(b <= a for a, b in zip(xs, xs[1:])) or xs[0] <= 0:
+        raise InvalidRequest(f"{name} profile: x values must be positive and increasing, got {list(xs)}")
+    if any(not (y > 0 and math.isfinite(y)) for y in ys):
+        raise InvalidRequest(f"{name} profile: values must be positive and finite, got {list(ys)}")
+
+
+def _check_inputs(slo: Slo, traffic: Traffic, corrections: Corrections) -> None:
+    checks = {"ttft_p90": slo.ttft_p90_s, "itl_p90": slo.itl_p90_s, "isl": traffic.mean_isl,
+              "osl": traffic.mean_osl, "prefill correction": corrections.prefill,
+              "decode correction": corrections.decode}
+    for name, value in checks.items():
+        if not (value > 0 and math.isfinite(value)):
+            raise InvalidRequest(f"{name} must be a positive number, got {value}")
+    if not (traffic.rate_per_s >= 0 and math.isfinite(traffic.rate_per_s)):
+        raise InvalidRequest(f"rate must be >= 0, got {traffic.rate_per_s}")
+
+
+def _num(value: float) -> str:
+    return f"{value:.0f}" if value == int(value) and abs(value) < 1e12 else f"{value:.3g}"

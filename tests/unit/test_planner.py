@@ -1,0 +1,136 @@
+"""The SLO planner's math: known inputs give known counts, counts are monotone in rate and SLO, the
+hysteresis band and cool-downs hold, never below one worker per pool, bad inputs are typed errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.errors import InvalidRequest
+from router.planner import (
+    Corrections, DecodeProfile, PlannerConfig, PoolState, PrefillProfile, Slo, Traffic, max_batch_at_itl,
+    plan_pools, prefill_ttft_p90_s,
+)
+
+# 10k tok/s at every length: a 1000-token prompt takes D = 100 ms.
+PREFILL = PrefillProfile(prompt_lens=(128, 4096), tokens_per_s=(10_000.0, 10_000.0))
+DECODE = DecodeProfile(batch_sizes=(1, 8, 32, 64), itl_s=(0.010, 0.012, 0.020, 0.036))
+SLO = Slo(ttft_p90_s=0.300, itl_p90_s=0.020)
+
+
+def traffic(rate: float, isl: float = 1000, osl: float = 200) -> Traffic:
+    return Traffic(rate_per_s=rate, mean_isl=isl, mean_osl=osl)
+
+
+def plan(rate: float, slo: Slo = SLO, **kwargs):
+    return plan_pools(slo, traffic(rate), PREFILL, DECODE, **kwargs)
+
+
+def test_md1_p90_ttft_by_hand():
+    rho, ttft_s = prefill_ttft_p90_s(10.0, 0.1, 2)  # rho 0.5: W90 = D ln(5) / (2 * 0.5)
+    assert rho == 0.5 and ttft_s == pytest.approx(0.1 + 0.1 * math.log(5))
+    assert prefill_ttft_p90_s(10.0, 0.1, 1) == (1.0, math.inf)  # unstable
+    assert prefill_ttft_p90_s(0.5, 0.1, 1)[1] == 0.1  # rho 0.05: the p90 request does not wait
+
+
+def test_known_counts():
+    result = plan(10.0)
+    # prefill: n=1 is unstable (rho 1), n=2 gives 100 + 161 = 261 ms <= 300 ms.
+    assert result.prefill_plan.raw == 2 and result.prefill == 2
+    # decode: ITL 20 ms allows batch 32; Little: 10/s * 200 tok * 20 ms = 40 sequences -> 2 workers.
+    assert result.decode_plan.raw == 2 and result.decode == 2
+    assert result.feasible
+    assert plan(12.0).prefill == 3  # rho 0.6 at n=2 -> 324 ms > 300 ms
+    assert plan(20.0).decode == 3  # 80 sequences / 32
+
+
+def test_interpolates_the_decode_curve_and_never_extrapolates():
+    assert max_batch_at_itl(DECODE, 0.016) == pytest.approx(20.0)  # halfway between 8 (12 ms) and 32 (20 ms)
+    assert max_batch_at_itl(DECODE, 1.0) == 64.0
+    assert max_batch_at_itl(DECODE, 0.005) is None
+    result = plan_pools(Slo(ttft_p90_s=0.3, itl_p90_s=0.016), traffic(10.0), PREFILL, DECODE)
+    assert result.decode == 2  # 10 * 200 * 16 ms = 32 sequences / 20
+
+
+def test_kv_capacity_caps_the_batch():
+    small_kv = DecodeProfile(batch_sizes=DECODE.batch_sizes, itl_s=DECODE.itl_s, kv_tokens_per_worker=12_000)
+    result = plan_pools(SLO, traffic(10.0), PREFILL, small_kv)  # 12000 / 1200 = 10 sequences per worker
+    # ITL(10) = 12 + 8 * 2/24 = 12.67 ms; Little: 10/s * 200 * 12.67 ms = 25.3 sequences / 10 -> 3 workers.
+    assert result.decode == 3
+
+
+def test_monotone_in_rate():
+    counts = [(p.prefill, p.decode) for p in (plan(r) for r in [0.0, 0.5, 1, 2, 5, 8, 10, 15, 20, 40, 80])]
+    assert counts[0] == (1, 1)
+    for (p0, d0), (p1, d1) in zip(counts, counts[1:]):
+        assert p1 >= p0 and d1 >= d0
+    assert counts[-1][0] > counts[0][0] and counts[-1][1] > counts[0][1]
+
+
+def test_monotone_in_slo():
+    ttfts = [0.15, 0.2, 0.3, 0.5, 1.0, 5.0]
+    prefill = [plan(20.0, Slo(ttft_p90_s=t, itl_p90_s=0.02)).prefill for t in ttfts]
+    assert prefill == sorted(prefill, reverse=True) and prefill[0] > prefill[-1]
+    itls = [0.011, 0.012, 0.016, 0.02, 0.03, 0.05]
+    decode = [plan(20.0, Slo(ttft_p90_s=0.3, itl_p90_s=i)).decode for i in itls]
+    assert decode == sorted(decode, reverse=True) and decode[0] > decode[-1]
+
+
+def test_corrections_scale_the_prediction():
+    base = plan(20.0)
+    slow = plan(20.0, corrections=Corrections(prefill=1.5, decode=1.5))
+    assert slow.prefill > base.prefill and slow.decode > base.decode
+
+
+def test_unreachable_slo_is_best_effort_and_says_so():
+    result = plan_pools(Slo(ttft_p90_s=0.05, itl_p90_s=0.005), traffic(10.0), PREFILL, DECODE)
+    assert not result.feasible
+    assert result.prefill == math.ceil(10 * 0.1 / 0.8)  # sized for rho <= 0.8
+    assert result.decode >= 1
+    assert "not reachable" in result.explain()
+
+
+def test_hysteresis_band_and_cooldowns():
+    config = PlannerConfig(down_cooldown_s=60.0, down_headroom=0.2)
+    # Rate 10 needs 2 prefill, but 1.2x (rate 12) would need 3: a pool of 3 holds.
+    assert plan(10.0, state=PoolState(prefill=3, decode=2, last_change_s=0.0), now_s=1000.0, config=config).prefill == 3
+    # Rate 5 needs 1; 1.2x (rate 6) needs 2: shrink to 2, not 1, and only after the cool-down.
+    state = PoolState(prefill=3, decode=2, last_change_s=0.0)
+    assert plan(5.0, state=state, now_s=30.0, config=config).prefill == 3
+    assert plan(5.0, state=state, now_s=61.0, config=config).prefill == 2
+    # Growth is immediate.
+    assert plan(12.0, state=PoolState(prefill=1, decode=1, last_change_s=0.0), now_s=1.0, config=config).prefill == 3
+
+
+def test_noisy_rate_at_a_boundary_does_not_oscillate():
+    config = PlannerConfig(down_cooldown_s=0.0)
+    state, changes = PoolState(), 0
+    for step, rate in enumerate([10.0, 12.5, 9.5, 12.2, 10.5, 11.9, 9.8, 12.4] * 3):
+        result = plan(rate, state=state, now_s=float(step), config=config)
+        if state.prefill is not None and result.prefill != state.prefill:
+            changes += 1
+        state = PoolState(prefill=result.prefill, decode=result.decode, last_change_s=float(step))
+    assert changes <= 1
+
+
+def test_reasoning_names_every_term():
+    text = plan(10.0).explain()
+    for name in ("service time D", "utilization rho", "predicted TTFT p90", "batch at ITL target",
+                 "concurrent sequences", "decision"):
+        assert name in text
+    assert text.splitlines()[-1] == "plan: 2 prefill, 2 decode"
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: PrefillProfile(prompt_lens=(), tokens_per_s=()),
+    lambda: PrefillProfile(prompt_lens=(10, 5), tokens_per_s=(1.0, 2.0)),
+    lambda: DecodeProfile(batch_sizes=(1, 2), itl_s=(0.02, 0.01)),
+    lambda: DecodeProfile(batch_sizes=(1,), itl_s=(0.0,)),
+    lambda: plan(-1.0),
+    lambda: plan(1.0, Slo(ttft_p90_s=0.0, itl_p90_s=0.02)),
+    lambda: plan_pools(SLO, traffic(1.0, isl=float("nan")), PREFILL, DECODE),
+])
+def test_bad_input_is_invalid_request(bad):
+    with pytest.raises(InvalidRequest):
+        bad()
