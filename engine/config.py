@@ -43,6 +43,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    max_num_waiting: int | None = None  # admission control: more queued requests are refused (None: unbounded)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
 
     def __post_init__(self) -> None:

@@ -56,6 +56,7 @@ class Engine:
             device=self.device, backend=_pick_backend(config.attention_backend, self.device),
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.max_num_waiting = config.max_num_waiting
 
     @property
     def max_model_len(self) -> int:
@@ -115,6 +116,10 @@ class Engine:
     def _new_request(self, request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,
                      output_token_ids) -> Request:
         self._validate(prompt_token_ids)
+        if self.max_num_waiting is not None and len(self.scheduler.waiting) >= self.max_num_waiting:
+            raise CapacityExceeded(
+                f"the waiting queue is full ({len(self.scheduler.waiting)} requests); retry later or elsewhere"
+            )
         if len(prompt_token_ids) + len(output_token_ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt plus outputs so far must be shorter than max_model_len ({self.max_model_len})")
         seed = params.seed if params.seed is not None else secrets.randbits(63)

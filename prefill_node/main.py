@@ -25,11 +25,15 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-waiting", type=int, default=None,
+                   help="admission control: refuse new requests (RESOURCE_EXHAUSTED) past this many queued")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (CPU)")
     p.add_argument("--lease-ttl-s", type=float, default=30.0, help="how long unpulled KV stays pinned")
     p.add_argument("--heartbeat-ttl-s", type=float, default=6.0)
+    p.add_argument("--metrics-port", type=int, default=9400,
+                   help="serve Prometheus /metrics on --host at this port (default: %(default)s; 0: no endpoint)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -41,13 +45,13 @@ def worker_config(role: str, args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        num_threads=args.num_threads,
+        max_num_waiting=args.max_num_waiting, num_threads=args.num_threads,
     )
     return WorkerConfig(
         role=role, engine=engine, redis_url=args.redis_url, namespace=args.namespace, host=args.host,
         grpc_port=args.port, kv_transport=args.kv_transport, kv_port=args.kv_port, worker_id=args.worker_id,
         lease_ttl_s=args.lease_ttl_s, heartbeat_ttl_s=args.heartbeat_ttl_s,
-        heartbeat_interval_s=min(2.0, args.heartbeat_ttl_s / 3),
+        heartbeat_interval_s=min(2.0, args.heartbeat_ttl_s / 3), metrics_port=args.metrics_port,
     )
 
 

@@ -103,3 +103,23 @@ def test_demo_cli_streams_and_reports_timings(tiny_dir):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.lstrip().startswith("def main():")
     assert "[8 tokens, finish=length, TTFT" in proc.stdout
+
+
+def test_admission_control_refuses_past_the_waiting_limit(tiny_dir):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.errors import CapacityExceeded
+
+    engine = Engine(EngineConfig(model=str(tiny_dir), num_blocks=64, max_num_waiting=2))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("b", [5, 6, 8], params)
+    with pytest.raises(CapacityExceeded, match="waiting queue is full"):
+        engine.add_request("c", [5, 6, 9], params)
+    engine.step()  # a and b are admitted: the queue has room again
+    engine.add_request("c", [5, 6, 9], params)
+    while engine.has_unfinished():
+        engine.step()
+    pool = engine.kv_cache_manager.pool
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_blocks
