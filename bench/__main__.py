@@ -9,6 +9,8 @@ _BENCHMARKS = {
     "throughput": "bench.throughput",
     "kv-transfer": "bench.kv_transfer",
     "router-overhead": "bench.router_overhead",
+    "decision-latency": "bench.decision_latency",
+    "routing": "bench.routing",
 }
 
 

@@ -13,7 +13,7 @@ from engine.core.outputs import RequestDelta
 from kv_transfer.errors import KVTransferError
 from kv_transfer.transport import pull
 from prefill_node.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
-from prefill_node.servicer import WorkerServicer, abort_with
+from prefill_node.servicer import _STATUS, WorkerServicer, abort_with
 from proto import baton_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ class DecodeServicer(WorkerServicer):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status
+            code = next((code for kind, code in _STATUS if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+            self.node.metrics.request_error(code.name)
             await abort_with(context, exc)
 
     async def _decode(self, request: pb.DecodeRequest):
@@ -69,6 +71,7 @@ class DecodeServicer(WorkerServicer):
             node.async_engine.abort(rid)  # cancelled mid-pull: free the reservation
             raise
         timings.transfer_bytes, timings.transfer_ms = stats.num_bytes, stats.seconds * 1e3
+        node.metrics.kv_transfer(stats.num_bytes, stats.seconds)
         timings.transfer_gbps, timings.transfer_blocks = stats.gbps, stats.num_blocks
         timings.transport = handle.data_plane_uri.split(":", 1)[0]
         return lambda e: e.activate_remote(rid)

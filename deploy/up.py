@@ -39,6 +39,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting a private one")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--metrics-port", type=int, default=9400,
+                   help="router's Prometheus /metrics port; workers take the next ones (default: %(default)s)")
     p.add_argument("--disagg-threshold-tokens", type=int, default=None)
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp folder)")
     return p.parse_args(argv)
@@ -53,11 +55,12 @@ def main(argv: list[str]) -> int:
     try:
         redis_url = args.redis_url or start_redis(log_dir, children)
         common = ["--redis-url", redis_url, "--model", model]
-        for i in range(args.prefill):
-            spawn(f"prefill-{i}", ["prefill", *common, "--num-threads", str(args.num_threads)], log_dir, children)
-        for i in range(args.decode):
-            spawn(f"decode-{i}", ["decode", *common, "--num-threads", str(args.num_threads)], log_dir, children)
-        router = ["router", *common, "--port", str(args.port)]
+        metrics = iter(range(args.metrics_port + 1, args.metrics_port + 1 + args.prefill + args.decode))
+        for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+            for i in range(count):
+                spawn(f"{role}-{i}", [role, *common, "--num-threads", str(args.num_threads),
+                                      "--metrics-port", str(next(metrics))], log_dir, children)
+        router = ["router", *common, "--port", str(args.port), "--metrics-port", str(args.metrics_port)]
         if args.disagg_threshold_tokens is not None:
             router += ["--disagg-threshold-tokens", str(args.disagg_threshold_tokens)]
         spawn("router", router, log_dir, children)
@@ -99,6 +102,8 @@ def spawn(name: str, args: list[str], log_dir: Path, children: list[Child]) -> N
 def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
     print(f"Baton is starting: {args.prefill} prefill + {args.decode} decode workers", flush=True)
     print(f"  router   grpc://127.0.0.1:{args.port}   (baton.v1.Generation)")
+    print(f"  metrics  http://127.0.0.1:{args.metrics_port}/metrics (router), "
+          f"{args.metrics_port + 1}-{args.metrics_port + args.prefill + args.decode} (workers)")
     print(f"  redis    {redis_url}")
     print(f"  logs     {log_dir}")
     print(f"\ntry:  baton generate \"def main():\" --router 127.0.0.1:{args.port}\n(Ctrl-C stops everything)",

@@ -20,12 +20,13 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.core.outputs import RequestDelta
+from engine.core.outputs import RequestDelta, SchedulerStats
 from engine.engine import Engine
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import Lease, LeaseTable
 from kv_transfer.registry import HeartbeatTask, Registry, WorkerInfo, WorkerLoad, connect
 from kv_transfer.transport import make_server
+from prefill_node.metrics import WorkerMetrics, serve_metrics
 from prefill_node.publisher import IndexPublisher
 from prefill_node.servicer import WorkerServicer
 from proto import baton_pb2 as pb
@@ -48,6 +49,7 @@ class WorkerConfig:
     lease_ttl_s: float = 30.0
     heartbeat_ttl_s: float = 6.0
     heartbeat_interval_s: float = 2.0
+    metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port; None or 0: no endpoint
 
 
 class WorkerNode:
@@ -73,6 +75,8 @@ class WorkerNode:
         self.kv_uri = await self.kv_server.start(self.config.host, self.config.kv_port)
         self.grpc_address = await self._start_grpc()
         self.worker_id = self.config.worker_id or f"{self.config.role}-{socket.gethostname()}-{self.grpc_port}"
+        self.metrics = WorkerMetrics(self.worker_id)
+        self.metrics_server = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port)
         self.redis = connect(self.config.redis_url)
         self.registry = Registry(self.redis, self.config.namespace, self.config.heartbeat_ttl_s)
         self.publisher = IndexPublisher(self)
@@ -89,6 +93,8 @@ class WorkerNode:
         for task in self._tasks:
             task.cancel()
         await self.heartbeat.stop(deregister=True)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         await self.grpc_server.stop(grace_s)
         await self.kv_server.stop()
         self.async_engine.stop()
@@ -145,15 +151,20 @@ class WorkerNode:
                 if lease.lease_id in expired_ids:
                     del self.lease_of_request[request_id]
             try:
-                self.load = await self.async_engine.call(_load)
+                stats, self.load = await self.async_engine.call(_sample)
+                self.metrics.scheduler_stats(stats)
                 await self.publisher.publish_pending()
             except Exception as exc:  # noqa: BLE001 - Redis down: keep serving, retry next period
                 logger.debug("housekeeping: %r", exc)
             await asyncio.sleep(period_s)
 
 
-def _load(engine: Engine) -> WorkerLoad:
+def _sample(engine: Engine) -> tuple[SchedulerStats, WorkerLoad]:
     stats = engine.stats()
+    return stats, _load(engine, stats)
+
+
+def _load(engine: Engine, stats: SchedulerStats) -> WorkerLoad:
     queued = sum(r.num_tokens - r.num_computed_tokens for r in engine.scheduler.waiting)
     queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in engine.scheduler.running)
     return WorkerLoad(running=stats.num_running, waiting=stats.num_waiting, free_blocks=stats.num_free_blocks,

@@ -12,10 +12,13 @@ from pathlib import Path
 
 from engine.errors import BatonError
 from router.config import DEFAULT_PORT, RouterConfig
-from router.policy import PolicyConfig
+from router.cost_model import CostConfig
+from router.policy import POLICIES, PolicyConfig
 from router.server import start_router
 
 log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_PORT = 9400  # deploy/spec.py METRICS_PORT: the pods' `metrics` container port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     parser.add_argument("--max-queued-prefill-tokens", type=int, default=None,
                         help="prefill workers queueing more tokens count as saturated (default: no limit)")
+    parser.add_argument("--policy", choices=POLICIES, default=PolicyConfig().policy,
+                        help="routing policy: the cost model, or a baseline for benchmarks (default: %(default)s)")
+    parser.add_argument("--router-temperature", type=float, default=0.0,
+                        help="softmax temperature in seconds over the cost policy's per-worker costs; "
+                        "0 picks the cheapest (default: %(default)s)")
+    parser.add_argument("--itl-target-ms", type=float, default=CostConfig().itl_target_s * 1e3,
+                        help="the cost policy prefills remotely rather than push a decode worker's step time "
+                        "past this (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0,
@@ -48,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admin-token", default=os.environ.get("BATON_ADMIN_TOKEN") or None,
                         help="require `authorization: Bearer TOKEN` on baton.v1.Admin calls "
                         "(default: $BATON_ADMIN_TOKEN; unset: the admin API is open)")
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                        help="serve Prometheus /metrics on this port (default: %(default)s; 0: no endpoint)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return parser
 
@@ -58,7 +71,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ns=args.ns, host=args.host, port=args.port, model_name=args.model_name, max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout_s,
         policy=PolicyConfig(disagg_threshold_tokens=args.disagg_threshold_tokens,
-                            max_queued_prefill_tokens=args.max_queued_prefill_tokens),
+                            max_queued_prefill_tokens=args.max_queued_prefill_tokens, policy=args.policy,
+                            cost=CostConfig(temperature_s=args.router_temperature,
+                                            itl_target_s=args.itl_target_ms / 1e3)),
     )
 
 
@@ -68,9 +83,9 @@ def _default_model_dir() -> Path:
     return default_model_dir("tiny")
 
 
-async def serve(config: RouterConfig, *, admin_token: str | None = None) -> None:
+async def serve(config: RouterConfig, *, admin_token: str | None = None, metrics_port: int | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then stop gracefully."""
-    router = await start_router(config, admin_token=admin_token)
+    router = await start_router(config, admin_token=admin_token, metrics_port=metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -92,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (config.model_dir / "tokenizer.json").is_file():
         parser.error(f"--model {config.model_dir}: no tokenizer.json there (build one with `baton model tiny`)")
     try:
-        asyncio.run(serve(config, admin_token=args.admin_token))
+        asyncio.run(serve(config, admin_token=args.admin_token, metrics_port=args.metrics_port))
     except (BatonError, OSError, RuntimeError) as exc:  # bad model folder, port taken, ...
         print(f"baton router: error: {exc}", file=sys.stderr)
         return 1

@@ -119,7 +119,7 @@ class RoutingState:
 
     rates: Rates = field(default_factory=Rates)
     rng: random.Random = field(default_factory=random.Random)
-    next_index: int = 0
+    next_index: dict[str, int] = field(default_factory=dict)  # round-robin cursor per role
 
     @classmethod
     def for_config(cls, config: PolicyConfig, *, seed: int | None = None) -> RoutingState:
@@ -215,8 +215,9 @@ def _baseline_picker(
 ) -> Callable[[Sequence[Candidate], str], Candidate]:
     def round_robin(pool: Sequence[Candidate], role: str) -> Candidate:
         ordered = sorted(pool, key=lambda c: c.worker_id)
-        state.next_index += 1
-        return ordered[(state.next_index - 1) % len(ordered)]
+        index = state.next_index.get(role, 0)
+        state.next_index[role] = index + 1
+        return ordered[index % len(ordered)]
 
     def uniform(pool: Sequence[Candidate], role: str) -> Candidate:
         return state.rng.choice(sorted(pool, key=lambda c: c.worker_id))

@@ -33,6 +33,7 @@ from router.convert import worker_sampling
 from router.directory import Snapshot, WorkerDirectory, build_candidates, served_scheme
 from router.errors import DeadlineExceeded, WorkerUnavailable, error_from_status
 from router.frontend import Job
+from router.metrics import RouterMetrics
 from router.output import TextStream
 from router.policy import (
     Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, pick_decode, route,
@@ -49,9 +50,10 @@ class Relay:
 
     def __init__(
         self, directory: WorkerDirectory, tokenizer: Tokenizer, policy: PolicyConfig, *,
-        decode_retries: int = 1, control_rpc_timeout_s: float = 2.0,
+        decode_retries: int = 1, control_rpc_timeout_s: float = 2.0, metrics: RouterMetrics | None = None,
     ) -> None:
         self.directory, self.tokenizer, self.policy = directory, tokenizer, policy
+        self.metrics = metrics if metrics is not None else RouterMetrics()
         self.decode_retries = decode_retries
         self.control = WorkerControl(directory, timeout_s=control_rpc_timeout_s)
         # Requests this router sent to each decode worker and not yet finished: heartbeats report load
@@ -107,12 +109,14 @@ class _Flow:
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
+        self._relay.metrics.running.inc()
         try:
             async for response in self._stages():
                 yield response
                 if not self._done:
                     self._remaining_s()  # a slow client may keep a write pending past the deadline
         finally:
+            self._relay.metrics.running.dec()
             self._cleanup()
 
     async def _stages(self) -> AsyncIterator[pb.GenerateResponse]:
@@ -143,6 +147,7 @@ class _Flow:
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
         self._trace.route(decision.kind.value, decision.reason, decision.predicted_ttft_s)
+        self._relay.metrics.decision(decision.kind.value, decision.reason)
         log.debug("request_id=%s routed %s: decode=%s prefill=%s (%s)", self._job.worker_request_id,
                   decision.kind.value, decision.decode_id, decision.prefill_id, decision.reason)
         return decision
@@ -183,6 +188,7 @@ class _Flow:
                     self._job.worker_request_id, worker.worker_id, exc.code().name, exc.details())
         reason = f"fallback: prefill on {worker.worker_id} failed ({exc.code().name})"
         self._trace.route(RouteKind.LOCAL.value, reason)
+        self._relay.metrics.decision(RouteKind.LOCAL.value, reason)
 
     def _on_prefilled(self, response: pb.PrefillResponse) -> pb.GenerateResponse:
         self._trace.merge(response.timings)
@@ -267,6 +273,8 @@ class _Flow:
     def _on_decode_progress(self, response: pb.DecodeResponse) -> None:
         self._trace.merge(response.timings)
         timings = response.timings
+        if timings.route_reason:  # D fell back to prefilling itself (pull failed, no blocks)
+            self._relay.metrics.decision(RouteKind.LOCAL.value, timings.route_reason)
         if timings.transfer_bytes and self._prefill_worker is not None and self._decode_worker is not None:
             self._relay.routing.rates.observe_transfer(  # learn the P -> D link
                 self._prefill_worker.worker_id, self._decode_worker.worker_id, timings.transfer_bytes,
@@ -318,6 +326,9 @@ class _Flow:
         prefill = self._prefill_worker.worker_id if self._prefilled_remotely and self._prefill_worker else ""
         decode = self._decode_worker.worker_id if self._decode_worker else ""
         timings = self._trace.final(prefill_worker=prefill, decode_worker=decode)
+        self._relay.metrics.request_finished(
+            self._trace, num_prompt_tokens=usage.prompt_tokens, num_output_tokens=usage.completion_tokens,
+            finished_reason=pb.FinishReason.Name(self._finish).removeprefix("FINISH_REASON_").lower())
         return pb.GenerateResponse(request_id=self._job.request_id, text=piece.text, finish_reason=self._finish,
                                    usage=usage, timings=timings)
 

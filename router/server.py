@@ -27,6 +27,7 @@ from router.config import ModelCard, RouterConfig, resolve_max_model_len
 from router.directory import WorkerDirectory, served_scheme
 from router.errors import WorkerUnavailable, status_for
 from router.frontend import Frontend, ModelLimits
+from router.metrics import MetricsServer, RouterMetrics, serve_metrics
 from router.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -35,45 +36,59 @@ GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps typed errors (router.errors.status_for) to statuses; anything else is a logged INTERNAL."""
+    """Maps typed errors (router.errors.status_for) to statuses; anything else is a logged INTERNAL.
+
+    With ``metrics``, each error status of a ``Generation`` call counts in ``baton:request_errors_total``.
+    """
+
+    def __init__(self, metrics: RouterMetrics | None = None) -> None:
+        self._metrics = metrics
 
     async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
         if handler is None or handler.request_streaming:
             return handler
+        counted = details.method.startswith(f"/{GENERATION_SERVICE}/")
+        metrics = self._metrics if counted else None
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
-                _guarded(handler.unary_stream, details.method), handler.request_deserializer,
+                _guarded(handler.unary_stream, details.method, metrics), handler.request_deserializer,
                 handler.response_serializer,
             )
         return grpc.unary_unary_rpc_method_handler(
-            _guarded(handler.unary_unary, details.method), handler.request_deserializer, handler.response_serializer
+            _guarded(handler.unary_unary, details.method, metrics), handler.request_deserializer,
+            handler.response_serializer,
         )
 
 
-def _guarded(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _guarded(behavior: Callable[..., Any], method: str, metrics: RouterMetrics | None = None) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 async for response in behavior(request, context):
                     yield response
             except Exception as exc:  # noqa: BLE001 - mapped, or logged as a bug
-                await _abort(context, exc, method)
+                await _abort(context, exc, method, metrics)
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await behavior(request, context)
         except Exception as exc:  # noqa: BLE001 - mapped, or logged as a bug
-            await _abort(context, exc, method)
+            await _abort(context, exc, method, metrics)
     return unary
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+async def _abort(
+    context: grpc.aio.ServicerContext, exc: Exception, method: str, metrics: RouterMetrics | None = None,
+) -> None:
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
+    code = status_for(exc) if isinstance(exc, BatonError) else grpc.StatusCode.INTERNAL
+    if metrics is not None:
+        metrics.request_error(code.name)
     if isinstance(exc, BatonError):
-        await context.abort(status_for(exc), str(exc))
+        await context.abort(code, str(exc))
     log.exception("unexpected error in %s", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
 
@@ -128,8 +143,15 @@ class RunningRouter:
     relay: Relay
     directory: WorkerDirectory
     redis: Any
+    metrics_server: MetricsServer | None = None  # None: no /metrics endpoint
+
+    @property
+    def metrics(self) -> RouterMetrics:
+        return self.relay.metrics
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.relay.control.drain(timeout_s=grace_s)
@@ -139,10 +161,12 @@ class RunningRouter:
 
 async def start_router(
     config: RouterConfig, *, tokenizer: Tokenizer | None = None, admin_token: str | None = None,
+    metrics_port: int | None = None,
 ) -> RunningRouter:
     """Build and start the router (``config.port`` 0 binds a free port; see ``RunningRouter.port``).
 
     ``admin_token``: when set, ``baton.v1.Admin`` calls must carry ``authorization: Bearer <token>``.
+    ``metrics_port``: serve Prometheus ``/metrics`` there on ``config.host`` (None or 0: not at all).
     """
     card = ModelCard.from_folder(config.model_dir)
     tokenizer = tokenizer or Tokenizer.from_pretrained(config.model_dir)
@@ -151,11 +175,12 @@ async def start_router(
     redis = connect(config.redis_url)
     directory = WorkerDirectory(Registry(redis, config.ns), ttl_s=config.worker_list_ttl_s,
                                 channel_idle_s=config.request_timeout_s + 60.0)
+    metrics = RouterMetrics()
     relay = Relay(directory, tokenizer, config.policy, decode_retries=config.decode_retries,
-                  control_rpc_timeout_s=config.control_rpc_timeout_s)
+                  control_rpc_timeout_s=config.control_rpc_timeout_s, metrics=metrics)
     servicer = GenerationServicer(Frontend(tokenizer, limits), relay, directory, card,
                                   request_timeout_s=config.request_timeout_s)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)])
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(Registry(redis, config.ns), redis, token=admin_token), server)
     health_servicer = health.aio.HealthServicer()
@@ -167,4 +192,5 @@ async def start_router(
     for service in ("", GENERATION_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("router serving %s on %s:%d (max_model_len %d)", limits.name, config.host, port, limits.max_model_len)
-    return RunningRouter(server, port, health_servicer, relay, directory, redis)
+    metrics_server = serve_metrics(metrics.registry, config.host, metrics_port)
+    return RunningRouter(server, port, health_servicer, relay, directory, redis, metrics_server)

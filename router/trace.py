@@ -15,6 +15,7 @@ class RequestTrace:
         self.first_token_s: float | None = None
         self.last_token_s = 0.0
         self.num_tokens = 0
+        self.token_gaps_s: list[float] = []  # per token after the first: the wait since the previous message
         self.route_kind = ""
         self.route_reason = ""
         self.predicted_ttft_s: float | None = None  # the cost policy's prediction, reported beside the measured
@@ -26,6 +27,8 @@ class RequestTrace:
 
     def tokens_sent(self, num_tokens: int) -> None:
         now = self._clock()
+        if self.first_token_s is not None and num_tokens > 0:
+            self.token_gaps_s.extend([(now - self.last_token_s) / num_tokens] * num_tokens)
         self.first_token_s = self.first_token_s or now
         self.last_token_s = now
         self.num_tokens += num_tokens

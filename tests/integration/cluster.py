@@ -23,6 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _no_metrics(extra: tuple[str, ...]) -> list[str]:
+    """Many processes share this host: no /metrics endpoint unless a test asks for one."""
+    return [] if "--metrics-port" in extra else ["--metrics-port", "0"]
+
+
 @dataclass
 class Proc:
     name: str
@@ -57,7 +62,7 @@ class Cluster:
         worker_id = worker_id or f"{role}-{port}"
         args = [role, "--redis-url", self.redis_url, "--model", str(self.model_dir), "--port", str(port),
                 "--num-blocks", str(num_blocks), "--block-size", str(block_size), "--worker-id", worker_id,
-                "--num-threads", "1", "--namespace", self.namespace, *extra]
+                "--num-threads", "1", "--namespace", self.namespace, *_no_metrics(extra), *extra]
         proc = self._spawn(worker_id, args)
         proc.address = f"127.0.0.1:{port}"
         return proc
@@ -65,7 +70,7 @@ class Cluster:
     def start_router(self, *extra: str) -> Proc:
         port = free_port()
         args = ["router", "--redis-url", self.redis_url, "--model", str(self.model_dir), "--port", str(port),
-                "--namespace", self.namespace, *extra]
+                "--namespace", self.namespace, *_no_metrics(extra), *extra]
         proc = self._spawn(f"router-{port}", args)
         proc.address = f"127.0.0.1:{port}"
         return proc

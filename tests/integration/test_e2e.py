@@ -44,7 +44,11 @@ def expected(model_dir):
     return [out[i] for i in range(len(PROMPTS))]
 
 
-def start_cluster(model_dir, log_dir, *, prefill: int, decode: int, router_args=()) -> tuple[Cluster, RedisServer]:
+def start_cluster(model_dir, log_dir, *, prefill: int, decode: int, policy: str = "least_loaded",
+                  router_args=()) -> tuple[Cluster, RedisServer]:
+    """The router defaults to the threshold policy here: these tests assert remote/local by prompt length
+    (the cost policy's choices depend on rates it learns as the tests run; tests/integration/test_routing.py
+    exercises it)."""
     require_redis_server()
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, log_dir)
@@ -52,7 +56,7 @@ def start_cluster(model_dir, log_dir, *, prefill: int, decode: int, router_args=
     workers += [cluster.start_worker("decode", worker_id=f"d{i}") for i in range(decode)]
     cluster.workers = workers
     cluster.wait_for_workers({w.name for w in workers})
-    cluster.router = cluster.start_router("--disagg-threshold-tokens", "8", *router_args)
+    cluster.router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", policy, *router_args)
     _wait_serving(cluster.router.address)
     return cluster, redis
 
@@ -65,7 +69,7 @@ def _wait_serving(address: str, timeout_s: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def platform(model_dir, tmp_path_factory):
     cluster, redis = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=1, decode=1)
-    cluster.local_router = cluster.start_router("--disagg-threshold-tokens", "100000")
+    cluster.local_router = cluster.start_router("--disagg-threshold-tokens", "100000", "--policy", "least_loaded")
     _wait_serving(cluster.local_router.address)
     yield cluster
     cluster.stop_all()
@@ -112,7 +116,6 @@ def test_remote_timings_report_the_transfer(platform):
     t = last.timings
     assert t.route_kind == "remote" and t.prefill_worker == "p0" and t.decode_worker == "d0"
     assert t.transfer_blocks == 25 and t.transfer_bytes > 0 and t.transfer_gbps > 0 and t.ttft_ms > 0
-    assert t.predicted_ttft_ms > 0  # the cost model's prediction, beside the measured ttft
     assert_pools_full(platform)
 
 

@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    cluster, redis = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=1, decode=3)
+    cluster, redis = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=1, decode=3, policy="cost")
     yield cluster
     cluster.stop_all()
     redis.stop()
@@ -49,6 +49,7 @@ def test_a_repeated_long_prefix_lands_where_it_is_cached(cluster):
         again = generate(cluster, PREFIX + suffix)
         assert again.timings.decode_worker == holder, again.timings.route_reason
         assert again.usage.cached_prompt_tokens >= len(PREFIX), again.timings.route_reason
+        assert again.timings.predicted_ttft_ms > 0  # the cost model's prediction, beside the measured ttft
         wait_indexed(0.3)
     assert_pools_full(cluster)
 

@@ -246,3 +246,13 @@ def test_prefix_overlap_is_dynamos_formula():
     assert decision.reason == "prefix_overlap: 320 uncached prompt tokens > threshold 64"
     heavier = dataclasses.replace(config, overlap_weight=2.0)  # d0: 10 + 20 = 30; d1: 40
     assert route(req(320), cands, heavier).decode_id == "d0"
+
+
+def test_round_robin_keeps_one_cursor_per_role():
+    # remote decisions pick a decode and a prefill worker: each role must rotate on its own
+    config = dataclasses.replace(COST, policy="round_robin")
+    cands = [worker("d0"), worker("d1"), worker("p0", "prefill"), worker("p1", "prefill")]
+    routing = state()
+    picks = [route(req(500), cands, config, state=routing) for _ in range(4)]
+    assert [d.decode_id for d in picks] == ["d0", "d1", "d0", "d1"]
+    assert [d.prefill_id for d in picks] == ["p0", "p1", "p0", "p1"]

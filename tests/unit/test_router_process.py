@@ -104,3 +104,24 @@ def test_router_process_serves_then_stops_on_sigterm(tmp_path, redis_server):
 def test_router_process_reports_a_bad_model_folder(tmp_path):
     result = _run(["-m", "router.main", "--model", str(tmp_path / "missing"), "--port", "0"])
     assert result.returncode == 2 and "no tokenizer.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_policy_flags_reach_the_router_config(tmp_path):
+    from router.main import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--model", str(tmp_path), "--policy", "prefix_overlap",
+                                      "--router-temperature", "0.25", "--itl-target-ms", "40"])
+    policy = config_from_args(args).policy
+    assert (policy.policy, policy.cost.temperature_s, policy.cost.itl_target_s) == ("prefix_overlap", 0.25, 0.04)
+    defaults = config_from_args(build_parser().parse_args(["--model", str(tmp_path)])).policy
+    assert (defaults.policy, defaults.cost.temperature_s, defaults.cost.itl_target_s) == ("cost", 0.0, 0.1)
+
+
+def test_policy_flags_reject_bad_values(tmp_path, capsys):
+    from router.main import build_parser, config_from_args
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--policy", "fastest"])
+    with pytest.raises(ValueError):
+        config_from_args(parser.parse_args(["--model", str(tmp_path), "--router-temperature", "-1"]))

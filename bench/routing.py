@@ -1,0 +1,289 @@
+"""Routing policies on a shared-prefix workload: the cost model vs the baselines, same arrivals, cold caches.
+
+    python -m bench.routing [--policies cost,round_robin,random,prefix_overlap,least_loaded]
+                            [--conversations 24] [--turns 3] [--rate 4] [--max-tokens 16]
+
+Starts a private redis-server; for each policy a fresh namespace with 2 prefill + 2 decode workers (the
+tiny model, 1 torch thread, block size 16) and a router started with ``--policy``, so every policy
+starts with empty prefix caches. Workload (token ids, greedy): a few long system prompts, several users
+each, multi-turn conversations (each turn's prompt = system prompt + history + new user text), sent
+open-loop at Poisson arrivals (seeded, identical for every policy). Reports per policy: prefix cache hit
+rate (sum of ``usage.cached_prompt_tokens`` / sum of prompt tokens) against the oracle (each request's
+longest block-aligned prefix seen in any earlier request), TTFT p50/p90, ITL p50/p99 (per-token arrival
+times of the streams) and output tokens/s. Writes bench/results/routing.json and routing.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from deploy.up import Child, spawn, start_redis, stop_all
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
+from router.policy import POLICIES
+
+RESULTS = Path(__file__).parent / "results"
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    arrival_s: float
+    conversation: int
+    turn: int
+    prompt: list[int]
+
+
+@dataclass(slots=True)
+class Outcome:
+    ttft_s: float
+    itl_s: list[float]
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    finished_s: float
+    route_kind: str
+    decode_worker: str
+
+
+# ---- workload (pure) ----------------------------------------------------------------------------
+def build_workload(args: argparse.Namespace) -> list[Planned]:
+    """Conversations over ``args.systems`` system prompts; turn k of a conversation arrives after turn k-1."""
+    rng = random.Random(args.seed)
+
+    def text(n: int) -> list[int]:
+        return [rng.randrange(4, 4096) for _ in range(n)]
+
+    systems = [text(args.system_tokens) for _ in range(args.systems)]
+    prompts: dict[tuple[int, int], list[int]] = {}
+    for c in range(args.conversations):
+        history = list(systems[c % args.systems])
+        for turn in range(args.turns):
+            history += text(rng.randint(24, 48))  # the user's new message
+            prompts[c, turn] = list(history)
+            history += text(args.max_tokens)  # the assistant's reply (fixed, so prompts match across policies)
+    order = [c for c in range(args.conversations) for _ in range(args.turns)]
+    rng.shuffle(order)
+    t, seen, planned = 0.0, {c: 0 for c in range(args.conversations)}, []
+    for c in order:
+        t += rng.expovariate(args.rate)
+        planned.append(Planned(t, c, seen[c], prompts[c, seen[c]]))
+        seen[c] += 1
+    return planned
+
+
+def oracle_cached_tokens(planned: list[Planned]) -> list[int]:
+    """Per request, the longest block-aligned prefix some earlier request had (at most prompt - 1 tokens)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for req in planned:
+        blocks = (len(req.prompt) - 1) // BLOCK_SIZE
+        prefixes = [tuple(req.prompt[: (i + 1) * BLOCK_SIZE]) for i in range(len(req.prompt) // BLOCK_SIZE)]
+        hit = next((i for i in range(blocks) if prefixes[i] not in seen), blocks)
+        out.append(hit * BLOCK_SIZE)
+        seen.update(prefixes)
+    return out
+
+
+# ---- platform -----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_platform(redis_url: str, model: str, policy: str, log_dir: Path, children: list[Child]) -> str:
+    """2 prefill + 2 decode workers and a router in namespace ``bench-{policy}``; the router's address."""
+    common = ["--redis-url", redis_url, "--model", model, "--namespace", f"bench-{policy}"]
+    for role in ("prefill", "decode"):
+        for i in range(2):
+            worker_id = f"{policy}-{role[0]}{i}"
+            spawn(worker_id, [role, *common, "--port", str(_free_port()), "--worker-id", worker_id,
+                              "--num-threads", "1", "--block-size", str(BLOCK_SIZE), "--num-blocks", "2048"],
+                  log_dir, children)
+    port = _free_port()
+    spawn(f"router-{policy}", ["router", *common, "--port", str(port), "--policy", policy], log_dir, children)
+    return f"127.0.0.1:{port}"
+
+
+async def wait_for_workers(redis_url: str, ns: str, count: int, children: list[Child], timeout_s: float = 120) -> None:
+    from kv_transfer.registry import Registry, connect
+
+    redis = connect(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(await Registry(redis, ns).list_workers()) < count:
+            dead = [c.name for c in children if c.popen.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"platform did not come up (exited: {dead}); see the logs")
+            await asyncio.sleep(0.3)
+    finally:
+        await redis.aclose()
+
+
+# ---- client -------------------------------------------------------------------------------------
+def _request(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
+    params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=1)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params)
+
+
+async def _send(stub, req: Planned, max_tokens: int, start_s: float) -> Outcome:
+    await asyncio.sleep(max(0.0, start_s + req.arrival_s - time.perf_counter()))
+    sent = time.perf_counter()
+    times: list[float] = []
+    last = pb.GenerateResponse()
+    async for resp in stub.Generate(_request(req.prompt, max_tokens)):
+        now = time.perf_counter()
+        times += [now] * len(resp.token_ids)
+        last = resp
+    itl = [b - a for a, b in zip(times, times[1:])]
+    return Outcome(ttft_s=times[0] - sent, itl_s=itl, prompt_tokens=len(req.prompt),
+                   cached_tokens=last.usage.cached_prompt_tokens, output_tokens=len(times),
+                   finished_s=times[-1] - start_s, route_kind=last.timings.route_kind,
+                   decode_worker=last.timings.decode_worker)
+
+
+async def run_policy(router: str, planned: list[Planned], max_tokens: int) -> list[Outcome]:
+    async with grpc.aio.insecure_channel(router) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        warm = random.Random(99)
+        for i in range(4):  # warm up the path with prompts that share nothing with the workload
+            async for _ in stub.Generate(_request([warm.randrange(4, 4096) for _ in range(40)], 4)):
+                pass
+        start_s = time.perf_counter()
+        return await asyncio.gather(*(_send(stub, req, max_tokens, start_s) for req in planned))
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def summarize(outcomes: list[Outcome]) -> dict:
+    ttft = [o.ttft_s for o in outcomes]
+    itl = [x for o in outcomes for x in o.itl_s]
+    kinds = {k: sum(o.route_kind == k for o in outcomes) for k in ("remote", "local")}
+    decodes = sorted({o.decode_worker for o in outcomes})
+    return {
+        "requests": len(outcomes),
+        "hit_rate": sum(o.cached_tokens for o in outcomes) / sum(o.prompt_tokens for o in outcomes),
+        "ttft_p50_ms": _pct(ttft, 0.5) * 1e3, "ttft_p90_ms": _pct(ttft, 0.9) * 1e3,
+        "itl_p50_ms": _pct(itl, 0.5) * 1e3, "itl_p99_ms": _pct(itl, 0.99) * 1e3,
+        "output_tokens_per_s": sum(o.output_tokens for o in outcomes) / max(o.finished_s for o in outcomes),
+        "routes": kinds, "per_decode": {d: sum(o.decode_worker == d for o in outcomes) for d in decodes},
+    }
+
+
+def print_table(report: dict) -> None:
+    print(f"\noracle hit rate {report['oracle_hit_rate']:.3f} ({report['requests']} requests, "
+          f"{report['arrival_rate_per_s']} req/s)")
+    head = f"{'policy':<16}{'hit':>7}{'/oracle':>9}{'ttft p50':>10}{'p90':>8}{'itl p50':>9}{'p99':>8}{'tok/s':>8}"
+    print(head + "   (ms)")
+    for name, s in report["policies"].items():
+        print(f"{name:<16}{s['hit_rate']:>7.3f}{s['hit_rate'] / report['oracle_hit_rate']:>9.2f}"
+              f"{s['ttft_p50_ms']:>10.1f}{s['ttft_p90_ms']:>8.1f}{s['itl_p50_ms']:>9.1f}{s['itl_p99_ms']:>8.1f}"
+              f"{s['output_tokens_per_s']:>8.1f}")
+
+
+def plot(ttfts: dict[str, list[float]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, values in ttfts.items():
+        xs = sorted(v * 1e3 for v in values)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF per routing policy (2P+2D, tiny)")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policies", default="cost,round_robin,random,prefix_overlap,least_loaded")
+    p.add_argument("--systems", type=int, default=4, help="distinct system prompts")
+    p.add_argument("--system-tokens", type=int, default=400)
+    p.add_argument("--conversations", type=int, default=24)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    unknown = set(args.policies.split(",")) - set(POLICIES)
+    if unknown:
+        p.error(f"unknown policies {sorted(unknown)}; choose from {POLICIES}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from engine.tiny import ensure_model
+
+    model = str(ensure_model("tiny"))
+    planned = build_workload(args)
+    oracle = sum(oracle_cached_tokens(planned)) / sum(len(r.prompt) for r in planned)
+    log_dir = Path(tempfile.mkdtemp(prefix="baton-bench-routing-"))
+    print(f"{len(planned)} requests over {planned[-1].arrival_s:.1f} s; oracle hit rate {oracle:.3f}; "
+          f"logs in {log_dir}", flush=True)
+    redis_children: list[Child] = []
+    outcomes: dict[str, list[Outcome]] = {}
+    try:
+        redis_url = start_redis(log_dir, redis_children)
+        for policy in args.policies.split(","):
+            outcomes[policy] = _run_one(redis_url, model, policy, planned, args.max_tokens, log_dir)
+    finally:
+        stop_all(redis_children)
+    report = {"requests": len(planned), "arrival_rate_per_s": args.rate, "oracle_hit_rate": oracle,
+              "workload": {k: v for k, v in vars(args).items() if k != "policies"},
+              "policies": {name: summarize(o) for name, o in outcomes.items()}}
+    print_table(report)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "routing.json").write_text(json.dumps(report, indent=2))
+    if plot({name: [o.ttft_s for o in out] for name, out in outcomes.items()}, RESULTS / "routing.png"):
+        print(f"wrote {RESULTS / 'routing.json'} and {RESULTS / 'routing.png'}")
+    return 0
+
+
+def _run_one(redis_url: str, model: str, policy: str, planned: list[Planned], max_tokens: int,
+             log_dir: Path) -> list[Outcome]:
+    """A fresh platform for ``policy`` (cold caches), the workload, then the platform stopped."""
+    children: list[Child] = []
+    try:
+        started = time.monotonic()
+        router = start_platform(redis_url, model, policy, log_dir, children)
+        asyncio.run(wait_for_workers(redis_url, f"bench-{policy}", 4, children))
+        print(f"[{policy}] platform up in {time.monotonic() - started:.1f} s; sending ...", flush=True)
+        grpc.channel_ready_future(grpc.insecure_channel(router)).result(timeout=60)
+        outcomes = asyncio.run(run_policy(router, planned, max_tokens))
+        s = summarize(outcomes)
+        print(f"[{policy}] hit {s['hit_rate']:.3f}, ttft p50 {s['ttft_p50_ms']:.1f} ms, routes {s['routes']}, "
+              f"decode {s['per_decode']}", flush=True)
+        return outcomes
+    finally:
+        stop_all(children)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

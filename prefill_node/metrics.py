@@ -1,0 +1,94 @@
+"""A worker's Prometheus series (DESIGN.md "Observability"), each labelled with ``worker_id``.
+
+Gauges follow the engine's ``SchedulerStats`` (sampled by the node's housekeeping loop); the KV transfer
+series are recorded by the decode worker that pulls. Request-level latencies are the router's (counted
+once per request there). Each ``WorkerMetrics`` owns its ``CollectorRegistry``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine.core.outputs import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint (prometheus_client's server on a daemon thread; the router has its own)."""
+
+    httpd: Any
+    port: int
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> MetricsServer | None:
+    """Serve ``registry`` on ``host:port``; ``None`` or 0 serves nothing, a taken port only warns."""
+    if not port:
+        return None
+    try:
+        httpd, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:  # serving requests matters more than exporting figures about them
+        logger.warning("metrics endpoint on %s:%d not started: %s", host, port, exc)
+        return None
+    logger.info("metrics on http://%s:%d/metrics", host, port)
+    return MetricsServer(httpd, port)
+
+
+class WorkerMetrics:
+    def __init__(self, worker_id: str, registry: CollectorRegistry | None = None) -> None:
+        self.worker_id = worker_id
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, w = self.registry, ["worker_id"]
+        self._running = Gauge("baton:num_requests_running", "Requests in the engine's running batch", w, registry=r)
+        self._waiting = Gauge("baton:num_requests_waiting", "Requests queued in the engine", w, registry=r)
+        self._kv_usage = Gauge("baton:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", w,
+                               registry=r)
+        self._hit_rate = Gauge("baton:prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1)", w,
+                               registry=r)
+        self._queries = Counter("baton:prefix_cache_queries", "Prefix cache lookups (blocks)", w,
+                                registry=r)
+        self._hits = Counter("baton:prefix_cache_hits", "Prefix cache hits (blocks)", w, registry=r)
+        self._preemptions = Counter("baton:num_preemptions", "Requests preempted for KV blocks", w, registry=r)
+        self._transfer_bytes = Counter("baton:kv_transfer_bytes_total", "KV bytes pulled from prefill workers", w,
+                                       registry=r)
+        self._transfer_s = Histogram("baton:kv_transfer_seconds", "Time of one request's KV pull", w,
+                                     buckets=TRANSFER_BUCKETS_S, registry=r)
+        self._errors = Counter("baton:request_errors_total", "Worker calls that ended in an error status",
+                               ["worker_id", "code"], registry=r)
+        for series in (self._running, self._waiting, self._kv_usage, self._hit_rate, self._queries, self._hits,
+                       self._preemptions, self._transfer_bytes, self._transfer_s):
+            series.labels(worker_id)  # exported at zero from the start, not from the first event
+        self._last = SchedulerStats(num_running=0, num_waiting=0, num_free_blocks=0, num_total_blocks=0,
+                                    kv_cache_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0,
+                                    num_preemptions=0)
+
+    def scheduler_stats(self, stats: SchedulerStats) -> None:
+        """Set the gauges; the engine's cumulative counts advance the counters by what is new."""
+        w, last = self.worker_id, self._last
+        self._running.labels(w).set(stats.num_running)
+        self._waiting.labels(w).set(stats.num_waiting)
+        self._kv_usage.labels(w).set(stats.kv_cache_usage)
+        if stats.prefix_cache_queries:
+            self._hit_rate.labels(w).set(stats.prefix_cache_hits / stats.prefix_cache_queries)
+        self._queries.labels(w).inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
+        self._hits.labels(w).inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
+        self._preemptions.labels(w).inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self._last = stats
+
+    def kv_transfer(self, num_bytes: int, seconds: float) -> None:
+        self._transfer_bytes.labels(self.worker_id).inc(num_bytes)
+        self._transfer_s.labels(self.worker_id).observe(seconds)
+
+    def request_error(self, code: str) -> None:
+        self._errors.labels(worker_id=self.worker_id, code=code).inc()
