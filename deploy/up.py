@@ -4,6 +4,7 @@ the router, N prefill and M decode workers. Prints the endpoints; Ctrl-C stops e
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import signal
@@ -14,6 +15,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from deploy.pools import ROLES, PoolManager
+from kv_transfer.redis_index import RedisKeys
 
 _REDIS_HINT = ("no redis-server binary found: install Debian's `redis-server` (apt-get install redis-server), "
                "run `make install` as root, or pass --redis-url of a running Redis")
@@ -43,6 +47,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="router's Prometheus /metrics port; workers take the next ones (default: %(default)s)")
     p.add_argument("--disagg-threshold-tokens", type=int, default=None)
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp folder)")
+    p.add_argument("--namespace", default="baton", help="Redis key namespace")
     return p.parse_args(argv)
 
 
@@ -52,25 +57,28 @@ def main(argv: list[str]) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
+    pools = None
     try:
         redis_url = args.redis_url or start_redis(log_dir, children)
-        common = ["--redis-url", redis_url, "--model", model]
-        metrics = iter(range(args.metrics_port + 1, args.metrics_port + 1 + args.prefill + args.decode))
+        common = ["--redis-url", redis_url, "--model", model, "--namespace", args.namespace]
+        pools = _pool_manager(args, common, log_dir, _wait_for_redis(redis_url))
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-            for i in range(count):
-                spawn(f"{role}-{i}", [role, *common, "--num-threads", str(args.num_threads),
-                                      "--metrics-port", str(next(metrics))], log_dir, children)
+            pools.redis.set(pools.keys.pool_desired(role), count)  # `baton admin scale` changes these
+            for _ in range(count):
+                pools.start(role)
         router = ["router", *common, "--port", str(args.port), "--metrics-port", str(args.metrics_port)]
         if args.disagg_threshold_tokens is not None:
             router += ["--disagg-threshold-tokens", str(args.disagg_threshold_tokens)]
         spawn("router", router, log_dir, children)
         _announce(args, redis_url, log_dir)
-        return _wait(children)
+        return _wait(children, pools)
     except FileNotFoundError:
         print(f"baton up: {_REDIS_HINT}", file=sys.stderr)
         return 2
     finally:
-        stop_all(children)
+        workers = pools.children() if pools is not None else []
+        redis_first = sorted(children, key=lambda c: c.name != "redis")
+        stop_all(redis_first[:1] + workers + redis_first[1:])  # stops the router, then workers, then redis
 
 
 def _ensure_tiny() -> Path:
@@ -110,7 +118,34 @@ def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
           flush=True)
 
 
-def _wait(children: list[Child]) -> int:
+def _pool_manager(args, common: list[str], log_dir: Path, redis) -> PoolManager:
+    ports = itertools.count(args.metrics_port + 1)
+
+    def start_worker(role: str, worker_id: str) -> Child:
+        workers: list[Child] = []
+        spawn(worker_id, [role, *common, "--worker-id", worker_id, "--num-threads", str(args.num_threads),
+                          "--metrics-port", str(next(ports))], log_dir, workers)
+        return workers[0]
+
+    return PoolManager(redis=redis, keys=RedisKeys(args.namespace), start_worker=start_worker)
+
+
+def _wait_for_redis(url: str, timeout_s: float = 10.0):
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=2.0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return client
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _wait(children: list[Child], pools: PoolManager) -> int:
     stop = {"signal": False}
 
     def on_signal(signum, frame) -> None:
@@ -118,14 +153,25 @@ def _wait(children: list[Child]) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    next_tick = 0.0
     while not stop["signal"]:
-        for child in children:
+        for child in children + [c for role in ROLES for c in pools.workers[role]]:
             if child.popen.poll() is not None:
                 print(f"baton up: {child.name} exited with {child.popen.returncode}; stopping", file=sys.stderr)
                 return 1
+        if time.monotonic() >= next_tick:
+            _tick(pools)
+            next_tick = time.monotonic() + 1.0
         time.sleep(0.2)
     print("\nstopping ...", flush=True)
     return 0
+
+
+def _tick(pools: PoolManager) -> None:
+    try:
+        pools.tick()
+    except Exception as exc:  # noqa: BLE001 - Redis away for a moment: keep serving, retry next tick
+        print(f"baton up: pool check failed ({exc!r}); retrying", file=sys.stderr)
 
 
 def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
