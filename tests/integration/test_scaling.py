@@ -1,0 +1,82 @@
+"""`baton admin scale` under `baton up`: a second decode worker joins routing; scaling back drains it
+(no new work, stopped once idle) and the platform keeps serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from engine.tiny import build_model
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
+from tests.integration.cluster import ROOT, free_port
+from tests.redis_server import require_redis_server
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory):
+    require_redis_server()
+    model_dir = build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    port, log_dir = free_port(), tmp_path_factory.mktemp("up")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "deploy.cli", "up", "--model", str(model_dir), "--port", str(port),
+           "--metrics-port", str(free_port()), "--log-dir", str(log_dir)]
+    with (log_dir / "up.out").open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_for(lambda: decode_workers(address) == ["decode-0"], 90, proc, log_dir)
+        yield address, proc, log_dir
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def decode_workers(address: str) -> list[str]:
+    try:
+        reply = pb_grpc.AdminStub(grpc.insecure_channel(address)).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    except grpc.RpcError:
+        return []
+    return sorted(w.worker_id for w in reply.workers if w.role == "decode" and w.state == pb.WORKER_STATE_UP)
+
+
+def wait_for(condition, timeout_s: float, proc, log_dir) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"baton up exited:\n{(log_dir / 'up.out').read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out:\n{(log_dir / 'up.out').read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def generate(address: str) -> pb.GenerateResponse:
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
+    params = pb.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    return list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]), sampling=params),
+                              timeout=30))[-1]
+
+
+def scale(address: str, size: int) -> None:
+    admin = pb_grpc.AdminStub(grpc.insecure_channel(address))
+    admin.ScalePool(pb.ScalePoolRequest(role="decode", size=size), timeout=5)
+
+
+def test_scale_decode_up_then_down(platform):
+    address, proc, log_dir = platform
+    scale(address, 2)
+    wait_for(lambda: decode_workers(address) == ["decode-0", "decode-1"], 90, proc, log_dir)
+    scale(address, 1)
+    wait_for(lambda: decode_workers(address) == ["decode-0"], 60, proc, log_dir)
+    assert generate(address).finish_reason == pb.FINISH_REASON_LENGTH  # still serving
+    assert proc.poll() is None
