@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_port, router_port = 50761, 50762
         spawn("decode", ["decode", "--redis-url", redis_url, "--model", model, "--port", str(decode_port),
                          "--num-threads", "1", "--worker-id", "d0"], log_dir, children)
-        spawn("router", ["router", "--redis-url", redis_url, "--model", model, "--port", str(router_port)],
+        spawn("router", ["router", "--redis-url", redis_url, "--model", model, "--port", str(router_port),
+                         "--http-port", "0", "--metrics-port", "0"],
               log_dir, children)
         return _measure(args, f"127.0.0.1:{decode_port}", f"127.0.0.1:{router_port}")
     finally:

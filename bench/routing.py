@@ -112,7 +112,8 @@ def start_platform(redis_url: str, model: str, policy: str, log_dir: Path, child
                               "--num-threads", "1", "--block-size", str(BLOCK_SIZE), "--num-blocks", "2048"],
                   log_dir, children)
     port = _free_port()
-    spawn(f"router-{policy}", ["router", *common, "--port", str(port), "--policy", policy], log_dir, children)
+    spawn(f"router-{policy}", ["router", *common, "--port", str(port), "--policy", policy,
+                                     "--http-port", "0", "--metrics-port", "0"], log_dir, children)
     return f"127.0.0.1:{port}"
 
 

@@ -48,6 +48,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--disagg-threshold-tokens", type=int, default=None)
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp folder)")
     p.add_argument("--namespace", default="baton", help="Redis key namespace")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP front (0: off)")
     return p.parse_args(argv)
 
 
@@ -66,7 +67,8 @@ def main(argv: list[str]) -> int:
             pools.redis.set(pools.keys.pool_desired(role), count)  # `baton admin scale` changes these
             for _ in range(count):
                 pools.start(role)
-        router = ["router", *common, "--port", str(args.port), "--metrics-port", str(args.metrics_port)]
+        router = ["router", *common, "--port", str(args.port), "--metrics-port", str(args.metrics_port),
+                  "--http-port", str(args.http_port)]
         if args.disagg_threshold_tokens is not None:
             router += ["--disagg-threshold-tokens", str(args.disagg_threshold_tokens)]
         spawn("router", router, log_dir, children)
@@ -109,7 +111,9 @@ def spawn(name: str, args: list[str], log_dir: Path, children: list[Child]) -> N
 
 def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
     print(f"Baton is starting: {args.prefill} prefill + {args.decode} decode workers", flush=True)
-    print(f"  router   grpc://127.0.0.1:{args.port}   (baton.v1.Generation)")
+    print(f"  router   grpc://127.0.0.1:{args.port}   (baton.v1.Generation, baton.v1.Admin)")
+    if args.http_port:
+        print(f"  openai   http://127.0.0.1:{args.http_port}/v1   (completions, chat/completions, models)")
     print(f"  metrics  http://127.0.0.1:{args.metrics_port}/metrics (router), "
           f"{args.metrics_port + 1}-{args.metrics_port + args.prefill + args.decode} (workers)")
     print(f"  redis    {redis_url}")

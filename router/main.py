@@ -19,6 +19,7 @@ from router.server import start_router
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9400  # deploy/spec.py METRICS_PORT: the pods' `metrics` container port
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP front (vLLM's port); 0 turns it off
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $BATON_ADMIN_TOKEN; unset: the admin API is open)")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help="serve Prometheus /metrics on this port (default: %(default)s; 0: no endpoint)")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models) on this port (default: %(default)s; 0: off)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return parser
 
@@ -83,14 +87,18 @@ def _default_model_dir() -> Path:
     return default_model_dir("tiny")
 
 
-async def serve(config: RouterConfig, *, admin_token: str | None = None, metrics_port: int | None = None) -> None:
+async def serve(
+    config: RouterConfig, *, admin_token: str | None = None, metrics_port: int | None = None,
+    http_port: int | None = None,
+) -> None:
     """Serve until SIGINT or SIGTERM, then stop gracefully."""
-    router = await start_router(config, admin_token=admin_token, metrics_port=metrics_port)
+    router = await start_router(config, admin_token=admin_token, metrics_port=metrics_port, http_port=http_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"baton router listening on {config.host}:{router.port} (redis {config.redis_url})", flush=True)
+    http = f", OpenAI HTTP on port {router.http_server.port}" if router.http_server else ""
+    print(f"baton router listening on {config.host}:{router.port}{http} (redis {config.redis_url})", flush=True)
     await stop.wait()
     log.info("stopping router (grace %.1f s)", config.shutdown_grace_s)
     await router.stop(config.shutdown_grace_s)
@@ -107,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (config.model_dir / "tokenizer.json").is_file():
         parser.error(f"--model {config.model_dir}: no tokenizer.json there (build one with `baton model tiny`)")
     try:
-        asyncio.run(serve(config, admin_token=args.admin_token, metrics_port=args.metrics_port))
+        http_port = args.http_port or None  # 0: off
+        asyncio.run(serve(config, admin_token=args.admin_token, metrics_port=args.metrics_port, http_port=http_port))
     except (BatonError, OSError, RuntimeError) as exc:  # bad model folder, port taken, ...
         print(f"baton router: error: {exc}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ from router.directory import WorkerDirectory, served_scheme
 from router.errors import WorkerUnavailable, status_for
 from router.frontend import Frontend, ModelLimits
 from router.metrics import MetricsServer, RouterMetrics, serve_metrics
+from router.openai_http import HttpServer, OpenAIHandlers, serve_openai
 from router.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class RunningRouter:
     directory: WorkerDirectory
     redis: Any
     metrics_server: MetricsServer | None = None  # None: no /metrics endpoint
+    http_server: HttpServer | None = None  # None: no OpenAI-compatible HTTP front
 
     @property
     def metrics(self) -> RouterMetrics:
@@ -152,6 +154,8 @@ class RunningRouter:
     async def stop(self, grace_s: float = 5.0) -> None:
         if self.metrics_server is not None:
             self.metrics_server.stop()
+        if self.http_server is not None:
+            await self.http_server.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.relay.control.drain(timeout_s=grace_s)
@@ -161,12 +165,14 @@ class RunningRouter:
 
 async def start_router(
     config: RouterConfig, *, tokenizer: Tokenizer | None = None, admin_token: str | None = None,
-    metrics_port: int | None = None,
+    metrics_port: int | None = None, http_port: int | None = None,
 ) -> RunningRouter:
     """Build and start the router (``config.port`` 0 binds a free port; see ``RunningRouter.port``).
 
     ``admin_token``: when set, ``baton.v1.Admin`` calls must carry ``authorization: Bearer <token>``.
     ``metrics_port``: serve Prometheus ``/metrics`` there on ``config.host`` (None or 0: not at all).
+    ``http_port``: serve the OpenAI-compatible HTTP front there on ``config.host`` (None: not at all; 0: any
+    free port, see ``RunningRouter.http_server.port``).
     """
     card = ModelCard.from_folder(config.model_dir)
     tokenizer = tokenizer or Tokenizer.from_pretrained(config.model_dir)
@@ -178,8 +184,8 @@ async def start_router(
     metrics = RouterMetrics()
     relay = Relay(directory, tokenizer, config.policy, decode_retries=config.decode_retries,
                   control_rpc_timeout_s=config.control_rpc_timeout_s, metrics=metrics)
-    servicer = GenerationServicer(Frontend(tokenizer, limits), relay, directory, card,
-                                  request_timeout_s=config.request_timeout_s)
+    frontend = Frontend(tokenizer, limits)
+    servicer = GenerationServicer(frontend, relay, directory, card, request_timeout_s=config.request_timeout_s)
     server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)])
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(Registry(redis, config.ns), redis, token=admin_token), server)
@@ -193,4 +199,6 @@ async def start_router(
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("router serving %s on %s:%d (max_model_len %d)", limits.name, config.host, port, limits.max_model_len)
     metrics_server = serve_metrics(metrics.registry, config.host, metrics_port)
-    return RunningRouter(server, port, health_servicer, relay, directory, redis, metrics_server)
+    http_server = await serve_openai(OpenAIHandlers(frontend, relay, request_timeout_s=config.request_timeout_s),
+                                     config.host, http_port)
+    return RunningRouter(server, port, health_servicer, relay, directory, redis, metrics_server, http_server)

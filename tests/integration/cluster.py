@@ -24,8 +24,12 @@ def free_port() -> int:
 
 
 def _no_metrics(extra: tuple[str, ...]) -> list[str]:
-    """Many processes share this host: no /metrics endpoint unless a test asks for one."""
+    """Many processes share this host: no /metrics endpoint (and no HTTP front) unless a test asks."""
     return [] if "--metrics-port" in extra else ["--metrics-port", "0"]
+
+
+def _no_http(extra: tuple[str, ...]) -> list[str]:
+    return [] if "--http-port" in extra else ["--http-port", "0"]
 
 
 @dataclass
@@ -70,7 +74,7 @@ class Cluster:
     def start_router(self, *extra: str) -> Proc:
         port = free_port()
         args = ["router", "--redis-url", self.redis_url, "--model", str(self.model_dir), "--port", str(port),
-                "--namespace", self.namespace, *_no_metrics(extra), *extra]
+                "--namespace", self.namespace, *_no_metrics(extra), *_no_http(extra), *extra]
         proc = self._spawn(f"router-{port}", args)
         proc.address = f"127.0.0.1:{port}"
         return proc

@@ -82,7 +82,7 @@ def test_router_process_serves_then_stops_on_sigterm(tmp_path, redis_server):
 
     model_dir = make_model_folder(tmp_path / "tiny")
     args = [sys.executable, "-m", "router.main", "--redis-url", redis_server.url, "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", "0"]
+            "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", "0"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
