@@ -118,7 +118,8 @@ def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
           f"{args.metrics_port + 1}-{args.metrics_port + args.prefill + args.decode} (workers)")
     print(f"  redis    {redis_url}")
     print(f"  logs     {log_dir}")
-    print(f"\ntry:  baton generate \"def main():\" --router 127.0.0.1:{args.port}\n(Ctrl-C stops everything)",
+    baton = shutil.which("baton") or str(Path(sys.executable).parent / "baton")
+    print(f"\ntry:  {baton} generate \"def main():\" --router 127.0.0.1:{args.port}\n(Ctrl-C stops everything)",
           flush=True)
 
 
