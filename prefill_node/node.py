@@ -30,6 +30,7 @@ from prefill_node.metrics import WorkerMetrics, serve_metrics
 from prefill_node.publisher import IndexPublisher
 from prefill_node.servicer import WorkerServicer
 from proto import baton_pb2 as pb
+from proto.malformed import MalformedRequestInterceptor
 from proto import baton_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ class WorkerNode:
         await self.redis.aclose()
 
     async def _start_grpc(self) -> str:
-        self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+                                           interceptors=[MalformedRequestInterceptor()])
         pb_grpc.add_WorkerServicer_to_server(self.servicer(), self.grpc_server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)

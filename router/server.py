@@ -22,6 +22,7 @@ from engine.errors import BatonError
 from engine.tokenizer import Tokenizer
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from proto.malformed import MalformedRequestInterceptor
 from router.admin import ADMIN_SERVICE, AdminServicer
 from router.config import ModelCard, RouterConfig, resolve_max_model_len
 from router.directory import WorkerDirectory, served_scheme
@@ -186,7 +187,7 @@ async def start_router(
                   control_rpc_timeout_s=config.control_rpc_timeout_s, metrics=metrics)
     frontend = Frontend(tokenizer, limits)
     servicer = GenerationServicer(frontend, relay, directory, card, request_timeout_s=config.request_timeout_s)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)])
+    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), ErrorInterceptor(metrics)])
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(Registry(redis, config.ns), redis, token=admin_token), server)
     health_servicer = health.aio.HealthServicer()
