@@ -27,8 +27,8 @@ from pathlib import Path
 
 import grpc
 
+from bench.client import greedy_request, stream_generate
 from deploy.up import Child, spawn, start_redis, stop_all
-from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from router.policy import POLICIES
 
@@ -133,20 +133,10 @@ async def wait_for_workers(redis_url: str, ns: str, count: int, children: list[C
 
 
 # ---- client -------------------------------------------------------------------------------------
-def _request(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
-    params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=1)
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params)
-
-
 async def _send(stub, req: Planned, max_tokens: int, start_s: float) -> Outcome:
     await asyncio.sleep(max(0.0, start_s + req.arrival_s - time.perf_counter()))
-    sent = time.perf_counter()
-    times: list[float] = []
-    last = pb.GenerateResponse()
-    async for resp in stub.Generate(_request(req.prompt, max_tokens)):
-        now = time.perf_counter()
-        times += [now] * len(resp.token_ids)
-        last = resp
+    stream = await stream_generate(stub, greedy_request(req.prompt, max_tokens))
+    sent, times, last = stream.sent_s, stream.token_times_s, stream.last
     itl = [b - a for a, b in zip(times, times[1:])]
     return Outcome(ttft_s=times[0] - sent, itl_s=itl, prompt_tokens=len(req.prompt),
                    cached_tokens=last.usage.cached_prompt_tokens, output_tokens=len(times),
@@ -159,7 +149,7 @@ async def run_policy(router: str, planned: list[Planned], max_tokens: int) -> li
         stub = pb_grpc.GenerationStub(channel)
         warm = random.Random(99)
         for i in range(4):  # warm up the path with prompts that share nothing with the workload
-            async for _ in stub.Generate(_request([warm.randrange(4, 4096) for _ in range(40)], 4)):
+            async for _ in stub.Generate(greedy_request([warm.randrange(4, 4096) for _ in range(40)], 4)):
                 pass
         start_s = time.perf_counter()
         return await asyncio.gather(*(_send(stub, req, max_tokens, start_s) for req in planned))
