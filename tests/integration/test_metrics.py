@@ -15,6 +15,9 @@ from tests.redis_server import RedisServer, require_redis_server
 
 LONG_PROMPT = [(11 * j) % 3000 + 10 for j in range(40)]  # > threshold 8: prefilled on p0, pulled by d0
 SHORT_PROMPT = [12, 13, 14]  # local prefill on d0
+# shares 2 blocks (8 tokens) with LONG_PROMPT: a prefix hit on p0, and > 8 uncached tokens on d0 whether
+# or not d0's copy of those blocks is indexed yet, so it is prefilled remotely too
+OTHER_PROMPT = LONG_PROMPT[:8] + [(7 * j) % 3000 + 3100 for j in range(22)]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def test_named_series_exist_and_move_after_requests(cluster):
-    for prompt in (LONG_PROMPT, SHORT_PROMPT, LONG_PROMPT[:30]):
+    for prompt in (LONG_PROMPT, SHORT_PROMPT, OTHER_PROMPT):
         tokens, final = generate(cluster.router.address, prompt, max_tokens=6)
         assert len(tokens) == 6 and final.usage.completion_tokens == 6
     time.sleep(1.0)  # the workers' housekeeping samples the engine every 0.25 s
@@ -75,7 +78,7 @@ def test_named_series_exist_and_move_after_requests(cluster):
                       "prefix_cache_hit_rate"):
             assert f"baton:{gauge}{label}" in samples
     assert prefill['baton:prefix_cache_queries_total{worker_id="p0"}'] > 0  # P looked up both long prompts
-    assert prefill['baton:prefix_cache_hits_total{worker_id="p0"}'] > 0  # the second is a prefix of the first
+    assert prefill['baton:prefix_cache_hits_total{worker_id="p0"}'] > 0  # the third shares LONG_PROMPT's first blocks
 
 
 def test_an_invalid_request_counts_as_an_error_by_code(cluster):
