@@ -7,42 +7,13 @@ once per request there). Each ``WorkerMetrics`` owns its ``CollectorRegistry``.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core.outputs import SchedulerStats
 
-logger = logging.getLogger(__name__)
 
 TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-@dataclass
-class MetricsServer:
-    """A running ``/metrics`` endpoint (prometheus_client's server on a daemon thread; the router has its own)."""
-
-    httpd: Any
-    port: int
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> MetricsServer | None:
-    """Serve ``registry`` on ``host:port``; ``None`` or 0 serves nothing, a taken port only warns."""
-    if not port:
-        return None
-    try:
-        httpd, _ = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:  # serving requests matters more than exporting figures about them
-        logger.warning("metrics endpoint on %s:%d not started: %s", host, port, exc)
-        return None
-    logger.info("metrics on http://%s:%d/metrics", host, port)
-    return MetricsServer(httpd, port)
 
 
 class WorkerMetrics:

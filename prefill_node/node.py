@@ -26,11 +26,12 @@ from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import Lease, LeaseTable
 from kv_transfer.registry import HeartbeatTask, Registry, WorkerInfo, WorkerLoad, connect
 from kv_transfer.transport import make_server
-from prefill_node.metrics import WorkerMetrics, serve_metrics
+from prefill_node.metrics import WorkerMetrics
 from prefill_node.publisher import IndexPublisher
 from prefill_node.servicer import WorkerServicer
 from proto import baton_pb2 as pb
 from proto.malformed import MalformedRequestInterceptor
+from proto.metrics_http import serve_metrics
 from proto import baton_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)

@@ -7,15 +7,11 @@ Each ``RouterMetrics`` owns its ``CollectorRegistry``: two routers in one proces
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.trace import RequestTrace
 
-log = logging.getLogger(__name__)
 
 # vLLM's buckets (seconds / tokens), so existing dashboards' thresholds read the same
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -40,31 +36,6 @@ def reason_category(reason: str) -> str:
         if needle in lowered:
             return category
     return "other"
-
-
-@dataclass
-class MetricsServer:
-    """A running ``/metrics`` HTTP endpoint (prometheus_client's own server, on a daemon thread)."""
-
-    httpd: Any
-    port: int
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> MetricsServer | None:
-    """Serve ``registry`` on ``host:port``; ``None`` or 0 serves nothing, a taken port only warns."""
-    if not port:
-        return None
-    try:
-        httpd, _ = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:  # serving requests matters more than exporting figures about them
-        log.warning("metrics endpoint on %s:%d not started: %s", host, port, exc)
-        return None
-    log.info("metrics on http://%s:%d/metrics", host, port)
-    return MetricsServer(httpd, port)
 
 
 class RouterMetrics:

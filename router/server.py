@@ -23,12 +23,13 @@ from engine.tokenizer import Tokenizer
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto.malformed import MalformedRequestInterceptor
+from proto.metrics_http import MetricsServer, serve_metrics
 from router.admin import ADMIN_SERVICE, AdminServicer
 from router.config import ModelCard, RouterConfig, resolve_max_model_len
 from router.directory import WorkerDirectory, served_scheme
 from router.errors import WorkerUnavailable, status_for
 from router.frontend import Frontend, ModelLimits
-from router.metrics import MetricsServer, RouterMetrics, serve_metrics
+from router.metrics import RouterMetrics
 from router.openai_http import HttpServer, OpenAIHandlers, serve_openai
 from router.relay import Relay
 

@@ -8,7 +8,8 @@ import pytest
 
 from engine.core.outputs import SchedulerStats
 from prefill_node.metrics import WorkerMetrics
-from router.metrics import RouterMetrics, reason_category, serve_metrics
+from proto.metrics_http import serve_metrics
+from router.metrics import RouterMetrics, reason_category
 from router.trace import RequestTrace
 from tests.integration.cluster import free_port
 
