@@ -7,7 +7,6 @@ once per request there). Each ``WorkerMetrics`` owns its ``CollectorRegistry``.
 
 from __future__ import annotations
 
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core.outputs import SchedulerStats

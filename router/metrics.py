@@ -7,7 +7,6 @@ Each ``RouterMetrics`` owns its ``CollectorRegistry``: two routers in one proces
 
 from __future__ import annotations
 
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.trace import RequestTrace
