@@ -22,3 +22,11 @@ class LayoutMismatch(KVTransferError):
 
 class LeaseNotFound(KVTransferError):
     """A transfer lease is unknown, released or expired."""
+
+
+class ChecksumMismatch(KVTransferError):
+    """Pulled blocks do not match the checksums the serving side computed from the bytes it sent."""
+
+    def __init__(self, message: str, block_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.block_ids = block_ids  # destination block ids whose bytes are wrong

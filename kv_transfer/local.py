@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, KVLayout
-from kv_transfer.transport import Resolver, TransferStats, check_pull_args, check_read
+from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args, check_read
 
 
 class LocalRegistry:
@@ -43,7 +43,13 @@ class LocalServer:
     """Serves reads of leased blocks of ``buffer`` to ``LocalClient``s of the same registry."""
 
     def __init__(
-        self, *, buffer: KVBuffer, resolve: Resolver, registry: LocalRegistry | None = None, name: str | None = None
+        self,
+        *,
+        buffer: KVBuffer,
+        resolve: Resolver,
+        config: TransportConfig | None = None,
+        registry: LocalRegistry | None = None,
+        name: str | None = None,
     ) -> None:
         self.buffer = buffer
         self.resolve = resolve
@@ -76,7 +82,7 @@ class LocalServer:
 
 
 class LocalClient:
-    def __init__(self, registry: LocalRegistry | None = None) -> None:
+    def __init__(self, config: TransportConfig | None = None, registry: LocalRegistry | None = None) -> None:
         self.registry = registry or DEFAULT_REGISTRY
 
     async def pull(
