@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch first, so nothing later resolves a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ucx]'
 	touch $(STAMP)
 
 run: install

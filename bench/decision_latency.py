@@ -6,7 +6,8 @@ One decision is what ``router.relay`` does between the registry snapshot and the
 served hash scheme, hash the prompt's blocks (``hash_blocks``, a 4,096-token prompt, block size 16: 256
 hashes), build the candidates (8 prefill + 8 decode, hand-built loads, some holding a cached prefix) and
 run ``router.policy.route`` with one long-lived ``RoutingState``. No processes, no Redis: the index round
-trip (``KVIndex.lookup`` of the 256 hashes) is timed separately against a private redis-server.
+trip (``KVIndex.lookup`` of the 256 hashes) is timed separately against a private redis-server, beside
+the same lookup answered by the in-memory mirror (``baton router --index-mirror``) synced from it.
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ def time_hashing(prompts: list[list[int]], n: int, fingerprint: bytes) -> list[f
     return out
 
 
-async def _time_lookups(redis_url: str, hashes: list[bytes], n: int) -> list[float]:
+async def _time_lookups(redis_url: str, hashes: list[bytes], n: int) -> tuple[list[float], list[float]]:
     from kv_transfer.redis_index import KVIndex
     from kv_transfer.registry import connect
+    from router.index_mirror import MirrorSync
 
     redis = connect(redis_url)
     try:
@@ -120,12 +122,21 @@ async def _time_lookups(redis_url: str, hashes: list[bytes], n: int) -> list[flo
             started = time.perf_counter_ns()
             await index.lookup(hashes)
             out.append((time.perf_counter_ns() - started) / 1e6)
-        return out[20:]
+        await redis.sadd(index.keys.workers, *cached_map(len(hashes)))  # the mirror snapshots registered workers
+        sync = MirrorSync(index, redis)
+        await sync.sync()
+        assert sync.mirror.lookup(hashes) == await index.lookup(hashes)
+        mirrored = []
+        for _ in range(n + 20):
+            started = time.perf_counter_ns()
+            sync.mirror.lookup(hashes)
+            mirrored.append((time.perf_counter_ns() - started) / 1e6)
+        return out[20:], mirrored[20:]
     finally:
         await redis.aclose()
 
 
-def time_redis_lookup(hashes: list[bytes], n: int) -> list[float] | None:
+def time_redis_lookup(hashes: list[bytes], n: int) -> tuple[list[float], list[float]] | None:
     from deploy.up import Child, start_redis, stop_all
 
     children: list[Child] = []
@@ -179,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"timing {args.decisions} decisions: {name} ...", flush=True)
         policies[name] = summary(time_policy(config, snapshot, prompts, args.decisions))
     hashing = summary(time_hashing(prompts, args.decisions, fingerprint))
-    lookup_ms = time_redis_lookup(hash_blocks(prompts[0], BLOCK_SIZE, root_hash(fingerprint, BLOCK_SIZE, "")),
+    lookups = time_redis_lookup(hash_blocks(prompts[0], BLOCK_SIZE, root_hash(fingerprint, BLOCK_SIZE, "")),
                                   args.lookups)
     report = {
         "workers": {"prefill": 8, "decode": 8}, "prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK_SIZE,
         "decisions_per_policy": args.decisions, "hash_blocks": hashing, "policies": policies,
-        "redis_lookup_256": None if lookup_ms is None else summary(lookup_ms),
+        "redis_lookup_256": None if lookups is None else summary(lookups[0]),
+        "mirror_lookup_256": None if lookups is None else summary(lookups[1]),
     }
     _print_table(report)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -199,6 +211,7 @@ def _print_table(report: dict) -> None:
     rows.append(("  of which hash_blocks", report["hash_blocks"]))
     if report["redis_lookup_256"] is not None:
         rows.append(("KVIndex.lookup (256, redis)", report["redis_lookup_256"]))
+        rows.append(("mirror lookup (256, memory)", report["mirror_lookup_256"]))
     for label, s in rows:
         print(f"{label:<28}{s['p50_ms']:>10.3f}{s['p99_ms']:>10.3f}{s['per_s']:>12,.0f}")
 

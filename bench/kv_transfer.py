@@ -1,15 +1,23 @@
-"""KV transfer benchmark: Baton's ``tcp`` transport vs a raw socket, between two processes on 127.0.0.1.
+"""KV transfer benchmark: every Baton transport and two peers vs a raw socket, two processes on 127.0.0.1.
 
 For the KV of 1k/4k/16k-token prompts of the "small" preset (8 layers, 2 KV heads, head_dim 64,
-float32, block_size 16: 128 KiB per block), the server process holds a paged KV buffer and the client
-process pulls a prompt's blocks into its own buffer — destination blocks contiguous, and scattered at
-random (what a decode worker's free queue hands out after churn). The baseline moves the same number of
-bytes with a plain ``sendall`` / ``recv_into`` of one contiguous buffer. Both time connect to last byte;
-runs alternate (raw, contiguous, scattered) so machine noise hits each alike; medians are reported.
+float32, block_size 16: 128 KiB per block), a server process per system holds a paged KV buffer and
+this process pulls a prompt's blocks into its own buffer — destination blocks contiguous, and
+scattered at random (what a decode worker's free queue hands out after churn). Systems:
 
-    python -m bench.kv_transfer [--tokens 1024 4096 16384] [--runs 7] [--uvloop]
+- ``raw``: the baseline, a plain ``sendall`` / ``recv_into`` of the same bytes into one contiguous buffer;
+- every Baton transport in ``kv_transfer.transport.TRANSPORT_KINDS`` but ``local`` (``make_server`` /
+  ``connect``): a full pull, connect to last byte;
+- the peers NVIDIA NIXL (UCX backend, READ) and the Mooncake Transfer Engine (TCP, P2PHANDSHAKE), in
+  ``bench/kv_peers.py``: per-transfer READ descriptors of the same blocks, connected once at setup.
 
-Prints a table and writes ``bench/results/kv_transfer.json``.
+A system that is not installed or fails to start is reported as skipped with the reason. Every system's
+first (warm-up) transfer of each size is checked byte for byte. Runs alternate systems (rotating who goes
+first) so machine noise hits each alike. Reports median GB/s, per-transfer p50/p99 latency and ratios
+vs raw; prints a table and writes ``bench/results/kv_transfer.json`` and ``.png``.
+
+    python -m bench.kv_transfer [--tokens 1024 4096 16384] [--runs 7] [--transports tcp ...]
+                                [--peers nixl mooncake] [--nixl-ucx-tls tcp] [--uvloop]
 """
 
 from __future__ import annotations
@@ -18,24 +26,43 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import platform
 import socket
 import statistics
 import struct
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from bench import kv_peers
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
-from kv_transfer.tcp import TcpClient, TcpServer
-from kv_transfer.transport import TransportConfig
+from kv_transfer.transport import TRANSPORT_KINDS, connect, make_server
 
 SMALL = KVLayout(
     model_fingerprint=b"bench-small", dtype="float32", block_size=16, num_layers=8, num_kv_heads=2, head_dim=64
 )
 RESULTS = Path(__file__).parent / "results" / "kv_transfer.json"
+BASELINE = "raw"
+PATTERNS = ("contiguous", "scattered")
+# Mooncake's TCP transport refuses a batch with more slices than this queue (one per layer per run of
+# blocks here): it must hold the largest prompt's worst case.
+MOONCAKE_QUEUE = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+ENV_DEFAULTS = {
+    "NIXL_LOG_LEVEL": "WARN",
+    "MC_LOG_LEVEL": "ERROR",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",  # NIXL's older UCX does not know ucxx's variables
+    MOONCAKE_QUEUE: "16384",
+}
+START_TIMEOUT_S = 120.0  # spawn + imports + buffer fill, on a busy 2-core machine
+
+
+def default_transports() -> list[str]:
+    return [kind for kind in TRANSPORT_KINDS if kind != "local"]
 
 
 def _install_loop(use_uvloop: bool) -> None:
@@ -45,20 +72,35 @@ def _install_loop(use_uvloop: bool) -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-# --- server processes -----------------------------------------------------------------------------
-
-
-def baton_server(num_blocks: int, use_uvloop: bool, conn, stop) -> None:
-    """Serve one lease over every block of a random buffer until ``stop`` is set."""
-    _install_loop(use_uvloop)
+def source_buffer(num_blocks: int) -> KVBuffer:
+    """Every 8 bytes hold their own offset: any misplaced or missing byte shows when checked."""
     buffer = KVBuffer.allocate(SMALL, num_blocks)
-    buffer.array[:] = np.random.default_rng(0).integers(0, 256, buffer.array.shape, dtype=np.uint8)
-    table = LeaseTable(default_ttl_s=3600.0)
+    flat = buffer.array.reshape(-1).view(np.uint64)
+    flat[:] = np.arange(flat.size, dtype=np.uint64)
+    return buffer
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --- server processes (each replies ("ok", endpoint) or ("skip", reason), then serves until stop) ---
+
+
+def transport_server(kind: str, num_blocks: int, use_uvloop: bool, conn, stop) -> None:
+    """Serve one lease over every block of the source buffer with Baton transport ``kind``."""
+    _install_loop(use_uvloop)
 
     async def main() -> None:
+        buffer, table = source_buffer(num_blocks), LeaseTable(default_ttl_s=3600.0)
         lease = table.create(range(num_blocks), now=time.monotonic())
-        server = TcpServer(buffer=buffer, resolve=table.resolver(time.monotonic), config=TransportConfig())
-        conn.send((await server.start("127.0.0.1", 0), lease.lease_id))
+        try:
+            server = make_server(kind, buffer=buffer, resolve=table.resolver(time.monotonic))
+            uri = await server.start("127.0.0.1", 0)
+        except Exception as exc:  # noqa: BLE001 - a missing package or no GPU: skipped, not a crash
+            conn.send(("skip", _reason(exc)))
+            return
+        conn.send(("ok", {"uri": uri, "lease_id": lease.lease_id}))
         while not stop.is_set():
             await asyncio.sleep(0.05)
         await server.stop()
@@ -66,12 +108,24 @@ def baton_server(num_blocks: int, use_uvloop: bool, conn, stop) -> None:
     asyncio.run(main())
 
 
+def peer_server(name: str, num_blocks: int, options: dict[str, str], conn, stop) -> None:
+    """Register the source buffer with peer ``name`` and keep it alive until ``stop``."""
+    try:
+        server = kv_peers.serve(name, source_buffer(num_blocks), options)
+    except Exception as exc:  # noqa: BLE001 - PeerUnavailable or a failed start: skipped
+        conn.send(("skip", _reason(exc)))
+        return
+    conn.send(("ok", server.endpoint))
+    stop.wait()
+    server.close()
+
+
 def raw_server(max_bytes: int, conn, stop) -> None:
-    """Per connection: read a u64 byte count, ``sendall`` that many bytes of one buffer."""
-    data = memoryview(np.random.default_rng(0).integers(0, 256, max_bytes, dtype=np.uint8))
+    """Per connection: read a u64 byte count, ``sendall`` that many bytes of the source pattern."""
+    data = memoryview(source_buffer(-(-max_bytes // SMALL.bytes_per_block)).array.reshape(-1))
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.05)
-    conn.send(listener.getsockname()[1])
+    conn.send(("ok", {"port": listener.getsockname()[1]}))
     while not stop.is_set():
         try:
             sock, _ = listener.accept()
@@ -83,98 +137,353 @@ def raw_server(max_bytes: int, conn, stop) -> None:
             sock.sendall(data[:num_bytes])
 
 
-# --- client side ----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Servers:
+    stop: object
+    procs: dict[str, mp.Process] = field(default_factory=dict)
+    endpoints: dict[str, dict] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
-def raw_pull(port: int, dst: memoryview) -> float:
+def start_servers(args: argparse.Namespace, num_blocks: int) -> Servers:
+    """One server process per system; waits for each to say where it listens, or why it cannot."""
+    ctx = mp.get_context("spawn")
+    servers, pipes = Servers(stop=ctx.Event()), {}
+    targets = {BASELINE: (raw_server, (num_blocks * SMALL.bytes_per_block,))}
+    for kind in args.transports:
+        targets[kind] = (transport_server, (kind, num_blocks, args.uvloop))
+    for name in args.peers:
+        targets[name] = (peer_server, (name, num_blocks, _peer_options(args)))
+    for name, (target, extra) in targets.items():
+        pipes[name], child = ctx.Pipe()
+        servers.procs[name] = ctx.Process(target=target, args=(*extra, child, servers.stop), daemon=True)
+        servers.procs[name].start()
+    print(f"starting servers: {', '.join(targets)}...", flush=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for name, pipe in pipes.items():
+        status, payload = _await_reply(servers.procs[name], pipe, deadline)
+        (servers.endpoints if status == "ok" else servers.skipped)[name] = payload
+        print(f"  {name}: {'ready' if status == 'ok' else 'skipped'}", flush=True)
+    return servers
+
+
+def _await_reply(proc: mp.Process, pipe, deadline: float) -> tuple[str, object]:
+    while not pipe.poll(0.1):
+        if not proc.is_alive():
+            return "skip", f"server process exited with code {proc.exitcode} before it was ready"
+        if time.monotonic() > deadline:
+            return "skip", f"server not ready within {START_TIMEOUT_S:.0f} s"
+    return pipe.recv()
+
+
+def stop_servers(servers: Servers) -> None:
+    servers.stop.set()
+    for proc in servers.procs.values():
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+
+
+def _peer_options(args: argparse.Namespace) -> dict[str, str]:
+    return {"nixl_ucx_tls": args.nixl_ucx_tls} if args.nixl_ucx_tls else {}
+
+
+# --- client side: a system is a name and a timed pull ---------------------------------------------
+
+Pull = Callable[[list[int], list[int]], tuple[float, int]]  # (src ids, dst ids) -> (seconds, bytes moved)
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    name: str  # "raw", "<kind>/<pattern>", "<peer>/<pattern>"
+    pattern: str
+    pull: Pull
+    landed: Callable[[list[int], list[int]], np.ndarray]  # (src ids, dst ids) -> a view of where bytes land
+    expected: Callable[[list[int]], np.ndarray]  # src ids -> what must have landed
+    clear: Callable[[list[int], list[int]], None]  # poison the destination before a checked pull
+
+
+def make_systems(
+    servers: Servers, args: argparse.Namespace, dst: KVBuffer, loop: asyncio.AbstractEventLoop
+) -> tuple[list[System], list[Callable[[], None]]]:
+    """The client of each started server (a failing connect is skipped too); and what closes them."""
+    ref = source_buffer(dst.num_blocks)  # what every server holds
+
+    def raw_expected(src_ids: list[int]) -> np.ndarray:
+        return ref.array.reshape(-1)[: len(src_ids) * SMALL.bytes_per_block]
+
+    def kv_expected(src_ids: list[int]) -> np.ndarray:
+        return ref.array[:, src_ids]  # [L, n, seg]
+
+    port, raw_dst = servers.endpoints[BASELINE]["port"], np.zeros(dst.array.nbytes, np.uint8)
+
+    def raw_landed(src_ids: list[int], _dst_ids: list[int]) -> np.ndarray:
+        return raw_dst[: len(src_ids) * SMALL.bytes_per_block]
+
+    def kv_clear(_src_ids: list[int], dst_ids: list[int]) -> None:
+        dst.array[:, dst_ids] = 0xFF
+
+    systems = [System(BASELINE, "contiguous", lambda s, d: raw_pull(port, raw_landed(s, d)), raw_landed,
+                      raw_expected, lambda s, d: raw_landed(s, d).fill(0xFF))]
+    closers: list[Callable[[], None]] = []
+    for name, endpoint in servers.endpoints.items():
+        if name == BASELINE:
+            continue
+        try:
+            pull, close = _client(name, endpoint, args, dst, loop)
+        except Exception as exc:  # noqa: BLE001 - reported as skipped
+            servers.skipped[name] = f"client: {_reason(exc)}"
+            continue
+        landed = lambda _s, d: dst.array[:, d]  # noqa: E731 - [L, n, seg]
+        systems += [System(f"{name}/{p}", p, pull, landed, kv_expected, kv_clear) for p in PATTERNS]
+        closers.append(close)
+    return systems, closers
+
+
+def _client(name: str, endpoint: dict, args: argparse.Namespace, dst: KVBuffer, loop) -> tuple[Pull, Callable]:
+    if name in kv_peers.PEER_NAMES:
+        peer = kv_peers.connect(name, endpoint, dst, _peer_options(args))
+
+        def peer_pull(src_ids: list[int], dst_ids: list[int]) -> tuple[float, int]:
+            start = time.perf_counter()
+            num_bytes = peer.read(src_ids, dst_ids)
+            return time.perf_counter() - start, num_bytes
+
+        return peer_pull, peer.close
+    client = connect(endpoint["uri"])
+
+    def baton_pull(src_ids: list[int], dst_ids: list[int]) -> tuple[float, int]:
+        pull = client.pull(endpoint["uri"], SMALL, endpoint["lease_id"], src_ids, dst, dst_ids)
+        stats = loop.run_until_complete(pull)
+        return stats.seconds, stats.num_bytes
+
+    return baton_pull, lambda: None
+
+
+def raw_pull(port: int, dst: np.ndarray) -> tuple[float, int]:
+    view = memoryview(dst)
     start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(struct.pack("<Q", dst.nbytes))
+        sock.sendall(struct.pack("<Q", view.nbytes))
         got = 0
-        while got < dst.nbytes:
-            n = sock.recv_into(dst[got:])
+        while got < view.nbytes:
+            n = sock.recv_into(view[got:])
             if n == 0:
                 raise ConnectionError("raw server closed early")
             got += n
-    return time.perf_counter() - start
+    return time.perf_counter() - start, got
 
 
-async def baton_pull(client: TcpClient, endpoints: dict, src_ids: list[int], dst: KVBuffer, dst_ids: list[int]) -> float:
-    stats = await client.pull(endpoints["uri"], SMALL, endpoints["lease_id"], src_ids, dst, dst_ids)
-    return stats.seconds
+# --- measuring ------------------------------------------------------------------------------------
 
 
-def measure(tokens: int, runs: int, endpoints: dict, loop: asyncio.AbstractEventLoop) -> dict:
+def prompt_blocks(tokens: int, total_blocks: int) -> tuple[list[int], dict[str, list[int]]]:
+    """The prompt's source blocks (sorted: mostly allocation order on the prefill side) and, per
+    destination pattern, the blocks it lands in."""
     num_blocks = -(-tokens // SMALL.block_size)
-    num_bytes = num_blocks * SMALL.bytes_per_block
-    dst = KVBuffer.allocate(SMALL, endpoints["num_blocks"])
-    raw_dst = memoryview(np.zeros(num_bytes, np.uint8))
     rng = np.random.default_rng(tokens)
-    src_ids = [int(b) for b in rng.permutation(endpoints["num_blocks"])[:num_blocks]]
-    src_ids.sort()  # a prompt's blocks on the prefill side: mostly in allocation order
-    scattered = [int(b) for b in rng.permutation(dst.num_blocks)[:num_blocks]]
-    patterns = {"contiguous": list(range(num_blocks)), "scattered": scattered}
-    client = TcpClient(TransportConfig())
-    seconds: dict[str, list[float]] = {"raw": [], **{name: [] for name in patterns}}
-    for run in range(runs + 1):  # run 0 warms up
-        timings = {"raw": raw_pull(endpoints["raw_port"], raw_dst)}
-        for name, dst_ids in patterns.items():
-            timings[name] = loop.run_until_complete(baton_pull(client, endpoints, src_ids, dst, dst_ids))
-        if run:
-            for name, value in timings.items():
-                seconds[name].append(value)
-    gbps = {name: num_bytes / statistics.median(values) / 1e9 for name, values in seconds.items()}
-    return {"tokens": tokens, "blocks": num_blocks, "num_bytes": num_bytes, "gbps": gbps,
-            "seconds": seconds, "ratio_vs_raw": {n: gbps[n] / gbps["raw"] for n in patterns}}
+    src_ids = sorted(int(b) for b in rng.permutation(total_blocks)[:num_blocks])
+    scattered = [int(b) for b in rng.permutation(total_blocks)[:num_blocks]]
+    return src_ids, {"contiguous": list(range(num_blocks)), "scattered": scattered}
+
+
+def _checked_pull(system: System, src_ids: list[int], dst_ids: list[int]) -> tuple[float, int]:
+    """The warm-up pull: the destination is poisoned first, then compared byte for byte."""
+    system.clear(src_ids, dst_ids)
+    elapsed, num_bytes = system.pull(src_ids, dst_ids)
+    if num_bytes != len(src_ids) * SMALL.bytes_per_block:
+        raise AssertionError(f"moved {num_bytes} bytes, expected {len(src_ids) * SMALL.bytes_per_block}")
+    if not np.array_equal(system.landed(src_ids, dst_ids), system.expected(src_ids)):
+        raise AssertionError("the bytes that landed differ from the source blocks")
+    return elapsed, num_bytes
+
+
+def _timed_pull(system: System, src_ids: list[int], dst_ids: list[int]) -> tuple[float, int]:
+    return system.pull(src_ids, dst_ids)
+
+
+def measure(tokens: int, runs: int, systems: list[System], total_blocks: int, skipped: dict[str, str]) -> dict:
+    """``runs`` timed transfers per system after one checked warm-up; systems alternate, rotating."""
+    src_ids, patterns = prompt_blocks(tokens, total_blocks)
+    seconds: dict[str, list[float]] = {s.name: [] for s in systems}
+    moved: dict[str, int] = {}
+    warm_s = 0.0
+    for run in range(runs + 1):  # run 0 warms up and checks the bytes
+        for system in systems[run % len(systems):] + systems[: run % len(systems)]:
+            if system.name not in seconds:
+                continue
+            pull = _checked_pull if run == 0 else _timed_pull
+            try:
+                elapsed, moved[system.name] = pull(system, src_ids, patterns[system.pattern])
+            except Exception as exc:  # noqa: BLE001 - one system failing must not end the others' runs
+                if system.name == BASELINE:
+                    raise
+                skipped[system.name] = f"{tokens} tokens, run {run}: {_reason(exc)}"
+                del seconds[system.name]
+                continue
+            if run:
+                seconds[system.name].append(elapsed)
+            else:
+                warm_s += elapsed
+        eta = f" (~{warm_s * runs:.0f} s to go)" if run == 0 else ""
+        print(f"\r  {tokens} tokens: run {run}/{runs} done{eta}", end="", flush=True)
+    print(flush=True)
+    num_bytes = len(src_ids) * SMALL.bytes_per_block
+    return {"tokens": tokens, "blocks": len(src_ids), "num_bytes": num_bytes,
+            "systems": summarize(seconds, moved, num_bytes)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    return float(np.percentile(values, q))
+
+
+def summarize(seconds: dict[str, list[float]], moved: dict[str, int], num_bytes: int) -> dict[str, dict]:
+    out = {}
+    for name, values in seconds.items():
+        out[name] = {"gbps": num_bytes / statistics.median(values) / 1e9,
+                     "p50_ms": percentile(values, 50) * 1e3, "p99_ms": percentile(values, 99) * 1e3,
+                     "bytes_moved": moved[name], "seconds": values}
+    for stats in out.values():
+        stats["ratio_vs_raw"] = stats["gbps"] / out[BASELINE]["gbps"]
+    return out
+
+
+# --- report -----------------------------------------------------------------------------------------
+
+
+def describe(servers: Servers, args: argparse.Namespace) -> dict[str, str]:
+    """What each started system is, for the JSON."""
+    out = {BASELINE: "sendall / recv_into of one contiguous buffer, one connection per transfer"}
+    for name in servers.endpoints:
+        if name == "nixl":
+            out[name] = (f"nixl-cu12 {kv_peers.peer_version(name)}, UCX backend, READ, "
+                         f"UCX_TLS={args.nixl_ucx_tls or 'default (same host: cma)'}")
+        elif name == "mooncake":
+            out[name] = f"mooncake-transfer-engine-non-cuda {kv_peers.peer_version(name)}, tcp, P2PHANDSHAKE, READ"
+        elif name != BASELINE:
+            out[name] = f"Baton {name} transport: make_server / connect(uri).pull, connect to last byte"
+    return out
+
+
+def print_table(results: list[dict], skipped: dict[str, str]) -> None:
+    print(f"\n{'tokens':>7} {'MiB':>6}  {'system':<22} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7}")
+    for r in results:
+        for name, s in r["systems"].items():
+            print(f"{r['tokens']:>7} {r['num_bytes'] / 2**20:>6.1f}  {name:<22} {s['gbps']:>6.2f} "
+                  f"{s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['ratio_vs_raw']:>7.0%}")
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}")
+
+
+def plot(doc: dict, path: Path) -> None:
+    """Grouped bars: median GB/s per system per prompt size (one colour per system, scattered hatched);
+    whiskers down to the GB/s at p99 latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = doc["results"]
+    names = list(dict.fromkeys(name for r in results for name in r["systems"]))
+    colours = {base: f"C{i}" for i, base in enumerate(dict.fromkeys(n.split("/")[0] for n in names))}
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.5 * len(names) * len(results)), 4.5))
+    for i, name in enumerate(names):
+        rows = [(j, r) for j, r in enumerate(results) if name in r["systems"]]
+        gbps = [r["systems"][name]["gbps"] for _, r in rows]
+        at_p99 = [r["num_bytes"] / r["systems"][name]["p99_ms"] / 1e6 for _, r in rows]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j, _ in rows]
+        ax.bar(xs, gbps, width, label=name, color=colours[name.split("/")[0]], edgecolor="white",
+               hatch="//" if name.endswith("/scattered") else None,
+               yerr=[[max(0.0, g - p) for g, p in zip(gbps, at_p99)], [0] * len(rows)], capsize=2)
+    ax.set_xticks(range(len(results)), [f"{r['tokens']:,} tokens\n{r['num_bytes'] / 2**20:.0f} MiB" for r in results])
+    ax.set_ylabel("GB/s (median; whisker: at p99 latency)")
+    load = doc["loadavg_1m"]["start"]
+    ax.set_title(f"KV pull between two processes on 127.0.0.1 (small preset, 128 KiB/block; "
+                 f"{doc['cpus']} CPUs, load {load:.1f})", fontsize=10)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(doc: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    plot(doc, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {out.with_suffix('.png').name}")
+
+
+# --- main -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--runs", type=int, default=7, help="timed transfers per system and size (after 1 warm-up)")
+    parser.add_argument("--transports", nargs="*", default=default_transports(),
+                        help=f"Baton transport kinds (default: {' '.join(default_transports())})")
+    parser.add_argument("--peers", nargs="*", default=list(kv_peers.PEER_NAMES), choices=kv_peers.PEER_NAMES,
+                        help="peer systems (default: all; none with a bare --peers)")
+    parser.add_argument("--nixl-ucx-tls", default=None,
+                        help="UCX_TLS for NIXL's UCX, e.g. tcp (default: UCX picks; cma on one host)")
+    parser.add_argument("--uvloop", action="store_true", help="run Baton's asyncio ends on uvloop")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON path; the PNG goes beside it")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or min(args.tokens) < 1:
+        parser.error("--runs and --tokens must be >= 1")
+    return args
+
+
+def run(args: argparse.Namespace, servers: Servers, total_blocks: int) -> list[dict]:
+    """Every prompt size, every started system; a system that fails is dropped for the sizes after."""
+    loop, closers, results = asyncio.new_event_loop(), [], []
+    try:
+        if BASELINE not in servers.endpoints:
+            raise RuntimeError(f"the raw baseline did not start: {servers.skipped.get(BASELINE)}")
+        systems, closers = make_systems(servers, args, KVBuffer.allocate(SMALL, total_blocks), loop)
+        for name, reason in servers.skipped.items():
+            print(f"  skipping {name}: {reason}", flush=True)
+        for i, tokens in enumerate(args.tokens, 1):
+            print(f"[{i}/{len(args.tokens)}] {tokens}-token prompts "
+                  f"({-(-tokens // SMALL.block_size) * SMALL.bytes_per_block / 2**20:.1f} MiB): "
+                  f"{args.runs} runs x {len(systems)} systems", flush=True)
+            results.append(measure(tokens, args.runs, systems, total_blocks, servers.skipped))
+            systems = [s for s in systems if s.name not in servers.skipped]
+    finally:
+        for close in closers:
+            close()
+        loop.close()
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--uvloop", action="store_true", help="run both Baton ends on uvloop")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    for name, value in ENV_DEFAULTS.items():  # read by the peers' libraries, here and in the servers
+        os.environ.setdefault(name, value)
+    max_descriptors = SMALL.num_layers * -(-max(args.tokens) // SMALL.block_size)
+    if int(os.environ[MOONCAKE_QUEUE]) < max_descriptors:
+        os.environ[MOONCAKE_QUEUE] = str(max_descriptors)
     _install_loop(args.uvloop)
-    num_blocks = 2 * -(-max(args.tokens) // SMALL.block_size)
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    (b_parent, b_child), (r_parent, r_child) = ctx.Pipe(), ctx.Pipe()
-    procs = [
-        ctx.Process(target=baton_server, args=(num_blocks, args.uvloop, b_child, stop), daemon=True),
-        ctx.Process(target=raw_server, args=(num_blocks * SMALL.bytes_per_block, r_child, stop), daemon=True),
-    ]
-    for proc in procs:
-        proc.start()
-    uri, lease_id = b_parent.recv()
-    endpoints = {"uri": uri, "lease_id": lease_id, "raw_port": r_parent.recv(), "num_blocks": num_blocks}
-    loop = asyncio.new_event_loop()
-    results = []
+    unknown = [kind for kind in args.transports if kind not in TRANSPORT_KINDS]
+    args.transports = [kind for kind in args.transports if kind in TRANSPORT_KINDS]
+    total_blocks = 2 * -(-max(args.tokens) // SMALL.block_size)
+    load_start = os.getloadavg()
+    servers = start_servers(args, total_blocks)
+    servers.skipped.update({kind: "not registered in kv_transfer.transport.TRANSPORT_KINDS" for kind in unknown})
     try:
-        for tokens in args.tokens:
-            print(f"measuring {tokens}-token prompts ({args.runs} runs)...", flush=True)
-            results.append(measure(tokens, args.runs, endpoints, loop))
+        results = run(args, servers, total_blocks)
     finally:
-        loop.close()
-        stop.set()
-        for proc in procs:
-            proc.join(5)
-    _report(results, args)
-
-
-def _report(results: list[dict], args: argparse.Namespace) -> None:
-    columns = ("tokens", 7), ("MiB", 7), ("raw GB/s", 9), ("tcp contig", 11), ("tcp scatter", 12)
-    print("\n" + " ".join(f"{name:>{width}}" for name, width in columns) + f" {'contig/raw':>11} {'scatter/raw':>12}")
-    for r in results:
-        g, q = r["gbps"], r["ratio_vs_raw"]
-        print(f"{r['tokens']:>7} {r['num_bytes'] / 2**20:>7.1f} {g['raw']:>9.2f} {g['contiguous']:>11.2f} "
-              f"{g['scattered']:>12.2f} {q['contiguous']:>10.0%} {q['scattered']:>11.0%}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+        stop_servers(servers)
+    print_table(results, servers.skipped)
     doc = {"layout": json.loads(SMALL.to_json()), "runs": args.runs, "uvloop": args.uvloop,
-           "python": platform.python_version(), "results": results}
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+           "python": platform.python_version(), "cpus": os.cpu_count(),
+           "loadavg_1m": {"start": load_start[0], "end": os.getloadavg()[0]},
+           "systems": describe(servers, args), "skipped": servers.skipped, "results": results}
+    write_results(doc, args.out)
 
 
 if __name__ == "__main__":

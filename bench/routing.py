@@ -2,9 +2,11 @@
 
     python -m bench.routing [--policies cost,round_robin,random,prefix_overlap,least_loaded]
                             [--conversations 24] [--turns 3] [--rate 4] [--max-tokens 16]
+                            [--model tiny|small|PATH]
 
 Starts a private redis-server; for each policy a fresh namespace with 2 prefill + 2 decode workers (the
-tiny model, 1 torch thread, block size 16) and a router started with ``--policy``, so every policy
+tiny model by default; ``--model small`` is ~30x costlier per token, where prefix reuse moves TTFT;
+1 torch thread, block size 16) and a router started with ``--policy``, so every policy
 starts with empty prefix caches. Workload (token ids, greedy): a few long system prompts, several users
 each, multi-turn conversations (each turn's prompt = system prompt + history + new user text), sent
 open-loop at Poisson arrivals (seeded, identical for every policy). Reports per policy: prefix cache hit
@@ -102,14 +104,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_platform(redis_url: str, model: str, policy: str, log_dir: Path, children: list[Child]) -> str:
+def start_platform(redis_url: str, model: str, policy: str, log_dir: Path, children: list[Child],
+                   num_blocks: int = 2048) -> str:
     """2 prefill + 2 decode workers and a router in namespace ``bench-{policy}``; the router's address."""
     common = ["--redis-url", redis_url, "--model", model, "--namespace", f"bench-{policy}"]
     for role in ("prefill", "decode"):
         for i in range(2):
             worker_id = f"{policy}-{role[0]}{i}"
             spawn(worker_id, [role, *common, "--port", str(_free_port()), "--worker-id", worker_id,
-                              "--num-threads", "1", "--block-size", str(BLOCK_SIZE), "--num-blocks", "2048"],
+                              "--num-threads", "1", "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks)],
                   log_dir, children)
     port = _free_port()
     spawn(f"router-{policy}", ["router", *common, "--port", str(port), "--policy", policy,
@@ -187,7 +190,7 @@ def print_table(report: dict) -> None:
               f"{s['output_tokens_per_s']:>8.1f}")
 
 
-def plot(ttfts: dict[str, list[float]], path: Path) -> bool:
+def plot(ttfts: dict[str, list[float]], path: Path, model: str = "tiny") -> bool:
     try:
         import matplotlib
 
@@ -200,7 +203,7 @@ def plot(ttfts: dict[str, list[float]], path: Path) -> bool:
     for name, values in ttfts.items():
         xs = sorted(v * 1e3 for v in values)
         ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF per routing policy (2P+2D, tiny)")
+    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title=f"TTFT CDF per routing policy (2P+2D, {model})")
     ax.set_xscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -221,6 +224,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-blocks", type=int, default=2048,
+                   help="KV blocks of 16 tokens per worker; fewer than the workload's prefixes make caches evict")
+    p.add_argument("--model", default="tiny", help="tiny | small (built offline on first use) | a checkpoint folder")
     args = p.parse_args(argv)
     unknown = set(args.policies.split(",")) - set(POLICIES)
     if unknown:
@@ -232,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     from engine.tiny import ensure_model
 
-    model = str(ensure_model("tiny"))
+    model = str(ensure_model(args.model)) if args.model in ("tiny", "small") else args.model
     planned = build_workload(args)
     oracle = sum(oracle_cached_tokens(planned)) / sum(len(r.prompt) for r in planned)
     log_dir = Path(tempfile.mkdtemp(prefix="baton-bench-routing-"))
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         redis_url = start_redis(log_dir, redis_children)
         for policy in args.policies.split(","):
-            outcomes[policy] = _run_one(redis_url, model, policy, planned, args.max_tokens, log_dir)
+            outcomes[policy] = _run_one(redis_url, model, policy, planned, args.max_tokens, log_dir, args.num_blocks)
     finally:
         stop_all(redis_children)
     report = {"requests": len(planned), "arrival_rate_per_s": args.rate, "oracle_hit_rate": oracle,
@@ -252,18 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     print_table(report)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "routing.json").write_text(json.dumps(report, indent=2))
-    if plot({name: [o.ttft_s for o in out] for name, out in outcomes.items()}, RESULTS / "routing.png"):
+    ttfts = {name: [o.ttft_s for o in out] for name, out in outcomes.items()}
+    if plot(ttfts, RESULTS / "routing.png", Path(model).name):
         print(f"wrote {RESULTS / 'routing.json'} and {RESULTS / 'routing.png'}")
     return 0
 
 
 def _run_one(redis_url: str, model: str, policy: str, planned: list[Planned], max_tokens: int,
-             log_dir: Path) -> list[Outcome]:
+             log_dir: Path, num_blocks: int = 2048) -> list[Outcome]:
     """A fresh platform for ``policy`` (cold caches), the workload, then the platform stopped."""
     children: list[Child] = []
     try:
         started = time.monotonic()
-        router = start_platform(redis_url, model, policy, log_dir, children)
+        router = start_platform(redis_url, model, policy, log_dir, children, num_blocks)
         asyncio.run(wait_for_workers(redis_url, f"bench-{policy}", 4, children))
         print(f"[{policy}] platform up in {time.monotonic() - started:.1f} s; sending ...", flush=True)
         grpc.channel_ready_future(grpc.insecure_channel(router)).result(timeout=60)

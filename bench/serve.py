@@ -1,18 +1,22 @@
 """Serving benchmark: replay a workload against a running router, open-loop, and report vLLM-style metrics.
 
-    python -m bench serve --router HOST:PORT [--workload sharegpt|shared-prefix|long-prompt | --trace F.jsonl]
+    python -m bench serve --router HOST:PORT [--protocol grpc|http]
+                          [--workload sharegpt|shared-prefix|long-prompt | --trace F.jsonl]
                           [--num-requests 200] [--rate 4 | --rate-sweep 1,2,4] [--burstiness 1.0] [--seed 0]
                           [--slo-ttft-ms 500] [--slo-tpot-ms 100] [--out DIR]
 
-Requests are greedy gRPC ``Generate`` calls with token ids (``ignore_eos``, so each yields ``max_tokens``),
-sent at seeded Poisson arrivals (``--burstiness`` < 1 makes them gamma-bursty, > 1 smoother) whatever the
+Requests are greedy streaming calls with token ids (``ignore_eos``, so each yields ``max_tokens``): gRPC
+``Generate`` (``--router`` is the router's gRPC address), or with ``--protocol http`` the OpenAI front's
+``/v1/completions`` with ``stream: true`` (``--router`` is the HTTP front's address; token ids are drawn below
+``--vocab-size``, which the model card does not state; see bench/client.py for how SSE chunks are timed). They
+are sent at seeded Poisson arrivals (``--burstiness`` < 1 makes them gamma-bursty, > 1 smoother) whatever the
 earlier ones are doing. Workloads: ``sharegpt`` (log-normal prompt and output lengths), ``shared-prefix``
 (multi-turn conversations over a few long system prompts), ``long-prompt`` (short chats with a few very long
-prompts mixed in: the interference case), or ``--trace``: JSONL, one object per line with
-``prompt_token_ids`` or ``prompt``, ``max_tokens`` and optionally ``arrival_s`` (used when ``--rate`` is not
-given). Reports request and token throughput, TTFT / TPOT / ITL / E2E (mean, p50, p90, p99) and goodput:
-requests per second that met both SLOs. ``--out`` writes serve.json, serve_cdf.png and, for a sweep,
-serve_sweep.png (goodput and p99 ITL against the rate).
+prompts mixed in: the interference case), or ``--trace``: JSONL, one object per line with ``prompt_token_ids``
+or ``prompt``, ``max_tokens`` and optionally ``arrival_s`` (used when ``--rate`` is not given). Reports request
+and token throughput, TTFT / TPOT / ITL / E2E (mean, p50, p90, p99) and goodput: requests per second that met
+both SLOs. ``--out`` writes serve.json, serve_cdf.png and, for a sweep, serve_sweep.png (goodput and p99 ITL
+against the rate).
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import asyncio
 import json
 import math
 import random
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.client import Planned, Result, model_info, run_once
+from bench.client import PROTOCOLS, Planned, Result, http_model_card, model_info, run_once
 from bench.workload import sharegpt_like
 from proto import baton_pb2 as pb
+from proto import tls
 
 WORKLOADS = ("sharegpt", "shared-prefix", "long-prompt")
 PERCENTILES = (50, 90, 99)
@@ -82,6 +88,7 @@ def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float, slo_
         "tpot_ms": distribution_ms([t for r in done if (t := tpot_s(r)) is not None]),
         "itl_ms": distribution_ms([x for r in done for x in r.itl_s]),
         "e2e_ms": distribution_ms([r.e2e_s for r in done]),
+        "route_kinds": dict(Counter(r.route_kind for r in done if r.route_kind)),  # gRPC only
     }
 
 
@@ -229,7 +236,9 @@ def plot(runs: list[dict], results: list[list[Result]], out: Path) -> list[Path]
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="baton bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--router", required=True, help="HOST:PORT of the router's gRPC endpoint")
+    p.add_argument("--router", required=True, help="HOST:PORT of the router's gRPC endpoint (http: its OpenAI front)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="grpc", help="gRPC Generate or OpenAI /v1/completions SSE")
+    p.add_argument("--vocab-size", type=int, default=4096, help="http only: draw token ids below this")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
     source.add_argument("--trace", type=Path, help="JSONL: prompt_token_ids|prompt, max_tokens[, arrival_s]")
@@ -246,9 +255,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="uncounted requests before each run")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     p.add_argument("--out", type=Path, default=None, help="write serve.json and PNG plots here")
+    tls.add_arguments(p)
     args = p.parse_args(argv)
     if args.burstiness <= 0 or (args.rate is not None and args.rate <= 0):
         p.error("--rate and --burstiness must be positive")
+    try:
+        tls.from_args(args)
+    except tls.TlsConfigError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -266,19 +280,30 @@ def build(args: argparse.Namespace, info: pb.ModelInfoResponse) -> list[Planned]
     return fit(planned, info.max_model_len, args.max_prompt_len, args.max_output_len)
 
 
+def fetch_model_info(router: str, protocol: str, vocab_size: int,
+                     tls_config: tls.TlsConfig | None = None) -> pb.ModelInfoResponse:
+    """gRPC ``ModelInfo``; over HTTP the model card (name, context) plus the given vocabulary size."""
+    if protocol == "grpc":
+        return asyncio.run(model_info(router, tls_config))
+    card = asyncio.run(http_model_card(router))
+    return pb.ModelInfoResponse(model=card["id"], max_model_len=card["max_model_len"], vocab_size=vocab_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    info = asyncio.run(model_info(args.router))
+    tls_config = tls.from_args(args)
+    info = fetch_model_info(args.router, args.protocol, args.vocab_size, tls_config)
     planned = build(args, info)
     if not planned:
         raise SystemExit("no requests to send")
     name = f"trace {args.trace.name}" if args.trace else args.workload
-    print(f"{len(planned)} requests ({name}) against {args.router} ({info.model})", flush=True)
+    print(f"{len(planned)} requests ({name}) against {args.router} over {args.protocol} ({info.model})", flush=True)
     runs, results = [], []
     for rate in args.rate_sweep or [default_rate(planned, args.rate)]:
         offsets = schedule(planned, rate, args.burstiness, args.seed)
         label = f"{rate:g} req/s" if rate is not None else "trace times"
-        out, duration_s = asyncio.run(run_once(args.router, planned, offsets, label, args.timeout_s, args.warmup))
+        out, duration_s = asyncio.run(run_once(args.router, planned, offsets, label, args.timeout_s, args.warmup,
+                                               args.protocol, tls_config))
         summary = summarize(out, duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
         runs.append({"rate": rate if rate is not None else len(planned) / max(max(offsets), 1e-9), **summary})
         results.append(out)

@@ -1,37 +1,51 @@
 """The decode role: ``Decode`` adopts a prompt's KV pulled from a prefill worker (or prefills
-locally), then streams tokens from the continuous batch."""
+locally), then streams tokens from the continuous batch.
+
+The first response carries this worker's ``Timings``: the pull (``transfer_*``), and for a local prefill
+``queue_ms``, the engine's wait before the first scheduled step. With tracing on (``proto.tracing``) the
+call leaves the spans ``decode`` > ``kv.transfer``, ``prefill.queue`` (local only), ``decode.first_token``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from engine.core.outputs import RequestDelta
 from kv_transfer.errors import KVTransferError
-from kv_transfer.transport import pull
+from kv_transfer.transport import choose_uri, uri_kind
 from prefill_node.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
 from prefill_node.servicer import _STATUS, WorkerServicer, abort_with
 from proto import baton_pb2 as pb
+from proto import tracing
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(WorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context):
+        marks = _Marks(time.perf_counter())
         try:
-            async for response in self._decode(request):
+            async for response in self._decode(request, marks):
                 yield response
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             code = next((code for kind, code in _STATUS if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
             self.node.metrics.request_error(code.name)
+            marks.error = code.name
             await abort_with(context, exc)
+        finally:
+            if self.tracer is not None:
+                decode_spans(self.tracer, tracing.extract(context.invocation_metadata()), marks,
+                             request_id=request.request_id, worker_id=self.node.worker_id)
 
-    async def _decode(self, request: pb.DecodeRequest):
+    async def _decode(self, request: pb.DecodeRequest, marks: _Marks):
         node, rid = self.node, request.request_id
         params = sampling_from_pb(request.sampling)
         tokens = list(request.token_ids)
@@ -41,14 +55,20 @@ class DecodeServicer(WorkerServicer):
         timings = pb.Timings(decode_worker=node.worker_id)
         start = lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs, **kwargs)  # noqa: E731
         if request.HasField("handle"):
-            start = await self._import_kv(request, prompt, outputs, params, kwargs, timings) or start
-        started = time.perf_counter()
+            start = await self._import_kv(request, prompt, outputs, params, kwargs, timings, marks) or start
+        marks.timings, marks.started_s = timings, time.perf_counter()
         first = True
         async for delta in node.async_engine.stream(rid, start):
-            yield _response(delta, timings if first else None, started)
+            if first:
+                marks.first_token_s = time.perf_counter()
+                if delta.queue_s is not None:
+                    timings.queue_ms = delta.queue_s * 1e3
+                if not request.HasField("handle"):  # D computed the prompt: queue + compute, as P reports it
+                    timings.prefill_ms = (marks.first_token_s - marks.started_s) * 1e3
+            yield _response(delta, timings if first else None)
             first = False
 
-    async def _import_kv(self, request, prompt, outputs, params, kwargs, timings):
+    async def _import_kv(self, request, prompt, outputs, params, kwargs, timings, marks):
         """Reserve blocks, pull the missing ones; returns how to start the request (None: locally)."""
         node, rid, handle = self.node, request.request_id, request.handle
         reserved = await node.async_engine.call(
@@ -59,9 +79,11 @@ class DecodeServicer(WorkerServicer):
         _, num_hit, dst_blocks = reserved
         src = list(handle.block_ids[num_hit:])
         dst = dst_blocks[num_hit : num_hit + len(src)]
+        marks.pull_s = time.perf_counter()
         try:
-            stats = await pull(handle.data_plane_uri, layout_from_pb(handle.layout), handle.lease_id, src,
-                               node.kv_buffer, dst)
+            uri = choose_uri(handle.data_plane_uri, node.kv_kinds)  # the pair's transport
+            client = node.kv_client(uri_kind(uri))
+            stats = await client.pull(uri, layout_from_pb(handle.layout), handle.lease_id, src, node.kv_buffer, dst)
         except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
             logger.warning("request_id=%s worker_id=%s KV pull failed (%s); recomputing locally", rid,
                            node.worker_id, exc)
@@ -71,16 +93,49 @@ class DecodeServicer(WorkerServicer):
             node.async_engine.abort(rid)  # cancelled mid-pull: free the reservation
             raise
         timings.transfer_bytes, timings.transfer_ms = stats.num_bytes, stats.seconds * 1e3
-        node.metrics.kv_transfer(stats.num_bytes, stats.seconds)
+        timings.transport = uri_kind(uri)
+        node.metrics.kv_transfer(stats.num_bytes, stats.seconds, timings.transport)
         timings.transfer_gbps, timings.transfer_blocks = stats.gbps, stats.num_blocks
-        timings.transport = handle.data_plane_uri.split(":", 1)[0]
         return lambda e: e.activate_remote(rid)
 
 
-def _response(delta: RequestDelta, timings: pb.Timings | None, started: float) -> pb.DecodeResponse:
+def _response(delta: RequestDelta, timings: pb.Timings | None) -> pb.DecodeResponse:
     response = pb.DecodeResponse(token_ids=delta.new_token_ids, finish_reason=FINISH_TO_PB[delta.finish_reason],
                                  logprobs=logprobs_to_pb(delta.new_logprobs),
                                  num_cached_tokens=delta.num_cached_tokens)
     if timings is not None:
         response.timings.CopyFrom(timings)
     return response
+
+
+@dataclass(slots=True)
+class _Marks:
+    """The instants (``time.perf_counter()``) a Decode call's spans are cut at."""
+
+    call_s: float
+    pull_s: float | None = None
+    started_s: float | None = None  # the request entered the engine
+    first_token_s: float | None = None
+    timings: pb.Timings | None = None
+    error: str | None = None
+
+
+def decode_spans(tracer: Any, parent: Any, marks: _Marks, **ids: str) -> None:
+    """``decode`` (the whole call) > ``kv.transfer`` (``transfer_ms``), ``prefill.queue`` (``queue_ms``, local
+    prefill), ``decode.first_token`` (engine start -> first token)."""
+    instants, t = tracing.Instants(marks.call_s), marks.timings or pb.Timings()
+    attributes = {f"baton.{key}": value for key, value in ids.items()}
+    span = tracing.start_span(tracer, "decode", instants.ns(marks.call_s), parent, kind="server",
+                              attributes=attributes)
+    if marks.pull_s is not None and t.transfer_ms:
+        tracing.record_span(tracer, "kv.transfer", instants.ns(marks.pull_s), tracing.ms_to_ns(t.transfer_ms), span,
+                            **{"baton.transfer_bytes": t.transfer_bytes, "baton.transfer_blocks": t.transfer_blocks,
+                               "baton.transport": t.transport})
+    if marks.started_s is not None and t.queue_ms:
+        tracing.record_span(tracer, "prefill.queue", instants.ns(marks.started_s), tracing.ms_to_ns(t.queue_ms), span)
+    if marks.started_s is not None and marks.first_token_s is not None:
+        start_ns = instants.ns(marks.started_s)
+        tracing.record_span(tracer, "decode.first_token", start_ns, instants.ns(marks.first_token_s) - start_ns, span)
+    if marks.error is not None:
+        tracing.fail(span, marks.error)
+    span.end(end_time=instants.ns(time.perf_counter()))

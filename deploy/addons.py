@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from deploy.pods import labels, metadata, service_resources
-from deploy.spec import (KV_PORT, METRICS_PORT, REDIS_PORT, ROUTER_PORT, WORKER_PORT, BatonGraphDeployment,
-                         Service)
+from deploy.spec import (HTTP_PORT, KV_PORT, METRICS_PORT, REDIS_PORT, ROUTER_PORT, WORKER_PORT,
+                         BatonGraphDeployment, Service)
 
 Manifest = dict[str, Any]
 
@@ -28,6 +28,8 @@ def service(spec: BatonGraphDeployment, role: str) -> Manifest:
              {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}]
     if role != "router":
         ports.append({"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"})
+    if role == "router":
+        ports.append({"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"})
     body: dict[str, Any] = {"selector": labels(spec, role), "ports": ports}
     if role != "router":
         body.update(clusterIP="None", publishNotReadyAddresses=False)

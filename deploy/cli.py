@@ -11,10 +11,10 @@ import sys
 # name -> (module:function taking argv, one-line help). Later issues add up/generate/admin/...
 _COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("deploy.up:main", "start the local platform: redis, router, prefill and decode workers"),
-    "deploy": ("deploy.commands:main", "render a BatonGraphDeployment spec to Kubernetes manifests; print the CRD"),
+    "deploy": ("deploy.commands:main", "render a BatonGraphDeployment spec; print the CRD; run the operator"),
     "model": ("engine.tiny:main", "build the tiny (default) or small offline checkpoint"),
     "demo": ("engine.demo:main", "stream an offline generation from the engine (no servers)"),
-    "bench": ("bench.__main__:main", "run benchmarks (throughput, kv-transfer)"),
+    "bench": ("bench.__main__:main", "run benchmarks (throughput, kv-transfer, serve, compare, ...)"),
     "router": ("router.main:main", "run the router (public Generate API, routing, orchestration)"),
     "generate": ("router.generate_cli:main", "stream a generation from a running router, with timings"),
     "admin": ("router.admin_cli:main", "inspect workers and pools, scale, drain, and plan pool sizes from SLOs"),

@@ -1,4 +1,5 @@
-"""``baton deploy <command>``: ``render`` a BatonGraphDeployment spec to manifests, or print the ``crd``."""
+"""``baton deploy <command>``: ``render`` a BatonGraphDeployment spec to manifests, print the ``crd``, or run
+the ``operator`` that reconciles the resources in a cluster."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ CRD_PATH = Path(__file__).with_name("crd.yaml")
 _USAGE = """usage: baton deploy <command> [options]
 
 commands:
-  render  render a BatonGraphDeployment spec to Kubernetes manifests (baton deploy render SPEC.yaml [-o DIR])
-  crd     print the BatonGraphDeployment CustomResourceDefinition (kubectl apply -f -)"""
+  render    render a BatonGraphDeployment spec to Kubernetes manifests (baton deploy render SPEC.yaml [-o DIR])
+  crd       print the BatonGraphDeployment CustomResourceDefinition (kubectl apply -f -)
+  operator  reconcile BatonGraphDeployment resources into Kubernetes objects
+            (baton deploy operator [--namespace NS] [--once] [--interval-s S] [--print-rbac])"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.render import main as render_main
 
         return render_main(argv[1:])
+    if argv[0] == "operator":
+        from deploy.operator import main as operator_main
+
+        return operator_main(argv[1:])
     if argv[0] == "crd":
         sys.stdout.write(CRD_PATH.read_text())
         return 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from deploy.spec import (KV_PORT, METRICS_PORT, REDIS_PORT, ROUTER_PORT, WORKER_PORT, BatonGraphDeployment,
-                         Resources, Service)
+from deploy.spec import (HTTP_PORT, KV_PORT, METRICS_PORT, REDIS_PORT, ROUTER_PORT, WORKER_PORT,
+                         BatonGraphDeployment, Resources, Service)
 
 MODEL_MOUNT = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -39,7 +39,7 @@ def model_dir(spec: BatonGraphDeployment) -> str:
 
 def router_args(spec: BatonGraphDeployment) -> list[str]:
     args = ["--redis-url", redis_url(spec), "--model", model_dir(spec), "--host", "0.0.0.0",
-            "--port", str(ROUTER_PORT), "--ns", spec.name]
+            "--port", str(ROUTER_PORT), "--http-port", str(HTTP_PORT), "--ns", spec.name]
     if spec.model.name:
         args += ["--model-name", spec.model.name]
     return args + list(spec.router.args)
@@ -89,6 +89,8 @@ def _container(spec: BatonGraphDeployment, service: Service) -> dict[str, Any]:
     ports = [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
              {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
     mounts = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
+    if not worker:
+        ports.append({"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
     if worker:
         ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})

@@ -24,6 +24,7 @@ ROUTER_PORT = 50051
 WORKER_PORT = 50061
 KV_PORT = 50062
 METRICS_PORT = 9400
+HTTP_PORT = 8000  # the router's OpenAI-compatible front
 REDIS_PORT = 6379
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 _GRACE_S = {"router": 60, "prefill": 120, "decode": 300}  # long enough to finish in-flight requests

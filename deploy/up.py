@@ -18,6 +18,8 @@ from pathlib import Path
 
 from deploy.pools import ROLES, PoolManager
 from kv_transfer.redis_index import RedisKeys
+from kv_transfer.registry import redact_url, with_ca
+from proto import tls
 
 _REDIS_HINT = ("no redis-server binary found: install Debian's `redis-server` (apt-get install redis-server), "
                "run `make install` as root, or pass --redis-url of a running Redis")
@@ -49,7 +51,22 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp folder)")
     p.add_argument("--namespace", default="baton", help="Redis key namespace")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP front (0: off)")
-    return p.parse_args(argv)
+    tls.add_arguments(p)  # passed to the router and every worker: all gRPC hops use the same CA
+    args = p.parse_args(argv)
+    try:
+        config = tls.from_args(args)
+        if config is not None:
+            config.require_server_identity()
+    except tls.TlsConfigError as exc:
+        p.error(str(exc))
+    return args
+
+
+def _tls_flags(args: argparse.Namespace) -> list[str]:
+    """The TLS flags given to `baton up`, passed on to the router and the workers as they are."""
+    given = (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca),
+             ("--tls-server-name", args.tls_server_name))
+    return [item for flag, value in given if value for item in (flag, value)]
 
 
 def main(argv: list[str]) -> int:
@@ -61,8 +78,9 @@ def main(argv: list[str]) -> int:
     pools = None
     try:
         redis_url = args.redis_url or start_redis(log_dir, children)
-        common = ["--redis-url", redis_url, "--model", model, "--namespace", args.namespace]
-        pools = _pool_manager(args, common, log_dir, _wait_for_redis(redis_url))
+        common = ["--redis-url", redis_url, "--model", model, "--namespace", args.namespace, *_tls_flags(args)]
+        redis = _wait_for_redis(with_ca(redis_url, os.environ.get("BATON_REDIS_CA")))
+        pools = _pool_manager(args, common, log_dir, redis)
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             pools.redis.set(pools.keys.pool_desired(role), count)  # `baton admin scale` changes these
             for _ in range(count):
@@ -111,16 +129,18 @@ def spawn(name: str, args: list[str], log_dir: Path, children: list[Child]) -> N
 
 def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
     print(f"Baton is starting: {args.prefill} prefill + {args.decode} decode workers", flush=True)
-    print(f"  router   grpc://127.0.0.1:{args.port}   (baton.v1.Generation, baton.v1.Admin)")
+    print(f"  router   grpc://127.0.0.1:{args.port}   (baton.v1.Generation, baton.v1.Admin; "
+          f"{tls.describe(tls.from_args(args))})")
     if args.http_port:
         print(f"  openai   http://127.0.0.1:{args.http_port}/v1   (completions, chat/completions, models)")
     print(f"  metrics  http://127.0.0.1:{args.metrics_port}/metrics (router), "
           f"{args.metrics_port + 1}-{args.metrics_port + args.prefill + args.decode} (workers)")
-    print(f"  redis    {redis_url}")
+    print(f"  redis    {redact_url(redis_url)}")
     print(f"  logs     {log_dir}")
     baton = shutil.which("baton") or str(Path(sys.executable).parent / "baton")
-    print(f"\ntry:  {baton} generate \"def main():\" --router 127.0.0.1:{args.port}\n(Ctrl-C stops everything)",
-          flush=True)
+    client_tls = " ".join(_tls_flags(args))  # for mTLS give a client certificate of the same CA instead
+    print(f"\ntry:  {baton} generate \"def main():\" --router 127.0.0.1:{args.port} {client_tls}".rstrip()
+          + "\n(Ctrl-C stops everything)", flush=True)
 
 
 def _pool_manager(args, common: list[str], log_dir: Path, redis) -> PoolManager:
@@ -128,7 +148,9 @@ def _pool_manager(args, common: list[str], log_dir: Path, redis) -> PoolManager:
 
     def start_worker(role: str, worker_id: str) -> Child:
         workers: list[Child] = []
+        # --on-drain stay: the pool manager stops the workers it drains; one an operator drains stays, idle
         spawn(worker_id, [role, *common, "--worker-id", worker_id, "--num-threads", str(args.num_threads),
+                          "--on-drain", "stay",
                           "--metrics-port", str(next(ports))], log_dir, workers)
         return workers[0]
 
@@ -144,6 +166,8 @@ def _wait_for_redis(url: str, timeout_s: float = 10.0):
         try:
             client.ping()
             return client
+        except redis.AuthenticationError as exc:  # never print the URL itself: it may hold the password
+            raise SystemExit(f"baton up: Redis at {redact_url(url)} refused the credentials: {exc}") from None
         except redis.ConnectionError:
             if time.monotonic() > deadline:
                 raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,19 +14,22 @@ from engine.attention.base import AttentionBackend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.block_pool import BlockEvent
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import RequestDelta, SchedulerStats
+from engine.core.outputs import RequestDelta, SchedulerOutput, SchedulerStats
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.model.config import ModelConfig
 from engine.model.loader import checkpoint_files, load_model, read_model_config, weights_id
-from engine.runner import ModelRunner
+from engine.runner import LayerHook, ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.step_rates import StepRates
 from kv_transfer.hashing import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 1 << 30
+
+ScheduledHook = Callable[[SchedulerOutput], None]
 
 
 class Engine:
@@ -57,6 +61,7 @@ class Engine:
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.max_num_waiting = config.max_num_waiting
+        self.step_rates = StepRates()  # this engine's measured prefill rate and decode step time
 
     @property
     def max_model_len(self) -> int:
@@ -161,11 +166,20 @@ class Engine:
             pool.free(block_ids)
 
     # ---- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestDelta]:
+    def step(
+        self, *, on_scheduled: ScheduledHook | None = None, on_layer: LayerHook | None = None
+    ) -> list[RequestDelta]:
+        """One step. Layer-wise KV streaming hooks, both on this thread: ``on_scheduled(output)`` once the
+        step's requests are admitted and hold their blocks (``ScheduledSeq.block_ids``), before any layer
+        runs; ``on_layer(i)`` after each decoder layer wrote its KV (``engine.runner.LayerHook``)."""
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
-        sampled = self.runner.execute(output)
+        if on_scheduled is not None:
+            on_scheduled(output)
+        started = time.perf_counter()
+        sampled = self.runner.execute(output, on_layer)  # returns host token ids: the step's device work is done
+        self.step_rates.observe(output, time.perf_counter() - started)
         return self.scheduler.update(output, sampled)
 
     def has_unfinished(self) -> bool:

@@ -3,7 +3,7 @@ torch-facing part of a step; one host sync per step (the sampled ids' ``tolist``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -12,6 +12,12 @@ from engine.attention.base import AttentionBackend, ForwardBatch, SeqSlice
 from engine.core.outputs import SampledTokens, ScheduledSeq, SchedulerOutput
 from engine.model.config import ModelConfig
 from engine.sampler import Sampler, SamplingBatch
+
+# Layer-wise KV streaming: ``on_layer(i)`` runs on the engine thread after decoder layer i wrote this
+# step's KV, layers in order. On CPU the forward is synchronous, so layer i's KV is in the cache when the
+# hook runs; on CUDA it is only issued: ``ModelRunner.layer_events[i]`` (recorded just before the hook)
+# completes when it is written, e.g. ``LayerProgress.complete(i, ready=runner.layer_events[i].query)``.
+LayerHook = Callable[[int], None]
 
 
 class ModelRunner:
@@ -35,14 +41,15 @@ class ModelRunner:
         shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # the whole paged cache
         self.kv_layers = list(self.kv_cache.unbind(0))  # per layer: [num_blocks, 2, bs, kvh, d]
+        self.layer_events: list = []  # CUDA only: one event per layer of the last hooked step
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> SampledTokens:
+    def execute(self, output: SchedulerOutput, on_layer: LayerHook | None = None) -> SampledTokens:
         input_ids, positions, logit_rows = self._prepare_inputs(output.seqs)
         slices = [SeqSlice(s.start, s.num_new_tokens, s.block_ids) for s in output.seqs]
         metadata = self.backend.build_metadata(slices, self.block_size, self.device)
         batch = ForwardBatch(positions, self.kv_layers, self.backend, metadata)
-        hidden = self.model(input_ids, batch)  # [T, hidden]
+        hidden = self.model(input_ids, batch, self._device_hook(on_layer))  # [T, hidden]
         sampling = [s for s in output.seqs if s.samples]
         if not sampling:
             return SampledTokens([])
@@ -59,6 +66,18 @@ class ModelRunner:
         input_ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, ForwardBatch(positions, self.kv_layers, self.backend, metadata))
         return self.model.compute_logits(hidden)  # [T, vocab]
+
+    def _device_hook(self, on_layer: LayerHook | None) -> LayerHook | None:
+        """``on_layer`` itself on CPU; on CUDA, first record layer i's event on the current stream."""
+        if on_layer is None or self.device.type != "cuda":
+            return on_layer
+        events = self.layer_events = [torch.cuda.Event() for _ in range(self.config.num_layers)]
+
+        def hook(layer_index: int) -> None:  # untested here (no GPU): events record in stream order
+            events[layer_index].record()
+            on_layer(layer_index)
+
+        return hook
 
     def _prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         input_ids: list[int] = []

@@ -2,6 +2,8 @@
 
 Servers register in a ``LocalRegistry``, an in-process name service; ``DEFAULT_REGISTRY`` is the one
 ``make_server("local", ...)`` and ``connect("local://...")`` share. Pass your own to keep components apart.
+With ``TransportConfig.checksum`` on the client, the server hashes the source blocks before copying and the
+client verifies what landed, as over a wire (a copy cannot corrupt, but the source may change under it).
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import secrets
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
+from kv_transfer import checksum
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args, check_read
@@ -71,18 +76,28 @@ class LocalServer:
             self.uri = None
 
     def read_into(
-        self, layout: KVLayout, lease_id: str, src_ids: Sequence[int], dst: KVBuffer, dst_ids: Sequence[int]
-    ) -> int:
-        """Copy leased blocks into ``dst``; everything is checked before the first byte is copied."""
+        self,
+        layout: KVLayout,
+        lease_id: str,
+        src_ids: Sequence[int],
+        dst: KVBuffer,
+        dst_ids: Sequence[int],
+        *,
+        with_checksums: bool = False,
+    ) -> np.ndarray | None:
+        """Copy leased blocks into ``dst``; everything is checked before the first byte is copied.
+        Returns the source blocks' checksums, computed before the copy, when asked (else None)."""
         self.buffer.layout.check_compatible(layout)
         check_read(self.buffer, self.resolve, lease_id, src_ids)
+        sums = checksum.block_checksums(self.buffer, src_ids) if with_checksums else None
         dst.copy_blocks_from(self.buffer, src_ids, dst_ids)
         check_read(self.buffer, self.resolve, lease_id, src_ids)  # the lease held for the whole copy
-        return len(src_ids) * self.buffer.layout.bytes_per_block
+        return sums
 
 
 class LocalClient:
     def __init__(self, config: TransportConfig | None = None, registry: LocalRegistry | None = None) -> None:
+        self.config = config or TransportConfig()
         self.registry = registry or DEFAULT_REGISTRY
 
     async def pull(
@@ -97,6 +112,11 @@ class LocalClient:
         start = time.perf_counter()
         check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
         server = self.registry.lookup(uri)
-        num_bytes = server.read_into(layout, lease_id, src_block_ids, dst_buffer, dst_block_ids)
+        sums = server.read_into(
+            layout, lease_id, src_block_ids, dst_buffer, dst_block_ids, with_checksums=self.config.checksum
+        )
+        if sums is not None:
+            checksum.verify(dst_buffer, dst_block_ids, sums)
+        num_bytes = len(src_block_ids) * layout.bytes_per_block
         seconds = time.perf_counter() - start
         return TransferStats(num_blocks=len(src_block_ids), num_bytes=num_bytes, seconds=seconds)

@@ -61,6 +61,9 @@ class RedisKeys:
     def pool_desired(self, role: str) -> str:
         return f"{self.ns}:pool:{role}:desired"
 
+    def profile(self, role: str) -> str:
+        return f"{self.ns}:profile:{role}"  # JSON curves from `baton admin profile`, read by Plan
+
 
 @dataclass(frozen=True, slots=True)
 class IndexEvent:
@@ -182,6 +185,12 @@ class KVIndex:
         """Queue one XADD on ``pipe`` (capped, approximate MAXLEN)."""
         entry = {"type": event_type, "worker": worker_id, **fields}
         pipe.xadd(self.keys.events, entry, maxlen=self.events_maxlen, approximate=True)
+
+    async def has_events(self) -> bool:
+        """Whether the events stream exists: it does from the first registration on, until Redis loses
+        its data (a restart without persistence), which is how a listing that came back empty tells a
+        restarted Redis from workers that all left."""
+        return bool(await self._redis.exists(self.keys.events))
 
     async def read_events(
         self, after_id: str = "0-0", *, count: int = 1000, block_ms: int | None = None

@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 from kv_transfer.redis_index import EVENT_WORKER_UP, KVIndex, text
 
@@ -79,7 +80,8 @@ class WorkerLoad:
     free_blocks: int
     queued_prefill_tokens: int
     prefill_tokens_per_s: float | None = None
-    decode_step_s: float | None = None
+    decode_step_s: float | None = None  # the engine's measured decode step ...
+    decode_batch_size: float | None = None  # ... at this mean batch size
     reported_unix_ms: int | None = None  # set by the heartbeat when left None
 
     def to_fields(self) -> dict[str, str]:
@@ -94,20 +96,86 @@ class WorkerLoad:
             running=int(fields["running"]), waiting=int(fields["waiting"]),
             free_blocks=int(fields["free_blocks"]), queued_prefill_tokens=int(fields["queued_prefill_tokens"]),
             prefill_tokens_per_s=opt("prefill_tokens_per_s", float), decode_step_s=opt("decode_step_s", float),
+            decode_batch_size=opt("decode_batch_size", float),
             reported_unix_ms=opt("reported_unix_ms", int),
         )
 
 
 def connect(url: str, *, timeout_s: float = 2.0) -> Any:
-    """A ``redis.asyncio`` client with short timeouts and few retries, so callers notice an outage fast."""
+    """A ``redis.asyncio`` client with short timeouts and few retries, so callers notice an outage fast.
+
+    ``url``: ``redis://[[user]:password@]host:port/db`` (Redis AUTH, ACL user or the default one) or
+    ``rediss://...`` (TLS; redis-py's query parameters apply: ``ssl_ca_certs``, ``ssl_certfile``,
+    ``ssl_keyfile``, ``ssl_cert_reqs``, ``ssl_check_hostname``; see ``with_ca``). Nothing connects yet;
+    ``check_credentials`` fails fast on a wrong password. Never log ``url`` itself: log ``redact_url(url)``.
+    """
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialWithJitterBackoff
 
-    return aioredis.from_url(
-        url, decode_responses=True, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=2),
+    try:
+        return aioredis.from_url(
+            url, decode_responses=True, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=2),
+        )
+    except ValueError as exc:  # redis-py's messages never quote the URL; ours must not either
+        raise ValueError(f"bad Redis URL {redact_url(url)}: {exc}") from None
+
+
+_SECRET_PARAMS = frozenset({"password", "ssl_password"})
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (``user:PASSWORD@`` or ``?password=``) replaced by ``***``: safe to print."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:***@{host}" if ":" in userinfo else f"{userinfo}@{host}"
+    query = "&".join(
+        f"{name}=***" if name.lower() in _SECRET_PARAMS else (f"{name}={value}" if sep else name)
+        for name, sep, value in (item.partition("=") for item in parts.query.split("&") if item)
     )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def with_ca(url: str, ca_path: str | None) -> str:
+    """A ``rediss://`` URL verifying the server against ``ca_path`` (``$BATON_REDIS_CA``, read by the CLIs),
+    unless the URL names its own ``ssl_ca_certs``; other URLs are returned as they are."""
+    parts = urlsplit(url)
+    if not ca_path or parts.scheme != "rediss" or "ssl_ca_certs" in parse_qs(parts.query):
+        return url
+    query = "&".join(filter(None, (parts.query, urlencode({"ssl_ca_certs": ca_path}))))
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
+
+
+class RedisCredentialsError(RuntimeError):
+    """Redis refused the credentials (or the TLS handshake): a configuration error, not an outage."""
+
+
+async def check_credentials(redis: Any, url: str) -> bool:
+    """PING once. Raise ``RedisCredentialsError`` (password redacted) when Redis refuses the credentials
+    or the TLS handshake; return False when it is merely unreachable (everything reconnects later)."""
+    from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError, ResponseError
+
+    try:
+        await redis.ping()
+    except AuthenticationError as exc:
+        if urlsplit(url).password is None and "password=" not in urlsplit(url).query:
+            raise RedisCredentialsError(f"Redis at {redact_url(url)} refused the credentials: it requires a "
+                                        "password and the URL gives none (redis://:PASSWORD@host:port/0)") from None
+        raise RedisCredentialsError(f"Redis at {redact_url(url)} refused the credentials: {exc} "
+                                    "(give the password as redis://:PASSWORD@host:port/0, or "
+                                    "redis://USER:PASSWORD@... for an ACL user)") from None
+    except ResponseError as exc:  # e.g. "AUTH <password> called without any password configured"
+        raise RedisCredentialsError(f"Redis at {redact_url(url)} refused the connection: {exc}") from None
+    except RedisConnectionError as exc:
+        if "SSL" in str(exc) or "certificate" in str(exc).lower():
+            raise RedisCredentialsError(f"TLS to Redis at {redact_url(url)} failed: {exc}") from None
+        log.warning("Redis at %s is unreachable for now (%s); continuing, it is retried", redact_url(url), exc)
+        return False
+    return True
 
 
 def _pairs(flat: list[Any]) -> dict[str, str]:

@@ -5,15 +5,28 @@ a 12-byte header ``magic b"BTKV" | version u8 | kind u8 | code u16 | payload_len
 One pull is one connection and one round trip:
 
     client -> HELLO     the client's KVLayout JSON
-              READ      u16 len | lease id | u32 count | count x u32 source block ids   (pipelined)
+              READ      u16 len | lease id | u32 count | count x u32 source block ids   (pipelined);
+                        code: flags, READ_CHECKSUM asks for per-block checksums
     server -> ERROR     layout mismatch: refused before any KV byte moves (the READ is drained unread)
            or HELLO_OK  the server's KVLayout JSON (the client checks it too), then
               ERROR     unknown/expired lease, block not in the lease, out of range: nothing moves
            or DATA      u64 num_bytes, then num_bytes raw KV bytes in wire order (layout.py), then
-              DONE      the lease was still live after the last byte (else ERROR: it ended mid-read)
+              DONE      the lease was still live after the last byte (else ERROR: it ended mid-read);
+                        payload: count x u64 xxh3-64 of the blocks as sent, when READ_CHECKSUM asked
 
-ERROR carries a code (``ERR_*``) and a UTF-8 message; the client raises LayoutMismatch, LeaseNotFound or
-KVTransferError from it. HELLO_OK goes out with DATA in one write, once the READ is checked.
+ERROR carries a code (``ERR_*``) and a UTF-8 message; the client raises LayoutMismatch, LeaseNotFound,
+Unauthenticated or KVTransferError from it. With a data-plane secret (``TransportConfig.secret``) the READ
+sets ``READ_AUTH`` and ends with an HMAC trailer over HELLO + READ (``kv_transfer/auth.py``); a server with
+a secret refuses (``ERR_AUTH``) any READ without a valid one before any KV byte moves. HELLO_OK goes out with DATA in one write, once the READ is checked.
+Streaming (layer-wise, ``kv_transfer/progress.py``): a server given a ``progress`` lookup serves a lease
+whose ``LayerProgress`` is not yet complete and ready by sending each layer's segments once that layer is
+computed, with the lease checked before each layer and after the last byte; the bytes and frames are the
+same, the client needs no change and only gets them earlier. A layer not computed within ``io_timeout_s``,
+a failed progress or a lease that ends mid-stream: the rest of DATA is sent as zeros and ERROR replaces DONE.
+Checksums (``TransportConfig.checksum`` on the client) are computed before the first byte is sent (when
+streaming: once the last layer is computed) and verified by the client once DONE arrives
+(``ChecksumMismatch`` names the bad destination blocks); with the flag off neither side touches the bytes.
+Flags extend version 1 compatibly (see ``tcp_wire.READ_CHECKSUM``).
 
 Zero copy: the server hands the leased blocks' memoryviews (one per layer per run of consecutive
 block ids) to ``sendmsg`` (gather), and the client ``recvmsg_into``s the stream straight into the
@@ -34,13 +47,16 @@ import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError, LayoutMismatch, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.progress import LayerProgress, ProgressLookup
 from kv_transfer.tcp_wire import (  # noqa: F401 - re-exported: the protocol's names live with it
     DATA,
     HEADER,
     DONE,
     ERROR,
+    ERR_AUTH,
     ERR_INTERNAL,
     ERR_LAYOUT,
     ERR_LEASE,
@@ -50,6 +66,8 @@ from kv_transfer.tcp_wire import (  # noqa: F401 - re-exported: the protocol's n
     HELLO,
     HELLO_OK,
     READ,
+    READ_AUTH,
+    READ_CHECKSUM,
     _transfer,
     _tune,
     _wait_ready,
@@ -66,11 +84,14 @@ logger = logging.getLogger(__name__)
 class TcpServer:
     """Serves reads of leased blocks of ``buffer``; ``resolve`` maps a lease id to its block ids."""
 
-    def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None) -> None:
+    def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
+                 progress: ProgressLookup | None = None) -> None:
         self.buffer = buffer
         self.resolve = resolve
+        self.progress = progress  # lease id -> LayerProgress while its prompt computes: streamed reads
         self.config = config or TransportConfig()
         self.uri: str | None = None
+        self.auth = auth.ReadAuth(self.config.secret) if self.config.secret else None
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
@@ -143,43 +164,124 @@ class TcpServer:
         read = await recv_frame(sock, io_s, what)  # pipelined by the client right behind its HELLO
         if read.kind != READ:
             return hello_ok + encode_frame(ERROR, b"expected READ", ERR_PROTOCOL)
-        lease_id, block_ids = decode_read(read.payload)
+        request, trailer = auth.split_trailer(read.payload, bool(read.code & READ_AUTH))
+        refusal = refuse_unauthenticated(self.auth, READ, hello.payload + request, trailer)
+        if refusal is not None:
+            return hello_ok + refusal
+        lease_id, block_ids = decode_read(request)
         refusal = self._check_read(lease_id, block_ids)
         if refusal is not None:
             return hello_ok + refusal
         num_bytes = len(block_ids) * self.buffer.layout.bytes_per_block
         header = memoryview(hello_ok + encode_frame(DATA, struct.pack("<Q", num_bytes)))
+        progress = self.progress(lease_id) if self.progress is not None else None
+        if progress is not None and not progress.is_ready:
+            done = await self._stream(sock, header, lease_id, block_ids, progress, bool(read.code & READ_CHECKSUM))
+            await send_frame(sock, done, io_s, what)
+            return None
+        sums = checksum.block_checksums(self.buffer, block_ids) if read.code & READ_CHECKSUM else None
         await _transfer(sock, [header, *self.buffer.segments(block_ids)], write=True, timeout_s=io_s, what=what)
         # DONE only if the lease held for the whole read: its blocks cannot have been freed and reused.
-        await send_frame(sock, self._check_read(lease_id, block_ids) or encode_frame(DONE), io_s, what)
+        done = encode_frame(DONE, b"" if sums is None else sums.tobytes())
+        await send_frame(sock, self._check_read(lease_id, block_ids) or done, io_s, what)
         return None
+
+    async def _stream(self, sock: socket.socket, header: memoryview, lease_id: str, block_ids: list[int],
+                      progress: LayerProgress, sums: bool) -> bytes:
+        """Send DATA's bytes layer by layer as ``progress`` completes them; returns the DONE (or ERROR)."""
+        io_s, what = self.config.io_timeout_s, "KV client"
+        assert progress.num_layers == self.buffer.layout.num_layers, "a progress of another model's layers"
+        views = self.buffer.segments(block_ids)  # layer-major: runs_per_layer views per layer
+        runs_per_layer = len(views) // progress.num_layers
+        await _transfer(sock, [header], write=True, timeout_s=io_s, what=what)
+        sent = 0  # layers sent
+        while sent < progress.num_layers:
+            ready = max(sent + 1, progress.num_complete)  # every layer complete by now, in one gather
+            refusal = await self._await_layers(progress, ready, lease_id, block_ids)
+            if refusal is not None:
+                unsent = (progress.num_layers - sent) * len(block_ids) * self.buffer.segment_bytes
+                await _transfer(sock, _zeros(unsent), write=True, timeout_s=io_s, what=what)
+                return refusal
+            await _transfer(sock, views[sent * runs_per_layer : ready * runs_per_layer], write=True,
+                            timeout_s=io_s, what=what)
+            sent = ready
+        done = encode_frame(DONE, checksum.block_checksums(self.buffer, block_ids).tobytes() if sums else b"")
+        return self._check_read(lease_id, block_ids) or done
+
+    async def _await_layers(self, progress: LayerProgress, num_layers: int, lease_id: str,
+                            block_ids: list[int]) -> bytes | None:
+        """None once ``num_layers`` layers are computed and the lease still holds, else the ERROR frame."""
+        try:
+            await progress.wait(num_layers, self.config.io_timeout_s)
+        except KVTransferError as exc:
+            logger.warning("KV data plane: streamed read failed: %s", exc)
+            return encode_frame(ERROR, str(exc).encode(), ERR_REFUSED)
+        return self._check_read(lease_id, block_ids)
 
     def _check_hello(self, frame: Frame) -> bytes | None:
         """None if the client may go on, else the ERROR frame to send."""
         if frame.kind != HELLO:
             return encode_frame(ERROR, b"expected HELLO", ERR_PROTOCOL)
-        try:
-            self.buffer.layout.check_compatible(KVLayout.from_json(frame.payload))
-        except LayoutMismatch as exc:
-            logger.warning("KV data plane: refused a client: %s", exc)
-            return encode_frame(ERROR, self.buffer.layout.to_json().encode(), ERR_LAYOUT)
-        except KVTransferError as exc:
-            return encode_frame(ERROR, str(exc).encode(), ERR_PROTOCOL)
-        return None
+        return refuse_layout(self.buffer.layout, frame.payload)
 
     def _check_read(self, lease_id: str, block_ids: list[int]) -> bytes | None:
-        try:
-            if len(block_ids) > self.config.max_blocks_per_read:
-                raise KVTransferError(f"{len(block_ids)} blocks exceed max_blocks_per_read")
-            check_read(self.buffer, self.resolve, lease_id, block_ids)
-        except LeaseNotFound as exc:
-            return encode_frame(ERROR, str(exc).encode(), ERR_LEASE)
-        except KVTransferError as exc:
-            return encode_frame(ERROR, str(exc).encode(), ERR_REFUSED)
-        except Exception:
-            logger.exception("KV data plane: lease resolver failed")
-            return encode_frame(ERROR, b"internal error resolving the lease", ERR_INTERNAL)
-        return None
+        return refuse_read(self.buffer, self.resolve, self.config, lease_id, block_ids)
+
+
+def refuse_unauthenticated(read_auth: auth.ReadAuth | None, kind: int, request: bytes,
+                           trailer: bytes | None) -> bytes | None:
+    """None if the read may go on (no secret configured, or a valid trailer), else the ERROR frame."""
+    try:
+        auth.check(read_auth, kind, request, trailer)
+    except auth.Unauthenticated:
+        logger.warning("KV data plane: refused a read without valid credentials")
+        return encode_frame(ERROR, b"unauthenticated: this KV server requires the data-plane secret", ERR_AUTH)
+    return None
+
+
+def sign_read(config: TransportConfig, kind: int, context: bytes, request: bytes) -> tuple[bytes, int]:
+    """(payload, flag bits) of a read: ``request`` plus an HMAC trailer over ``context + request`` when the
+    client holds a secret."""
+    if not config.secret:
+        return request, 0
+    return request + auth.ReadAuth(config.secret).sign(kind, context + request), READ_AUTH
+
+
+def refuse_layout(layout: KVLayout, payload: bytes) -> bytes | None:
+    """None if the client's layout JSON matches ``layout``, else the ERROR frame to send."""
+    try:
+        layout.check_compatible(KVLayout.from_json(payload))
+    except LayoutMismatch as exc:
+        logger.warning("KV data plane: refused a client: %s", exc)
+        return encode_frame(ERROR, layout.to_json().encode(), ERR_LAYOUT)
+    except KVTransferError as exc:
+        return encode_frame(ERROR, str(exc).encode(), ERR_PROTOCOL)
+    return None
+
+
+def refuse_read(
+    buffer: KVBuffer, resolve: Resolver, config: TransportConfig, lease_id: str, block_ids: list[int]
+) -> bytes | None:
+    """None if the lease is live and covers the blocks, else the ERROR frame to send."""
+    try:
+        if len(block_ids) > config.max_blocks_per_read:
+            raise KVTransferError(f"{len(block_ids)} blocks exceed max_blocks_per_read")
+        check_read(buffer, resolve, lease_id, block_ids)
+    except LeaseNotFound as exc:
+        return encode_frame(ERROR, str(exc).encode(), ERR_LEASE)
+    except KVTransferError as exc:
+        return encode_frame(ERROR, str(exc).encode(), ERR_REFUSED)
+    except Exception:
+        logger.exception("KV data plane: lease resolver failed")
+        return encode_frame(ERROR, b"internal error resolving the lease", ERR_INTERNAL)
+    return None
+
+
+def _zeros(num_bytes: int, chunk_bytes: int = 1 << 20) -> list[memoryview]:
+    """Views of zeros totalling ``num_bytes`` (the rest of a stream that failed: never stale KV)."""
+    chunk = memoryview(bytes(min(num_bytes, chunk_bytes)))
+    full, rest = divmod(num_bytes, chunk_bytes)
+    return [chunk] * full + ([chunk[:rest]] if rest else [])
 
 
 async def _refuse(sock: socket.socket, frame: bytes, linger_s: float = 1.0) -> None:
@@ -218,10 +320,10 @@ class TcpClient:
     ) -> TransferStats:
         start = time.perf_counter()
         check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
-        request = [
-            memoryview(encode_frame(HELLO, layout.to_json().encode())),
-            memoryview(encode_frame(READ, encode_read(lease_id, [int(b) for b in src_block_ids]))),
-        ]
+        hello = layout.to_json().encode()
+        read, flags = sign_read(self.config, READ, hello, encode_read(lease_id, [int(b) for b in src_block_ids]))
+        flags |= READ_CHECKSUM if self.config.checksum else 0
+        request = [memoryview(encode_frame(HELLO, hello)), memoryview(encode_frame(READ, read, flags))]
         views = dst_buffer.segments(dst_block_ids)  # [num_layers x runs of dst ids], views into dst
         num_bytes = len(src_block_ids) * layout.bytes_per_block
         io_s, what = self.config.io_timeout_s, f"KV server {uri}"
@@ -236,6 +338,8 @@ class TcpClient:
                 raise KVTransferError(f"KV pull from {uri} failed: {exc!r}") from exc
         if done.kind != DONE:
             raise _remote_error(uri, done)
+        if self.config.checksum:
+            verify_done(uri, dst_buffer, dst_block_ids, done.payload)
         seconds = time.perf_counter() - start
         return TransferStats(num_blocks=len(src_block_ids), num_bytes=num_bytes, seconds=seconds)
 
@@ -290,8 +394,18 @@ def _check_data(uri: str, expected: int, frame: Frame) -> None:
         raise KVTransferError(f"KV server {uri} announced {num_bytes} bytes, expected {expected}")
 
 
+def verify_done(uri: str, dst_buffer: KVBuffer, dst_block_ids: Sequence[int], payload: bytes) -> None:
+    """Check the landed blocks against the checksums DONE carried (ChecksumMismatch names the bad ones)."""
+    if len(payload) != checksum.DTYPE.itemsize * len(dst_block_ids):
+        raise KVTransferError(f"KV server {uri} sent {len(payload)} bytes of checksums for {len(dst_block_ids)} "
+                              "blocks (a server without checksum support?)")
+    checksum.verify(dst_buffer, dst_block_ids, payload)
+
+
 def _remote_error(uri: str, frame: Frame) -> KVTransferError:
     if frame.kind != ERROR:
         return KVTransferError(f"KV server {uri}: unexpected frame kind {frame.kind}")
     message = f"KV server {uri} refused: {frame.payload.decode(errors='replace')}"
+    if frame.code == ERR_AUTH:
+        return auth.Unauthenticated(message)
     return LeaseNotFound(message) if frame.code == ERR_LEASE else KVTransferError(message)

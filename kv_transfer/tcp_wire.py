@@ -16,7 +16,11 @@ from kv_transfer.transport import TransportConfig
 MAGIC, VERSION = b"BTKV", 1
 HEADER = struct.Struct("<4sBBHI")
 HELLO, HELLO_OK, READ, DATA, DONE, ERROR = 1, 2, 3, 4, 5, 6
-ERR_PROTOCOL, ERR_LAYOUT, ERR_LEASE, ERR_REFUSED, ERR_INTERNAL = 1, 2, 3, 4, 5
+ERR_PROTOCOL, ERR_LAYOUT, ERR_LEASE, ERR_REFUSED, ERR_INTERNAL, ERR_AUTH = 1, 2, 3, 4, 5, 6
+# READ's code is a set of flags. A v1 server that predates one ignores it (and DONE's payload is then
+# empty), so flags extend the protocol without a new VERSION: a client that asked and got nothing says so.
+READ_CHECKSUM = 1  # DONE carries one xxh3-64 per block, in READ order (kv_transfer/checksum.py)
+READ_AUTH = 2  # the READ payload ends with an HMAC trailer (kv_transfer/auth.py)
 MAX_PAYLOAD_BYTES = 8 << 20  # control frames only; KV bytes are not framed
 MAX_LEASE_ID_BYTES = 1024
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -29,8 +29,15 @@ from kv_transfer.layout import KVBuffer, KVLayout
 _IMPLEMENTATIONS: dict[str, tuple[str, str, str]] = {
     "tcp": ("kv_transfer.tcp", "TcpServer", "TcpClient"),
     "local": ("kv_transfer.local", "LocalServer", "LocalClient"),
+    "ucx": ("kv_transfer.ucx", "UcxServer", "UcxClient"),
+    "nccl": ("kv_transfer.nccl", "NcclServer", "NcclClient"),
 }
 TRANSPORT_KINDS = tuple(_IMPLEMENTATIONS)
+# What a worker serves and a decode worker prefers, in order, for ``--kv-transport auto``: on a host
+# buffer, TCP first (measured fastest here for one-shot pulls), then UCX (shared memory / RDMA when the
+# fabric has it), then NCCL (gloo on CPU: real, slower); on a CUDA cache, the GPU-native paths first.
+# ``local`` is in-process only (tests, benchmarks), never served by a worker.
+AUTO_PREFERENCE = {"cpu": ("tcp", "ucx", "nccl"), "cuda": ("nccl", "ucx", "tcp")}
 
 # lease id -> the block ids it pins; raises LeaseNotFound (or returns None) when not live.
 Resolver = Callable[[str], Sequence[int] | None]
@@ -46,6 +53,9 @@ class TransportConfig:
     # and raises ChecksumMismatch naming the bad blocks (kv_transfer/checksum.py). Off by default: it costs
     # a pass over the bytes on each side (~10+ GB/s), and links already checksum their frames.
     checksum: bool = False
+    # The deployment's data-plane secret (kv_transfer/auth.py): a server with one serves only reads that
+    # carry a valid HMAC of it; a client with one signs its reads. None: reads are not authenticated.
+    secret: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +120,52 @@ def check_read(buffer: KVBuffer, resolve: Resolver, lease_id: str, block_ids: Se
     if outside:
         raise KVTransferError(f"blocks {outside[:8]} are not in the lease ({len(outside)} in all)")
     buffer.check_block_ids(block_ids)
+
+
+def kind_available(kind: str) -> str | None:
+    """None when transport ``kind`` can run in this process, else why not (e.g. a missing package)."""
+    if kind not in _IMPLEMENTATIONS:
+        return f"unknown transport {kind!r} (known: {', '.join(TRANSPORT_KINDS)})"
+    if kind == "ucx":
+        from kv_transfer.ucx import INSTALL_HINT, ucxx_available
+
+        return None if ucxx_available() else INSTALL_HINT
+    if kind == "nccl":
+        import torch.distributed as dist
+
+        return None if dist.is_available() else "this torch build has no torch.distributed"
+    return None
+
+
+def parse_kinds(spec: str, device: str = "cpu") -> tuple[str, ...]:
+    """``--kv-transport``: "auto" (every transport that runs here, in ``AUTO_PREFERENCE`` order) or a
+    comma-separated list in the caller's order of preference; raises ValueError naming what cannot run."""
+    if spec.strip() == "auto":
+        return tuple(k for k in AUTO_PREFERENCE["cuda" if device.startswith("cuda") else "cpu"]
+                     if kind_available(k) is None)
+    kinds = tuple(dict.fromkeys(k.strip() for k in spec.split(",") if k.strip()))
+    if not kinds:
+        raise ValueError("--kv-transport: name at least one transport, or auto")
+    for kind in kinds:
+        if kind == "local":
+            raise ValueError("--kv-transport: local is in-process only (tests); use tcp, ucx, nccl or auto")
+        if (why := kind_available(kind)) is not None:
+            raise ValueError(f"--kv-transport {kind}: {why}")
+    return kinds
+
+
+def choose_uri(offered: str, preferred: Sequence[str]) -> str:
+    """The URI to pull from: ``offered`` lists the serving worker's URIs (space-separated, as a
+    ``KVHandle.data_plane_uri`` or a registry ``kv_uri`` carries them); the first kind of ``preferred``
+    (the pulling worker's order) that it offers wins."""
+    by_kind: dict[str, str] = {}
+    for uri in offered.split():
+        by_kind.setdefault(urlsplit(uri).scheme, uri)
+    for kind in preferred:
+        if kind in by_kind:
+            return by_kind[kind]
+    raise KVTransferError(f"no KV transport in common: the peer serves {sorted(by_kind) or 'nothing'}, "
+                          f"this worker pulls with {list(preferred)}")
 
 
 def uri_kind(uri: str) -> str:

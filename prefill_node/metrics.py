@@ -34,6 +34,8 @@ class WorkerMetrics:
                                        registry=r)
         self._transfer_s = Histogram("baton:kv_transfer_seconds", "Time of one request's KV pull", w,
                                      buckets=TRANSFER_BUCKETS_S, registry=r)
+        self._transfers = Counter("baton:kv_transfers_total", "KV pulls, by the transport chosen for the pair",
+                                  ["worker_id", "transport"], registry=r)
         self._errors = Counter("baton:request_errors_total", "Worker calls that ended in an error status",
                                ["worker_id", "code"], registry=r)
         for series in (self._running, self._waiting, self._kv_usage, self._hit_rate, self._queries, self._hits,
@@ -56,9 +58,10 @@ class WorkerMetrics:
         self._preemptions.labels(w).inc(max(stats.num_preemptions - last.num_preemptions, 0))
         self._last = stats
 
-    def kv_transfer(self, num_bytes: int, seconds: float) -> None:
+    def kv_transfer(self, num_bytes: int, seconds: float, transport: str = "tcp") -> None:
         self._transfer_bytes.labels(self.worker_id).inc(num_bytes)
         self._transfer_s.labels(self.worker_id).observe(seconds)
+        self._transfers.labels(worker_id=self.worker_id, transport=transport).inc()
 
     def request_error(self, code: str) -> None:
         self._errors.labels(worker_id=self.worker_id, code=code).inc()

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -25,16 +25,19 @@ from engine.engine import Engine
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import Lease, LeaseTable
 from kv_transfer.registry import HeartbeatTask, Registry, WorkerInfo, WorkerLoad, connect
-from kv_transfer.transport import make_server
+from kv_transfer.transport import KVClient, TransportConfig, connect as kv_connect, make_server, parse_kinds
+from prefill_node.drain import DrainGate, InFlightCounter
 from prefill_node.metrics import WorkerMetrics
 from prefill_node.publisher import IndexPublisher
 from prefill_node.servicer import WorkerServicer
 from proto import baton_pb2 as pb
 from proto.malformed import MalformedRequestInterceptor
 from proto.metrics_http import serve_metrics
+from proto.tls import TlsConfig, add_port, describe
 from proto import baton_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,13 +48,20 @@ class WorkerConfig:
     namespace: str = "baton"
     host: str = "127.0.0.1"
     grpc_port: int = 0
-    kv_transport: str = "tcp"
+    kv_transport: str = "tcp"  # --kv-transport: "auto" or kinds in order of preference, e.g. "ucx,tcp"
     kv_port: int = 0
+    kv_advertise_uri: str | None = None  # the KV URI registered for peers (e.g. a proxy's); None: the served one
+    kv_checksum: bool = False  # pulls ask for and verify per-block xxh3 checksums (decode role)
+    kv_io_timeout_s: float = 10.0  # the longest a pull waits on its peer at any one point (decode role)
+    kv_secret: bytes | None = field(default=None, repr=False)  # data-plane HMAC secret (kv_transfer/auth.py)
     worker_id: str | None = None
     lease_ttl_s: float = 30.0
     heartbeat_ttl_s: float = 6.0
     heartbeat_interval_s: float = 2.0
     metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port; None or 0: no endpoint
+    on_drain: str = "exit"  # drained by the admin: exit once idle (exit) or stay up, idle (stay)
+    drain_settle_s: float = 5.0  # idle this long while draining before exiting
+    tls: TlsConfig | None = None  # serve gRPC over TLS (mTLS when it has a CA); None: plaintext
 
 
 class WorkerNode:
@@ -61,6 +71,8 @@ class WorkerNode:
         self.lease_of_request: dict[str, Lease] = {}
         self.load = WorkerLoad(running=0, waiting=0, free_blocks=0, queued_prefill_tokens=0)
         self._tasks: list[asyncio.Task] = []
+        self.in_flight = InFlightCounter(frozenset(f"/{WORKER_SERVICE}/{m}" for m in ("Prefill", "Decode")))
+        self.drained = asyncio.Event()  # set when drained and idle with on_drain="exit": the process may exit
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> str:
@@ -72,9 +84,17 @@ class WorkerNode:
         self.layout = _layout(self.engine)
         # a byte view: numpy has no bfloat16, and the data plane moves bytes (CPU caches; CUDA needs staging)
         self.kv_buffer = KVBuffer(self.layout, self.engine.runner.kv_cache.view(torch.uint8).numpy())
-        self.kv_server = make_server(self.config.kv_transport, buffer=self.kv_buffer,
-                                     resolve=self.leases.resolver(time.monotonic))
-        self.kv_uri = await self.kv_server.start(self.config.host, self.config.kv_port)
+        # Every transport of --kv-transport is served (kv_uri lists their URIs, space-separated) and tried
+        # in that order when pulling: the pair's transport is the puller's first one the server offers.
+        self.kv_kinds = parse_kinds(self.config.kv_transport, str(self.engine.device))
+        self.transport_config = transport_config(self.config)
+        self._kv_clients: dict[str, KVClient] = {}
+        resolve = self.leases.resolver(time.monotonic)
+        self.kv_servers = [make_server(kind, buffer=self.kv_buffer, resolve=resolve, config=self.transport_config)
+                           for kind in self.kv_kinds]
+        served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0)
+                  for i, server in enumerate(self.kv_servers)]
+        self.kv_uri = self.config.kv_advertise_uri or " ".join(served)
         self.grpc_address = await self._start_grpc()
         self.worker_id = self.config.worker_id or f"{self.config.role}-{socket.gethostname()}-{self.grpc_port}"
         self.metrics = WorkerMetrics(self.worker_id)
@@ -86,7 +106,8 @@ class WorkerNode:
                                        interval_s=self.config.heartbeat_interval_s,
                                        on_reregistered=self.publisher.republish_all)
         self.heartbeat.start()
-        self._tasks = [asyncio.create_task(self._housekeeping(), name="housekeeping")]
+        self._tasks = [asyncio.create_task(self._housekeeping(), name="housekeeping"),
+                       asyncio.create_task(self._watch_drain(), name="drain")]
         logger.info("worker %s (%s) serving gRPC on %s, KV on %s", self.worker_id, self.config.role,
                     self.grpc_address, self.kv_uri)
         return self.grpc_address
@@ -98,22 +119,33 @@ class WorkerNode:
         if self.metrics_server is not None:
             self.metrics_server.stop()
         await self.grpc_server.stop(grace_s)
-        await self.kv_server.stop()
+        for server in self.kv_servers:
+            await server.stop()
+        for client in self._kv_clients.values():
+            if callable(close := getattr(client, "close", None)):
+                close()  # pooled connections (nccl channels)
         self.async_engine.stop()
         await self.redis.aclose()
 
     async def _start_grpc(self) -> str:
         self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
-                                           interceptors=[MalformedRequestInterceptor()])
+                                           interceptors=[MalformedRequestInterceptor(), self.in_flight])
         pb_grpc.add_WorkerServicer_to_server(self.servicer(), self.grpc_server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
-        names = (pb.DESCRIPTOR.services_by_name["Worker"].full_name, reflection.SERVICE_NAME)
+        names = (WORKER_SERVICE, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.grpc_server)
-        self.grpc_port = self.grpc_server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        self.grpc_port = add_port(self.grpc_server, f"{self.config.host}:{self.config.grpc_port}", self.config.tls)
         await self.grpc_server.start()
+        logger.info("gRPC on %s:%d is %s", self.config.host, self.grpc_port, describe(self.config.tls))
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         return f"{self.config.host}:{self.grpc_port}"
+
+    def kv_client(self, kind: str) -> KVClient:
+        """This worker's client for transport ``kind``, kept across pulls (nccl reuses its channels)."""
+        if kind not in self._kv_clients:
+            self._kv_clients[kind] = kv_connect(f"{kind}://", self.transport_config)
+        return self._kv_clients[kind]
 
     def servicer(self) -> WorkerServicer:
         return WorkerServicer(self)
@@ -161,6 +193,29 @@ class WorkerNode:
                 logger.debug("housekeeping: %r", exc)
             await asyncio.sleep(period_s)
 
+    async def _watch_drain(self) -> None:
+        """Read ``{ns}:draining`` at the heartbeat's pace; once drained and idle, exit (or stay, idle)."""
+        gate = DrainGate(settle_s=self.config.drain_settle_s)
+        period_s = min(self.config.heartbeat_interval_s, 1.0)
+        while True:
+            try:
+                draining = bool(await self.redis.sismember(self.registry.keys.draining, self.worker_id))
+            except Exception as exc:  # noqa: BLE001 - Redis down: keep the last known state
+                logger.debug("drain check: %r", exc)
+                draining = None
+            stats = await self.async_engine.call(lambda e: e.stats())
+            busy = self.in_flight.count > 0 or len(self.leases) > 0 or stats.num_running + stats.num_waiting > 0
+            if gate.update(draining=draining, busy=busy, now_s=time.monotonic()) and self.config.on_drain == "exit":
+                logger.info("worker %s drained and idle for %.1f s: exiting", self.worker_id, gate.settle_s)
+                self.drained.set()
+                return
+            await asyncio.sleep(period_s)
+
+
+def transport_config(config: WorkerConfig) -> TransportConfig:
+    """The worker's data-plane settings, the same for what it serves and what it pulls."""
+    return TransportConfig(checksum=config.kv_checksum, secret=config.kv_secret, io_timeout_s=config.kv_io_timeout_s)
+
 
 def _sample(engine: Engine) -> tuple[SchedulerStats, WorkerLoad]:
     stats = engine.stats()
@@ -170,8 +225,10 @@ def _sample(engine: Engine) -> tuple[SchedulerStats, WorkerLoad]:
 def _load(engine: Engine, stats: SchedulerStats) -> WorkerLoad:
     queued = sum(r.num_tokens - r.num_computed_tokens for r in engine.scheduler.waiting)
     queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in engine.scheduler.running)
+    rates = engine.step_rates
     return WorkerLoad(running=stats.num_running, waiting=stats.num_waiting, free_blocks=stats.num_free_blocks,
-                      queued_prefill_tokens=max(queued, 0))
+                      queued_prefill_tokens=max(queued, 0), prefill_tokens_per_s=rates.prefill_tokens_per_s,
+                      decode_step_s=rates.decode_step_s, decode_batch_size=rates.decode_batch_size)
 
 
 def _layout(engine: Engine) -> KVLayout:

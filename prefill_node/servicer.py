@@ -1,11 +1,16 @@
-"""``baton.v1.Worker`` servicer: proto in -> engine (through AsyncEngine) -> proto out."""
+"""``baton.v1.Worker`` servicer: proto in -> engine (through AsyncEngine) -> proto out.
+
+``Timings.queue_ms`` is the engine's wait before the request's first scheduled step; ``prefill_ms`` is
+the whole call (queue + compute). With tracing on (``proto.tracing``), a prefill leaves the spans
+``prefill`` > ``prefill.queue`` + ``prefill.compute`` with exactly those durations, under the router's span.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -16,6 +21,7 @@ from kv_transfer.errors import KVTransferError
 from prefill_node.convert import FINISH_TO_PB, layout_to_pb, logprobs_to_pb, sampling_from_pb
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
+from proto import tracing
 
 if TYPE_CHECKING:
     from prefill_node.node import WorkerNode
@@ -40,12 +46,18 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, node: WorkerNode) -> None:
+    def __init__(self, node: WorkerNode, tracer: Any | None = None) -> None:
         self.node = node
+        self.tracer = tracer if tracer is not None else tracing.current_tracer()  # None: no spans
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         try:
-            return await self._prefill(request)
+            started = time.perf_counter()
+            response = await self._prefill(request)
+            if self.tracer is not None:
+                prefill_spans(self.tracer, tracing.extract(context.invocation_metadata()), started,
+                              response.timings, request_id=request.request_id, worker_id=self.node.worker_id)
+            return response
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status
@@ -71,6 +83,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             num_cached_tokens=last.num_cached_tokens,
             timings=pb.Timings(prefill_ms=prefill_ms, prefill_worker=node.worker_id),
         )
+        if last.queue_s is not None:
+            response.timings.queue_ms = last.queue_s * 1e3
         if last.new_logprobs:
             response.logprobs.CopyFrom(logprobs_to_pb(last.new_logprobs)[0])
         if finish is not None:
@@ -112,6 +126,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
             num_preemptions=stats.num_preemptions,
         )
+
+
+def prefill_spans(tracer: Any, parent: Any, started_s: float, timings: pb.Timings, **ids: str) -> None:
+    """``prefill`` (``prefill_ms`` from ``started_s``) split into ``prefill.queue`` and ``prefill.compute``."""
+    start_ns = tracing.Instants(started_s).ns(started_s)
+    total_ns, queue_ns = tracing.ms_to_ns(timings.prefill_ms), tracing.ms_to_ns(timings.queue_ms)
+    attributes = {f"baton.{key}": value for key, value in ids.items()}
+    span = tracing.start_span(tracer, "prefill", start_ns, parent, kind="server", attributes=attributes)
+    tracing.record_span(tracer, "prefill.queue", start_ns, queue_ns, span)
+    tracing.record_span(tracer, "prefill.compute", start_ns + queue_ns, total_ns - queue_ns, span)
+    span.end(end_time=start_ns + total_ns)
 
 
 def _real_finish(engine_finish, params, num_prompt_tokens: int, max_model_len: int) -> FinishReason | None:

@@ -370,7 +370,7 @@ class StatsResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_open_leases: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class AdminWorker(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_address", "kv_uri", "state", "has_load", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "kv_cache_usage", "load_age_ms")
+    __slots__ = ("worker_id", "role", "grpc_address", "kv_uri", "state", "has_load", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "kv_cache_usage", "load_age_ms", "prefix_cache_hit_rate")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,7 @@ class AdminWorker(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     LOAD_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     grpc_address: str
@@ -397,7 +398,8 @@ class AdminWorker(_message.Message):
     queued_prefill_tokens: int
     kv_cache_usage: float
     load_age_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_uri: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., has_load: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., load_age_ms: _Optional[int] = ...) -> None: ...
+    prefix_cache_hit_rate: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_uri: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., has_load: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., load_age_ms: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -468,17 +470,21 @@ class PrefillCurve(_message.Message):
     def __init__(self, prompt_lens: _Optional[_Iterable[int]] = ..., tokens_per_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DecodeCurve(_message.Message):
-    __slots__ = ("batch_sizes", "itl_ms", "kv_tokens_per_worker")
+    __slots__ = ("batch_sizes", "itl_ms", "kv_tokens_per_worker", "context_lens", "itl_ms_grid")
     BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     ITL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    ITL_MS_GRID_FIELD_NUMBER: _ClassVar[int]
     batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     itl_ms: _containers.RepeatedScalarFieldContainer[float]
     kv_tokens_per_worker: int
-    def __init__(self, batch_sizes: _Optional[_Iterable[int]] = ..., itl_ms: _Optional[_Iterable[float]] = ..., kv_tokens_per_worker: _Optional[int] = ...) -> None: ...
+    context_lens: _containers.RepeatedScalarFieldContainer[int]
+    itl_ms_grid: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, batch_sizes: _Optional[_Iterable[int]] = ..., itl_ms: _Optional[_Iterable[float]] = ..., kv_tokens_per_worker: _Optional[int] = ..., context_lens: _Optional[_Iterable[int]] = ..., itl_ms_grid: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("ttft_p90_ms", "itl_p90_ms", "rate", "isl", "osl", "prefill_curve", "decode_curve", "prefill_correction", "decode_correction", "apply")
+    __slots__ = ("ttft_p90_ms", "itl_p90_ms", "rate", "isl", "osl", "prefill_curve", "decode_curve", "prefill_correction", "decode_correction", "apply", "from_traffic", "traffic_window_s")
     TTFT_P90_MS_FIELD_NUMBER: _ClassVar[int]
     ITL_P90_MS_FIELD_NUMBER: _ClassVar[int]
     RATE_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +495,8 @@ class PlanRequest(_message.Message):
     PREFILL_CORRECTION_FIELD_NUMBER: _ClassVar[int]
     DECODE_CORRECTION_FIELD_NUMBER: _ClassVar[int]
     APPLY_FIELD_NUMBER: _ClassVar[int]
+    FROM_TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     ttft_p90_ms: float
     itl_p90_ms: float
     rate: float
@@ -499,7 +507,9 @@ class PlanRequest(_message.Message):
     prefill_correction: float
     decode_correction: float
     apply: bool
-    def __init__(self, ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., rate: _Optional[float] = ..., isl: _Optional[float] = ..., osl: _Optional[float] = ..., prefill_curve: _Optional[_Union[PrefillCurve, _Mapping]] = ..., decode_curve: _Optional[_Union[DecodeCurve, _Mapping]] = ..., prefill_correction: _Optional[float] = ..., decode_correction: _Optional[float] = ..., apply: _Optional[bool] = ...) -> None: ...
+    from_traffic: bool
+    traffic_window_s: float
+    def __init__(self, ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., rate: _Optional[float] = ..., isl: _Optional[float] = ..., osl: _Optional[float] = ..., prefill_curve: _Optional[_Union[PrefillCurve, _Mapping]] = ..., decode_curve: _Optional[_Union[DecodeCurve, _Mapping]] = ..., prefill_correction: _Optional[float] = ..., decode_correction: _Optional[float] = ..., apply: _Optional[bool] = ..., from_traffic: _Optional[bool] = ..., traffic_window_s: _Optional[float] = ...) -> None: ...
 
 class PlanTerm(_message.Message):
     __slots__ = ("pool", "name", "value", "unit", "note")
@@ -516,7 +526,7 @@ class PlanTerm(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., name: _Optional[str] = ..., value: _Optional[float] = ..., unit: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("prefill", "decode", "prefill_raw", "decode_raw", "feasible", "terms", "reasoning", "applied")
+    __slots__ = ("prefill", "decode", "prefill_raw", "decode_raw", "feasible", "terms", "reasoning", "applied", "traffic")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RAW_FIELD_NUMBER: _ClassVar[int]
@@ -525,6 +535,7 @@ class PlanResponse(_message.Message):
     TERMS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
     prefill: int
     decode: int
     prefill_raw: int
@@ -533,4 +544,57 @@ class PlanResponse(_message.Message):
     terms: _containers.RepeatedCompositeFieldContainer[PlanTerm]
     reasoning: str
     applied: bool
-    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., prefill_raw: _Optional[int] = ..., decode_raw: _Optional[int] = ..., feasible: _Optional[bool] = ..., terms: _Optional[_Iterable[_Union[PlanTerm, _Mapping]]] = ..., reasoning: _Optional[str] = ..., applied: _Optional[bool] = ...) -> None: ...
+    traffic: TrafficWindow
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., prefill_raw: _Optional[int] = ..., decode_raw: _Optional[int] = ..., feasible: _Optional[bool] = ..., terms: _Optional[_Iterable[_Union[PlanTerm, _Mapping]]] = ..., reasoning: _Optional[str] = ..., applied: _Optional[bool] = ..., traffic: _Optional[_Union[TrafficWindow, _Mapping]] = ...) -> None: ...
+
+class StoreProfileRequest(_message.Message):
+    __slots__ = ("prefill_curve", "decode_curve", "measured_on")
+    PREFILL_CURVE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CURVE_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_ON_FIELD_NUMBER: _ClassVar[int]
+    prefill_curve: PrefillCurve
+    decode_curve: DecodeCurve
+    measured_on: str
+    def __init__(self, prefill_curve: _Optional[_Union[PrefillCurve, _Mapping]] = ..., decode_curve: _Optional[_Union[DecodeCurve, _Mapping]] = ..., measured_on: _Optional[str] = ...) -> None: ...
+
+class StoreProfileResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetTrafficRequest(_message.Message):
+    __slots__ = ("window_s",)
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    def __init__(self, window_s: _Optional[float] = ...) -> None: ...
+
+class LatencyPercentiles(_message.Message):
+    __slots__ = ("count", "p50_ms", "p90_ms", "p99_ms")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    P90_MS_FIELD_NUMBER: _ClassVar[int]
+    P99_MS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    def __init__(self, count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ...) -> None: ...
+
+class TrafficWindow(_message.Message):
+    __slots__ = ("window_s", "num_requests", "rate", "mean_isl", "mean_osl", "ttft", "itl")
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ISL_FIELD_NUMBER: _ClassVar[int]
+    MEAN_OSL_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    ITL_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    num_requests: int
+    rate: float
+    mean_isl: float
+    mean_osl: float
+    ttft: LatencyPercentiles
+    itl: LatencyPercentiles
+    def __init__(self, window_s: _Optional[float] = ..., num_requests: _Optional[int] = ..., rate: _Optional[float] = ..., mean_isl: _Optional[float] = ..., mean_osl: _Optional[float] = ..., ttft: _Optional[_Union[LatencyPercentiles, _Mapping]] = ..., itl: _Optional[_Union[LatencyPercentiles, _Mapping]] = ...) -> None: ...

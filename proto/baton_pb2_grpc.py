@@ -466,6 +466,16 @@ class AdminStub:
                 request_serializer=proto_dot_baton__pb2.PlanRequest.SerializeToString,
                 response_deserializer=proto_dot_baton__pb2.PlanResponse.FromString,
                 _registered_method=True)
+        self.StoreProfile = channel.unary_unary(
+                '/baton.v1.Admin/StoreProfile',
+                request_serializer=proto_dot_baton__pb2.StoreProfileRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.StoreProfileResponse.FromString,
+                _registered_method=True)
+        self.GetTraffic = channel.unary_unary(
+                '/baton.v1.Admin/GetTraffic',
+                request_serializer=proto_dot_baton__pb2.GetTrafficRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.TrafficWindow.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -507,6 +517,18 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StoreProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTraffic(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -539,6 +561,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Plan,
                     request_deserializer=proto_dot_baton__pb2.PlanRequest.FromString,
                     response_serializer=proto_dot_baton__pb2.PlanResponse.SerializeToString,
+            ),
+            'StoreProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreProfile,
+                    request_deserializer=proto_dot_baton__pb2.StoreProfileRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.StoreProfileResponse.SerializeToString,
+            ),
+            'GetTraffic': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTraffic,
+                    request_deserializer=proto_dot_baton__pb2.GetTrafficRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.TrafficWindow.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -703,6 +735,60 @@ class Admin:
             '/baton.v1.Admin/Plan',
             proto_dot_baton__pb2.PlanRequest.SerializeToString,
             proto_dot_baton__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/StoreProfile',
+            proto_dot_baton__pb2.StoreProfileRequest.SerializeToString,
+            proto_dot_baton__pb2.StoreProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTraffic(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/GetTraffic',
+            proto_dot_baton__pb2.GetTrafficRequest.SerializeToString,
+            proto_dot_baton__pb2.TrafficWindow.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,8 +5,10 @@ admin token is configured every call must carry ``authorization: Bearer <token>`
 with UNAUTHENTICATED before anything is read or changed.
 
 Profiles for ``Plan`` come with the request, or from ``{ns}:profile:prefill`` / ``{ns}:profile:decode``
-(JSON, written by a profiling run: ``{"prompt_lens": [...], "tokens_per_s": [...]}`` and
-``{"batch_sizes": [...], "itl_ms": [...], "kv_tokens_per_worker": N}``).
+(JSON, written by ``StoreProfile`` after ``baton admin profile``: ``{"prompt_lens": [...], "tokens_per_s": [...]}``
+and ``{"batch_sizes": [...], "itl_ms": [...], "kv_tokens_per_worker": N, "context_lens": [...],
+"itl_ms_grid": [...]}``; with a grid, the ITLs at the plan's mean context ``isl + osl / 2`` are used).
+``Plan(from_traffic)`` and ``GetTraffic`` read the router's own request histograms (``router.traffic``).
 """
 
 from __future__ import annotations
@@ -14,34 +16,44 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import time
 from typing import Any
 
 import grpc
 
 from engine.errors import InvalidRequest
-from kv_transfer.registry import ROLES, Registry, WorkerInfo, WorkerLoad
+from kv_transfer.registry import ROLES, Registry
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
-from router import planner
+from router import planner, traffic as traffic_mod
+from router.admin_convert import (curve_dict, plan_to_proto, prefix_hit_rates, traffic_terms, window_to_proto,
+                                  worker_to_proto)
 
 log = logging.getLogger(__name__)
 
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+DEFAULT_WINDOW_S = 300.0
 
 
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, registry: Registry, redis: Any, *, token: str | None = None,
-                 planner_config: planner.PlannerConfig = planner.PlannerConfig()) -> None:
+                 planner_config: planner.PlannerConfig = planner.PlannerConfig(), metrics_registry: Any = None,
+                 stats_timeout_s: float = 0.5) -> None:
         self._registry, self._redis = registry, redis
         self._token = token or None
         self._planner_config = planner_config
         self._last_change_s: float | None = None  # monotonic; the planner's cool-down clock
+        self._traffic = None if metrics_registry is None else traffic_mod.TrafficRecorder(
+            metrics_registry, time.monotonic())
+        self._stats_timeout_s = stats_timeout_s
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> Any:
         await self._authorize(context)
         draining, now_ms = await self._registry.list_draining(), int(time.time() * 1000)
-        workers = [_worker_to_proto(info, load, info.worker_id in draining, now_ms)
-                   for info, load in await self._registry.list_workers()]
+        listed = await self._registry.list_workers()
+        rates = await prefix_hit_rates([info for info, _ in listed], self._stats_timeout_s)
+        workers = [worker_to_proto(info, load, info.worker_id in draining, now_ms, rates.get(info.worker_id))
+                   for info, load in listed]
         return pb.ListWorkersResponse(workers=workers)
 
     async def GetPools(self, request: pb.GetPoolsRequest, context: grpc.aio.ServicerContext) -> Any:
@@ -80,19 +92,55 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     async def Plan(self, request: pb.PlanRequest, context: grpc.aio.ServicerContext) -> Any:
         await self._authorize(context)
-        prefill, decode = await self._profiles(request)
+        window = self._window(request.traffic_window_s) if request.from_traffic else None
+        traffic = _traffic(request, window)
+        prefill, decode = await self._profiles(request, traffic.mean_isl + traffic.mean_osl / 2)
+        corrections, extra = _corrections(request), []
+        if window is not None:
+            live = [info.role for info, _ in await self._registry.list_workers()]
+            measured, extra = traffic_mod.corrections(window, prefill, decode, prefill_workers=live.count("prefill"),
+                                                      decode_workers=live.count("decode"))
+            corrections = planner.Corrections(
+                prefill=corrections.prefill if request.HasField("prefill_correction") else measured.prefill,
+                decode=corrections.decode if request.HasField("decode_correction") else measured.decode)
+            extra = traffic_terms(window) + extra
         state = planner.PoolState(prefill=await self._current("prefill"), decode=await self._current("decode"),
                                   last_change_s=self._last_change_s)
         plan = planner.plan_pools(
-            planner.Slo(ttft_p90_s=request.ttft_p90_ms / 1e3, itl_p90_s=request.itl_p90_ms / 1e3),
-            planner.Traffic(rate_per_s=request.rate, mean_isl=request.isl, mean_osl=request.osl), prefill, decode,
-            corrections=_corrections(request), config=self._planner_config, state=state, now_s=time.monotonic(),
+            planner.Slo(ttft_p90_s=request.ttft_p90_ms / 1e3, itl_p90_s=request.itl_p90_ms / 1e3), traffic,
+            prefill, decode, corrections=corrections, config=self._planner_config, state=state, now_s=time.monotonic(),
         )
         if request.apply:
             for role, size in (("prefill", plan.prefill), ("decode", plan.decode)):
                 if size != await self._registry.get_desired_pool_size(role):  # type: ignore[arg-type]
                     await self._set_desired(role, size)
-        return _plan_to_proto(plan, applied=request.apply)
+        return plan_to_proto(plan, applied=request.apply, extra_terms=extra, window=window)
+
+    async def StoreProfile(self, request: pb.StoreProfileRequest, context: grpc.aio.ServicerContext) -> Any:
+        await self._authorize(context)
+        curves = [(role, request.HasField(field), getattr(request, field))
+                  for role, field in (("prefill", "prefill_curve"), ("decode", "decode_curve"))]
+        stored = {role: dict(curve_dict(curve), measured_on=request.measured_on, stored_unix_s=int(time.time()))
+                  for role, present, curve in curves if present}
+        if not stored:
+            raise InvalidRequest("StoreProfile needs a prefill_curve, a decode_curve or both")
+        for role, raw in stored.items():
+            _parse_profile(role, raw)  # refuse a malformed curve before anything is written
+        for role, raw in stored.items():
+            await self._redis.set(self._registry.keys.profile(role), json.dumps(raw, sort_keys=True))
+            log.info("admin: stored the %s profile (measured on %s)", role, request.measured_on or "?")
+        return pb.StoreProfileResponse(keys=[self._registry.keys.profile(role) for role in stored])
+
+    async def GetTraffic(self, request: pb.GetTrafficRequest, context: grpc.aio.ServicerContext) -> Any:
+        await self._authorize(context)
+        return window_to_proto(self._window(request.window_s))
+
+    def _window(self, window_s: float) -> traffic_mod.Window:
+        if self._traffic is None:
+            raise InvalidRequest("this router keeps no traffic window (started without its metrics)")
+        if window_s < 0 or not math.isfinite(window_s):
+            raise InvalidRequest(f"window_s must be >= 0, got {window_s}")
+        return self._traffic.window(time.monotonic(), window_s or DEFAULT_WINDOW_S)
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self._token is None:
@@ -122,23 +170,15 @@ class AdminServicer(pb_grpc.AdminServicer):
         actual = sum(info.role == role for info, _ in await self._registry.list_workers())
         return actual or None
 
-    async def _profiles(self, request: pb.PlanRequest) -> tuple[planner.PrefillProfile, planner.DecodeProfile]:
+    async def _profiles(self, request: pb.PlanRequest,
+                        context_tokens: float) -> tuple[planner.PrefillProfile, planner.DecodeProfile]:
         has_p, has_d = request.HasField("prefill_curve"), request.HasField("decode_curve")
-        p_raw = _curve_dict(request.prefill_curve) if has_p else await self._stored("prefill")
-        d_raw = _curve_dict(request.decode_curve) if has_d else await self._stored("decode")
-        try:
-            prefill = planner.PrefillProfile(prompt_lens=tuple(int(x) for x in p_raw["prompt_lens"]),
-                                             tokens_per_s=tuple(float(y) for y in p_raw["tokens_per_s"]))
-            kv = d_raw.get("kv_tokens_per_worker")
-            decode = planner.DecodeProfile(batch_sizes=tuple(int(x) for x in d_raw["batch_sizes"]),
-                                           itl_s=tuple(float(y) / 1e3 for y in d_raw["itl_ms"]),
-                                           kv_tokens_per_worker=None if kv is None else int(kv))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidRequest(f"malformed profile: {exc!r}") from exc
-        return prefill, decode
+        p_raw = curve_dict(request.prefill_curve) if has_p else await self._stored("prefill")
+        d_raw = curve_dict(request.decode_curve) if has_d else await self._stored("decode")
+        return _parse_profile("prefill", p_raw), _parse_profile("decode", d_raw, context_tokens)
 
     async def _stored(self, role: str) -> dict[str, Any]:
-        key = f"{self._registry.keys.ns}:profile:{role}"
+        key = self._registry.keys.profile(role)
         raw = await self._redis.get(key)
         if raw is None:
             raise InvalidRequest(f"no {role} profile: pass one with the request (--profile FILE) or store it in {key}")
@@ -148,13 +188,6 @@ class AdminServicer(pb_grpc.AdminServicer):
             raise InvalidRequest(f"{key} is not JSON: {exc}") from exc
 
 
-def _curve_dict(curve: pb.PrefillCurve | pb.DecodeCurve) -> dict[str, Any]:
-    if isinstance(curve, pb.PrefillCurve):
-        return {"prompt_lens": list(curve.prompt_lens), "tokens_per_s": list(curve.tokens_per_s)}
-    kv = curve.kv_tokens_per_worker if curve.HasField("kv_tokens_per_worker") else None
-    return {"batch_sizes": list(curve.batch_sizes), "itl_ms": list(curve.itl_ms), "kv_tokens_per_worker": kv}
-
-
 def _corrections(request: pb.PlanRequest) -> planner.Corrections:
     return planner.Corrections(
         prefill=request.prefill_correction if request.HasField("prefill_correction") else 1.0,
@@ -162,23 +195,29 @@ def _corrections(request: pb.PlanRequest) -> planner.Corrections:
     )
 
 
-def _worker_to_proto(info: WorkerInfo, load: WorkerLoad | None, draining: bool, now_ms: int) -> pb.AdminWorker:
-    worker = pb.AdminWorker(
-        worker_id=info.worker_id, role=info.role, grpc_address=info.grpc_address, kv_uri=info.kv_uri,
-        state=pb.WORKER_STATE_DRAINING if draining else pb.WORKER_STATE_UP, num_total_blocks=info.total_blocks,
-    )
-    if load is not None:
-        worker.has_load, worker.num_running, worker.num_waiting = True, load.running, load.waiting
-        worker.num_free_blocks, worker.queued_prefill_tokens = load.free_blocks, load.queued_prefill_tokens
-        if info.total_blocks > 0:
-            worker.kv_cache_usage = 1.0 - load.free_blocks / info.total_blocks
-        if load.reported_unix_ms is not None:
-            worker.load_age_ms = max(0, now_ms - load.reported_unix_ms)
-    return worker
+def _parse_profile(role: str, raw: dict[str, Any],
+                   context_tokens: float | None = None) -> planner.PrefillProfile | planner.DecodeProfile:
+    try:
+        if role == "prefill":
+            return planner.PrefillProfile(prompt_lens=tuple(int(x) for x in raw["prompt_lens"]),
+                                          tokens_per_s=tuple(float(y) for y in raw["tokens_per_s"]))
+        batches, itl_ms = tuple(int(x) for x in raw["batch_sizes"]), tuple(float(y) for y in raw["itl_ms"])
+        contexts, grid = tuple(int(c) for c in raw.get("context_lens") or ()), raw.get("itl_ms_grid") or ()
+        if contexts:
+            itl_ms = planner.itl_row_at_context(contexts, tuple(float(y) for y in grid), len(batches),
+                                                contexts[-1] if context_tokens is None else context_tokens)
+        kv = raw.get("kv_tokens_per_worker")
+        return planner.DecodeProfile(batch_sizes=batches, itl_s=tuple(y / 1e3 for y in itl_ms),
+                                     kv_tokens_per_worker=None if kv is None else int(kv))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"malformed {role} profile: {exc!r}") from exc
 
 
-def _plan_to_proto(plan: planner.Plan, *, applied: bool) -> pb.PlanResponse:
-    terms = [pb.PlanTerm(pool=t.pool, name=t.name, value=t.value, unit=t.unit, note=t.note) for t in plan.terms]
-    return pb.PlanResponse(prefill=plan.prefill, decode=plan.decode, prefill_raw=plan.prefill_plan.raw,
-                           decode_raw=plan.decode_plan.raw, feasible=plan.feasible, terms=terms,
-                           reasoning=plan.explain(), applied=applied)
+def _traffic(request: pb.PlanRequest, window: traffic_mod.Window | None) -> planner.Traffic:
+    if window is None:
+        return planner.Traffic(rate_per_s=request.rate, mean_isl=request.isl, mean_osl=request.osl)
+    if window.num_requests == 0 or window.mean_isl is None or window.mean_osl is None:
+        raise InvalidRequest(f"no finished requests in the last {window.span_s:.0f} s of traffic: "
+                             "plan with --rate/--isl/--osl instead")
+    return planner.Traffic(rate_per_s=window.rate_per_s, mean_isl=max(window.mean_isl, 1.0),
+                           mean_osl=max(window.mean_osl, 1.0))

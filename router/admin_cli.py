@@ -1,4 +1,4 @@
-"""``baton admin``: workers and pools, scale, drain / undrain, and an SLO plan that shows its reasoning.
+"""``baton admin``: workers and pools, scale, drain / undrain, profile, and an SLO plan that shows its reasoning.
 
 Talks to the router's ``baton.v1.Admin`` service; ``--token`` (or ``$BATON_ADMIN_TOKEN``) is sent as
 ``authorization: Bearer <token>``. Tables are aligned, colored only on a terminal; ``--json`` for scripts.
@@ -16,10 +16,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
-from google.protobuf.json_format import MessageToDict
+from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
 
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.config import DEFAULT_ROUTER_ADDRESS
+from router.admin_kube import KubeError, add_kube_arguments, kube_target, scale_deployment
+from router.admin_profile import ProfileError, add_profile_arguments, run_profile
+from proto import tls
 from router.generate_cli import describe_error
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -36,39 +39,58 @@ def build_parser() -> argparse.ArgumentParser:
                         help="admin bearer token (default: $BATON_ADMIN_TOKEN)")
     parser.add_argument("--json", action="store_true", help="print the raw responses as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-call deadline in seconds (default: 10)")
+    tls.add_arguments(parser)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("status", help="every worker with its load, and the pools (desired vs actual)")
+    status = commands.add_parser("status", help="every worker with its load, the pools (desired vs actual) and "
+                                 "the cluster's recent TTFT / ITL")
+    status.add_argument("--window", type=float, default=300.0, metavar="S",
+                        help="traffic look-back in seconds (default: %(default)s)")
     scale = commands.add_parser("scale", help="set a pool's desired size")
     scale.add_argument("role", choices=["prefill", "decode"])
     scale.add_argument("size", type=int)
+    add_kube_arguments(scale)
     for name, text in (("drain", "stop routing new requests to a worker"), ("undrain", "route to it again")):
         commands.add_parser(name, help=text).add_argument("worker_id")
     plan = commands.add_parser("plan", help="recommend pool sizes for SLOs and traffic, with the reasoning")
     plan.add_argument("--ttft-p90", type=float, required=True, metavar="MS", help="TTFT p90 target (ms)")
     plan.add_argument("--itl-p90", type=float, required=True, metavar="MS", help="ITL p90 target (ms)")
-    plan.add_argument("--rate", type=float, required=True, help="requests per second")
-    plan.add_argument("--isl", type=float, required=True, help="mean prompt tokens")
-    plan.add_argument("--osl", type=float, required=True, help="mean output tokens")
+    plan.add_argument("--rate", type=float, default=None, help="requests per second")
+    plan.add_argument("--isl", type=float, default=None, help="mean prompt tokens")
+    plan.add_argument("--osl", type=float, default=None, help="mean output tokens")
+    plan.add_argument("--from-traffic", action="store_true",
+                      help="take rate / isl / osl and the corrections from the router's observed traffic")
+    plan.add_argument("--window", type=float, default=300.0, metavar="S",
+                      help="with --from-traffic: look back this many seconds (default: %(default)s)")
     plan.add_argument("--profile", type=Path, default=None,
                       help="JSON {prefill: {prompt_lens, tokens_per_s}, decode: {batch_sizes, itl_ms}} "
                       "(default: the profile stored in Redis)")
     plan.add_argument("--prefill-correction", type=float, default=None, help="measured / predicted TTFT")
     plan.add_argument("--decode-correction", type=float, default=None, help="measured / predicted ITL")
     plan.add_argument("--apply", action="store_true", help="set both pools' desired sizes to the plan")
+    add_profile_arguments(commands.add_parser(
+        "profile", help="measure workers' prefill tok/s vs prompt length and decode ITL vs batch and context, "
+        "and store the curves for plan"))
     return parser
 
 
 def plan_request(args: argparse.Namespace) -> pb.PlanRequest:
-    request = pb.PlanRequest(ttft_p90_ms=args.ttft_p90, itl_p90_ms=args.itl_p90, rate=args.rate, isl=args.isl,
-                             osl=args.osl, apply=args.apply)
+    if not args.from_traffic and None in (args.rate, args.isl, args.osl):
+        raise ValueError("plan needs --rate, --isl and --osl, or --from-traffic")
+    request = pb.PlanRequest(ttft_p90_ms=args.ttft_p90, itl_p90_ms=args.itl_p90, rate=args.rate or 0.0,
+                             isl=args.isl or 0.0, osl=args.osl or 0.0, apply=args.apply,
+                             from_traffic=args.from_traffic, traffic_window_s=args.window)
     if args.prefill_correction is not None:
         request.prefill_correction = args.prefill_correction
     if args.decode_correction is not None:
         request.decode_correction = args.decode_correction
-    if args.profile is not None:
+    if args.profile is not None:  # the curves the file has; a missing one comes from Redis
         raw = json.loads(args.profile.read_text(encoding="utf-8"))
-        request.prefill_curve.CopyFrom(pb.PrefillCurve(**raw["prefill"]))
-        request.decode_curve.CopyFrom(pb.DecodeCurve(**raw["decode"]))
+        if not {"prefill", "decode"} & set(raw):
+            raise ValueError(f"{args.profile}: expected a 'prefill' and/or 'decode' curve")
+        if "prefill" in raw:
+            ParseDict(raw["prefill"], request.prefill_curve)
+        if "decode" in raw:
+            ParseDict(raw["decode"], request.decode_curve)
     return request
 
 
@@ -95,14 +117,19 @@ class Printer:
     def lines(self, lines: Sequence[str]) -> None:
         self.out.write("".join(line + "\n" for line in lines))
 
-    def status(self, workers: pb.ListWorkersResponse, pools: pb.GetPoolsResponse) -> None:
+    def status(self, workers: pb.ListWorkersResponse, pools: pb.GetPoolsResponse,
+               traffic: pb.TrafficWindow | None) -> None:
         rows = [self._worker_row(w) for w in workers.workers]
-        headers = ["WORKER", "ROLE", "ADDRESS", "STATE", "RUN", "WAIT", "KV USED", "FREE/TOTAL", "LOAD AGE"]
-        self.lines(table(headers, rows, right=(4, 5, 6, 7, 8)) if rows else ["no workers registered"])
+        headers = ["WORKER", "ROLE", "ADDRESS", "STATE", "RUN", "WAIT", "KV USED", "FREE/TOTAL", "LOAD AGE",
+                   "PREFIX HIT"]
+        self.lines(table(headers, rows, right=(4, 5, 6, 7, 8, 9)) if rows else ["no workers registered"])
         self.out.write("\n")
         pool_rows = [[p.role, str(p.desired) if p.HasField("desired") else "-", str(p.actual), str(p.draining)]
                      for p in pools.pools]
         self.lines(table(["POOL", "DESIRED", "ACTUAL", "DRAINING"], pool_rows, right=(1, 2, 3)))
+        if traffic is not None:
+            self.out.write("\n")
+            self.lines(traffic_lines(traffic))
 
     def plan(self, response: pb.PlanResponse) -> None:
         rows = [[t.pool, t.name, _number(t.value), t.unit, t.note] for t in response.terms]
@@ -118,18 +145,41 @@ class Printer:
                 f"{w.num_free_blocks}/{w.num_total_blocks}", f"{w.load_age_ms / 1e3:.1f}s"]
         if not w.has_load:
             load = ["-", "-", "-", f"-/{w.num_total_blocks}", "-"]
-        return [w.worker_id, w.role, w.grpc_address, self.paint(state, code), *load]
+        hit = f"{w.prefix_cache_hit_rate:.0%}" if w.HasField("prefix_cache_hit_rate") else "-"
+        return [w.worker_id, w.role, w.grpc_address, self.paint(state, code), *load, hit]
 
 
-def run(args: argparse.Namespace, stub: pb_grpc.AdminStub, printer: Printer) -> None:
+def traffic_lines(t: pb.TrafficWindow) -> list[str]:
+    """The cluster's recent traffic and latency percentiles, as the router saw them."""
+    head = f"traffic, last {t.window_s:.0f} s: {t.num_requests} requests ({t.rate:.3g}/s)"
+    if t.num_requests:
+        head += f", mean isl {t.mean_isl:.0f}, osl {t.mean_osl:.0f}"
+    rows = [[name, str(p.count), _number(p.p50_ms), _number(p.p90_ms), _number(p.p99_ms)]
+            for name, field in (("TTFT ms", "ttft"), ("ITL ms", "itl")) if t.HasField(field)
+            for p in (getattr(t, field),)]
+    return [head] + (table(["LATENCY", "N", "P50", "P90", "P99"], rows, right=(1, 2, 3, 4)) if rows else [])
+
+
+def run(args: argparse.Namespace, stub: pb_grpc.AdminStub, printer: Printer, channel: grpc.Channel) -> None:
     call: dict[str, Any] = {"timeout": args.timeout, "metadata": _metadata(args.token)}
     if args.command == "status":
         workers, pools = stub.ListWorkers(pb.ListWorkersRequest(), **call), stub.GetPools(pb.GetPoolsRequest(), **call)
+        traffic = _traffic_or_none(stub, args.window, call)
         if args.json:
-            return _dump(printer.out, {"workers": _dict(workers).get("workers", []), "pools": _dict(pools)["pools"]})
-        return printer.status(workers, pools)
+            extra = {} if traffic is None else {"traffic": _dict(traffic)}
+            return _dump(printer.out, {"workers": _dict(workers).get("workers", []), "pools": _dict(pools)["pools"],
+                                       **extra})
+        return printer.status(workers, pools, traffic)
+    if args.command == "profile":
+        return run_profile(args, stub, pb_grpc.GenerationStub(channel), printer.out, call)
     if args.command == "scale":
         response = stub.ScalePool(pb.ScalePoolRequest(role=args.role, size=args.size), **call)
+        if args.kube:
+            try:
+                patched = scale_deployment(kube_target(args), args.size)
+            except KubeError as exc:
+                raise KubeError(f"{exc} (the {args.role} pool's desired size in Redis is now {args.size})") from exc
+            printer.lines([f"kubernetes: {patched.namespace}/{patched.name} replicas -> {patched.replicas}"])
         if args.json:
             return _dump(printer.out, _dict(response))
         before = str(response.previous_desired) if response.HasField("previous_desired") else "unset"
@@ -148,18 +198,35 @@ def run(args: argparse.Namespace, stub: pb_grpc.AdminStub, printer: Printer) -> 
 
 def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        tls_config = tls.from_args(args)
+    except tls.TlsConfigError as exc:
+        parser.error(str(exc))
     printer = Printer(out, color=out.isatty() and "NO_COLOR" not in os.environ)
     try:
-        with grpc.insecure_channel(args.router) as channel:
-            run(args, pb_grpc.AdminStub(channel), printer)
+        with tls.channel(args.router, tls_config) as channel:
+            run(args, pb_grpc.AdminStub(channel), printer, channel)
     except grpc.RpcError as exc:
-        print(f"baton admin: error: {describe_error(exc, args.router)}", file=err)
+        print(f"baton admin: error: {describe_error(exc, args.router, tls_config)}", file=err)
         return 1
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable or malformed --profile file
-        print(f"baton admin: error: {exc!r}", file=err)
+    except (KubeError, ProfileError) as exc:
+        print(f"baton admin: error: {exc}", file=err)
+        return 1
+    except (OSError, ValueError, KeyError, TypeError, ParseError) as exc:  # unreadable or malformed --profile
+        print(f"baton admin: error: {exc}", file=err)
         return 2
     return 0
+
+
+def _traffic_or_none(stub: pb_grpc.AdminStub, window_s: float, call: dict[str, Any]) -> pb.TrafficWindow | None:
+    try:
+        return stub.GetTraffic(pb.GetTrafficRequest(window_s=window_s), **call)
+    except grpc.RpcError as exc:  # an older router without GetTraffic: status without the traffic part
+        if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT):
+            return None
+        raise
 
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -29,7 +29,9 @@ class RouterConfig:
     worker_list_ttl_s: float = 0.5  # how long a listing of the registry is reused
     control_rpc_timeout_s: float = 2.0  # Abort / ReleaseLease
     decode_retries: int = 1  # another decode worker when one fails before producing a token
+    max_inflight_requests: int | None = None  # admission limit: more in flight get RESOURCE_EXHAUSTED (None: none)
     shutdown_grace_s: float = 5.0
+    index_mirror: bool = False  # mirror the KV index in memory from {ns}:events: lookups with no round trip
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
     def __post_init__(self) -> None:
@@ -41,6 +43,8 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.decode_retries < 0:
             raise ValueError(f"decode_retries must be >= 0, got {self.decode_retries}")
+        if self.max_inflight_requests is not None and self.max_inflight_requests < 1:
+            raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
 
     @property
     def served_model_name(self) -> str:

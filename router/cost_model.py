@@ -2,13 +2,15 @@
 
 For a decode worker D, the prompt is computed either
 
-    remote on P:  queue_wait(P) + uncached(P) / rate(P) + kv_bytes(uncached on D) / link(P, D)
-    local on D:   queued(D) / rate(D) + uncached(D) / rate(D) + chunks * decode_step(D)   (interference)
+    remote on P:  overhead(remote) + queue_wait(P) + uncached(P) / rate(P) + kv_bytes(uncached on D) / link(P, D)
+    local on D:   overhead(local) + queued(D) / rate(D) + uncached(D) / rate(D) + chunks * decode_step(D)
 
 and the lower predicted TTFT wins, unless local prefill would push D's running decodes past the ITL target
 (each of D's steps then carries a prefill chunk). Under ``floor_tokens`` uncached tokens, always local.
-D itself is priced ``ttft + expected_output_tokens * itl(D with this request added)``; the caller only
-offers decode workers whose free blocks hold the request. Pure logic: no I/O, no clock, the RNG is passed in.
+D itself is priced ``ttft + expected_output_tokens * itl(D with this request added)``, where a decode
+step grows with D's batch and with the KV it holds (its used blocks plus this request's); the caller only
+offers decode workers whose free blocks hold the request. ``overhead`` is each route kind's fixed cost
+(RPC hops, the pull's setup), learned from measured TTFTs (``Rates.overhead_s``). Pure logic: no I/O, no clock, the RNG is passed in.
 """
 
 from __future__ import annotations
@@ -59,13 +61,14 @@ class PrefillPlan:
     transfer_s: float = 0.0
     interference_s: float = 0.0  # local: D's decode steps interleaved with the prompt's chunks
     itl_s: float = 0.0  # local: D's step time while a chunk rides along (0 when D runs no decodes)
+    overhead_s: float = 0.0  # the route kind's fixed cost
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.compute_s + self.transfer_s + self.interference_s
+        return self.overhead_s + self.queue_s + self.compute_s + self.transfer_s + self.interference_s
 
     def describe(self) -> str:
-        terms = f"queue {self.queue_s:.4f} + prefill {self.compute_s:.4f}"
+        terms = f"overhead {self.overhead_s:.4f} + queue {self.queue_s:.4f} + prefill {self.compute_s:.4f}"
         if self.kind == "remote":
             terms += f" + transfer {self.transfer_s:.4f}"
             return f"remote on {self.prefill_id} {self.ttft_s:.4f} s = {terms}"
@@ -136,6 +139,7 @@ def remote_plan(
     return PrefillPlan(
         kind="remote", prefill_id=best.prefill.worker_id, uncached_tokens=best.uncached_tokens,
         queue_s=best.queue_s, compute_s=best.compute_s, transfer_s=ttft_s(best)[0] - best.queue_s - best.compute_s,
+        overhead_s=rates.overhead_s("remote"),
     )
 
 
@@ -146,13 +150,23 @@ def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: C
     running = decode.num_active
     interference_s = itl_s = 0.0
     if running:
-        step_s = rates.decode_step_s(decode.worker_id, decode.load, running)
+        step_s = decode_step_s(decode, rates, running, used_kv_blocks(decode))
         interference_s = math.ceil(uncached / config.prefill_chunk_tokens) * step_s
         itl_s = step_s + min(uncached, config.prefill_chunk_tokens) / rate
     return PrefillPlan(
         kind="local", prefill_id=None, uncached_tokens=uncached, queue_s=decode.queued_prefill_tokens / rate,
-        compute_s=uncached / rate, interference_s=interference_s, itl_s=itl_s,
+        compute_s=uncached / rate, interference_s=interference_s, itl_s=itl_s, overhead_s=rates.overhead_s("local"),
     )
+
+
+def used_kv_blocks(decode: Candidate) -> int:
+    """KV blocks D's running requests hold, as last reported."""
+    return max(decode.info.total_blocks - decode.free_blocks, 0)
+
+
+def decode_step_s(decode: Candidate, rates: Rates, batch_size: int, kv_blocks: int) -> float:
+    return rates.decode_step_s(decode.worker_id, decode.load, batch_size, kv_blocks,
+                               total_blocks=decode.info.total_blocks)
 
 
 def price_decode(
@@ -160,7 +174,7 @@ def price_decode(
     *, floor_tokens: int, no_remote_reason: str = "no prefill workers",
 ) -> PricedDecode:
     """D's best prefill plan and its cost; ``quotes`` are the usable prefill workers' (may be empty)."""
-    itl_s = rates.decode_step_s(decode.worker_id, decode.load, decode.num_active + 1)
+    itl_s = decode_step_s(decode, rates, decode.num_active + 1, used_kv_blocks(decode) + request.blocks_to_admit)
     local = local_plan(request, decode, rates, config)
     plan, alternative, verdict = _choose_plan(
         request, decode, local, quotes, rates, config, floor_tokens=floor_tokens, no_remote_reason=no_remote_reason

@@ -19,7 +19,9 @@ import grpc
 
 from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad
 from proto import baton_pb2_grpc as pb_grpc
+from proto.tls import TlsConfig, aio_channel
 from router.errors import WorkerUnavailable
+from router.index_mirror import MirrorSync
 from router.policy import Candidate
 
 log = logging.getLogger(__name__)
@@ -76,12 +78,14 @@ def served_scheme(workers: Sequence[WorkerEntry]) -> HashScheme | None:
 def build_candidates(
     snapshot: Snapshot, scheme: HashScheme, cached_blocks: Mapping[str, int],
     inflight: Mapping[str, int] | None = None,
+    inflight_prefill_tokens: Mapping[str, int] | None = None,
 ) -> list[Candidate]:
-    inflight = inflight or {}
+    inflight, prefill_tokens = inflight or {}, inflight_prefill_tokens or {}
     return [
         Candidate(
             info=info, load=load, cached_blocks=cached_blocks.get(info.worker_id, 0),
             draining=info.worker_id in snapshot.draining, inflight=inflight.get(info.worker_id, 0),
+            inflight_prefill_tokens=prefill_tokens.get(info.worker_id, 0),
         )
         for info, load in snapshot.workers
         if scheme_of(info) == scheme
@@ -97,21 +101,28 @@ class WorkerDirectory:
         channel_idle_s: float = 900.0,
         redis_retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        mirror: MirrorSync | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         """``channel_idle_s``: a channel whose address left the registry is closed after this long (longer
         than any request may last, so a worker that misses a heartbeat never loses its streams).
         ``redis_retry_s``: after a Redis failure, requests use the stale listing and skip index lookups
-        for this long instead of each waiting on Redis's timeout."""
+        for this long instead of each waiting on Redis's timeout.
+        ``mirror``: an in-memory mirror of the KV index answers lookups with no round trip while in sync.
+        ``tls``: call the workers over TLS (presenting its certificate for mTLS); None: plaintext."""
         self._registry = registry
+        self.mirror = mirror
         self._ttl_s = ttl_s
         self._channel_idle_s = channel_idle_s
         self._redis_retry_s = redis_retry_s
         self._clock = clock
         self._snapshot: Snapshot | None = None
+        self._last_nonempty_s = float("-inf")  # when a listing last held any worker
         self._next_refresh_s = 0.0
         self._lookups_paused_until_s = 0.0
         self._refresh_lock = asyncio.Lock()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = tls
         self._last_listed_s: dict[str, float] = {}  # address -> when a listing last held it
         self._mismatch_warned: set[str] = set()
 
@@ -127,6 +138,8 @@ class WorkerDirectory:
 
     async def lookup(self, hashes: list[bytes]) -> dict[str, int]:
         """Leading cached blocks per worker; empty (load-only routing) when Redis cannot answer."""
+        if self.mirror is not None and (mirrored := self.mirror.lookup(hashes)) is not None:
+            return mirrored
         if self._clock() < self._lookups_paused_until_s:
             return {}
         try:
@@ -139,7 +152,7 @@ class WorkerDirectory:
     def stub(self, info: WorkerInfo) -> pb_grpc.WorkerStub:
         channel = self._channels.get(info.grpc_address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(info.grpc_address)
+            channel = aio_channel(info.grpc_address, self._tls)
             self._channels[info.grpc_address] = channel
             self._last_listed_s.setdefault(info.grpc_address, self._clock())
         return pb_grpc.WorkerStub(channel)
@@ -162,10 +175,26 @@ class WorkerDirectory:
                         self._clock() - self._snapshot.taken_at_s, exc)
             self._next_refresh_s = self._clock() + self._redis_retry_s
             return
-        self._snapshot = Snapshot(tuple(workers), frozenset(draining), self._clock())
+        now = self._clock()
+        if workers:
+            self._last_nonempty_s = now
+        elif self._snapshot is not None and self._snapshot.workers \
+                and now - self._last_nonempty_s < self._registry.ttl_s and not await self._redis_kept_data():
+            # Redis answered with no workers at all, right after listing some, and its events stream is
+            # gone too: it restarted empty, and the workers re-register with their next heartbeat. Keep
+            # routing to the last listing for up to one heartbeat TTL rather than failing every request.
+            log.warning("Redis came back empty; routing to the last listing until the workers re-register")
+            workers = list(self._snapshot.workers)
+        self._snapshot = Snapshot(tuple(workers), frozenset(draining), now)
         self._next_refresh_s = self._snapshot.taken_at_s + self._ttl_s
         await self._close_idle_channels()
         self._warn_mismatches()
+
+    async def _redis_kept_data(self) -> bool:
+        try:
+            return await self._registry.index.has_events()
+        except Exception:  # noqa: BLE001 - cannot tell: believe the listing
+            return True
 
     async def _close_idle_channels(self) -> None:
         now = self._clock()

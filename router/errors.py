@@ -19,6 +19,28 @@ class DeadlineExceeded(BatonError):
     """The request ran past its deadline (the client's, or the router's request timeout)."""
 
 
+class Overloaded(CapacityExceeded):
+    """The router already runs its limit of requests (``--max-inflight-requests``): RESOURCE_EXHAUSTED,
+    with a hint of when to retry (in the message; as ``retry-after-ms`` trailing metadata on gRPC and a
+    ``Retry-After`` header on HTTP, see ``retry_metadata``)."""
+
+    def __init__(self, limit: int, retry_after_s: float) -> None:
+        super().__init__(f"the router is at its limit of {limit} requests in flight; "
+                         f"retry after {retry_after_ms(retry_after_s)} ms")
+        self.limit, self.retry_after_s = limit, retry_after_s
+
+
+def retry_after_ms(retry_after_s: float) -> int:
+    return max(1, round(retry_after_s * 1e3))
+
+
+def retry_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a status for ``exc`` carries: ``retry-after-ms`` for an ``Overloaded``."""
+    if isinstance(exc, Overloaded):
+        return (("retry-after-ms", str(retry_after_ms(exc.retry_after_s))),)
+    return ()
+
+
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),

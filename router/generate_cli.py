@@ -10,6 +10,7 @@ from typing import TextIO
 import grpc
 
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from proto import tls
 from router.config import DEFAULT_ROUTER_ADDRESS
 
 _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="", help="model name to check against the served one")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--no-timings", action="store_true", help="omit the timing line")
+    tls.add_arguments(parser)  # --tls-ca: verify the router; + --tls-cert/--tls-key: mTLS
     return parser
 
 
@@ -48,11 +50,13 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
 
 
 def format_timings(final: pb.GenerateResponse) -> str:
-    """One line: TTFT, where prefill and decode ran, KV moved, decode speed, tokens and finish reason."""
+    """One line: TTFT, the prefill's wait in the engine queue, where prefill and decode ran, KV moved,
+    decode speed, tokens and finish reason."""
     t, usage = final.timings, final.usage
     prefill = t.prefill_worker or f"local on {t.decode_worker or '?'}"
     predicted = f" (predicted {t.predicted_ttft_ms:.1f} ms)" if t.predicted_ttft_ms else ""
-    parts = [f"TTFT {t.ttft_ms:.1f} ms{predicted}", f"prefill {prefill}", f"decode {t.decode_worker or '?'}",
+    parts = [f"TTFT {t.ttft_ms:.1f} ms{predicted}", f"queue {t.queue_ms:.1f} ms", f"prefill {prefill}",
+             f"decode {t.decode_worker or '?'}",
              f"route {t.route_kind or '?'} ({t.route_reason})" if t.route_reason else f"route {t.route_kind or '?'}"]
     if t.transfer_blocks or t.transfer_bytes:
         via = f", {t.transport}" if t.transport else ""
@@ -75,9 +79,20 @@ def _bytes(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def describe_error(exc: grpc.RpcError, address: str) -> str:
+def describe_error(exc: grpc.RpcError, address: str, tls_config: tls.TlsConfig | None = None) -> str:
     code, details = exc.code(), exc.details() or ""
-    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in details.lower() or "refused" in details.lower()):
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return f"{code.name}: {details}"
+    lowered = details.lower()
+    if "connection refused" in lowered:
+        return f"cannot reach the router at {address} (is `baton up` or `baton router` running?): {details}"
+    if tls_config is not None and tls_config.enabled:
+        return (f"no TLS connection to the router at {address}: {details} (check that it serves TLS, that --tls-ca "
+                "signed its certificate, and for mTLS that --tls-cert/--tls-key are a client certificate it trusts)")
+    if any(word in lowered for word in ("socket closed", "handshake", "ssl", "reset")):
+        return (f"the router at {address} closed the connection: {details} "
+                "(does it serve TLS? then pass --tls-ca, and --tls-cert/--tls-key for mTLS)")
+    if "connect" in lowered or "refused" in lowered:
         return f"cannot reach the router at {address} (is `baton up` or `baton router` running?): {details}"
     return f"{code.name}: {details}"
 
@@ -103,12 +118,17 @@ def stream(
 
 def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        with grpc.insecure_channel(args.router) as channel:
+        tls_config = tls.from_args(args)
+    except tls.TlsConfigError as exc:
+        parser.error(str(exc))
+    try:
+        with tls.channel(args.router, tls_config) as channel:
             final = stream(pb_grpc.GenerationStub(channel), build_request(args), args.timeout, out)
     except grpc.RpcError as exc:
-        print(f"\nbaton generate: error: {describe_error(exc, args.router)}", file=err)
+        print(f"\nbaton generate: error: {describe_error(exc, args.router, tls_config)}", file=err)
         return 1
     except KeyboardInterrupt:
         print("\nbaton generate: cancelled", file=err)

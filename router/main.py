@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 from engine.errors import BatonError
+from kv_transfer.registry import check_credentials, connect, redact_url, with_ca
+from proto import tls
 from router.config import DEFAULT_PORT, RouterConfig
 from router.cost_model import CostConfig
 from router.policy import POLICIES, PolicyConfig
@@ -29,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill worker when the uncached prompt is long. Workers are discovered through Redis.",
     )
     parser.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                        help="Redis holding the worker registry and KV index "
-                        "(default: $BATON_REDIS_URL or %(default)s)")
+                        help="Redis holding the worker registry and KV index: redis://[:PASSWORD@]HOST:PORT/DB, "
+                        "or rediss://... for TLS (a password is safer in $BATON_REDIS_URL than on the command "
+                        "line; default: $BATON_REDIS_URL or %(default)s)")
     parser.add_argument("--model", type=Path, default=None,
                         help="the Hugging Face checkpoint folder the workers serve (tokenizer + config.json); "
                         "default: the tiny model `baton model tiny` builds")
@@ -47,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prefill workers queueing more tokens count as saturated (default: no limit)")
     parser.add_argument("--policy", choices=POLICIES, default=PolicyConfig().policy,
                         help="routing policy: the cost model, or a baseline for benchmarks (default: %(default)s)")
+    parser.add_argument("--index-mirror", action="store_true",
+                        help="mirror the KV block index in memory from the {ns}:events stream: routing reads no "
+                             "Redis per request, and every router replaying the stream agrees")
     parser.add_argument("--router-temperature", type=float, default=0.0,
                         help="softmax temperature in seconds over the cost policy's per-worker costs; "
                         "0 picks the cheapest (default: %(default)s)")
@@ -55,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "past this (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-inflight-requests", type=int, default=None,
+                        help="admission limit: requests past this many in flight on this router get "
+                        "RESOURCE_EXHAUSTED (HTTP 429) with a retry hint, instead of queueing (default: no limit)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0,
                         help="deadline of requests whose client sets none shorter (default: %(default)s)")
     parser.add_argument("--admin-token", default=os.environ.get("BATON_ADMIN_TOKEN") or None,
@@ -66,14 +75,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) on this port (default: %(default)s; 0: off)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    parser.add_argument("--otel-console", action="store_true",
+                        help="print OpenTelemetry trace spans on stderr (also $BATON_OTEL_CONSOLE=1; OTLP export: "
+                        "the standard OTEL_* variables, see proto/tracing.py)")
+    tls.add_arguments(parser)
     return parser
+
+
+def tls_from_args(args: argparse.Namespace) -> tls.TlsConfig | None:
+    """The router serves with it and calls the workers with it; a server needs a certificate."""
+    config = tls.from_args(args)
+    if config is not None:
+        config.require_server_identity()
+    return config
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        model_dir=args.model if args.model is not None else _default_model_dir(), redis_url=args.redis_url,
+        model_dir=args.model if args.model is not None else _default_model_dir(),
+        redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
         ns=args.ns, host=args.host, port=args.port, model_name=args.model_name, max_model_len=args.max_model_len,
-        request_timeout_s=args.request_timeout_s,
+        request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror,
+        max_inflight_requests=args.max_inflight_requests,
         policy=PolicyConfig(disagg_threshold_tokens=args.disagg_threshold_tokens,
                             max_queued_prefill_tokens=args.max_queued_prefill_tokens, policy=args.policy,
                             cost=CostConfig(temperature_s=args.router_temperature,
@@ -89,16 +112,23 @@ def _default_model_dir() -> Path:
 
 async def serve(
     config: RouterConfig, *, admin_token: str | None = None, metrics_port: int | None = None,
-    http_port: int | None = None,
+    http_port: int | None = None, tls_config: tls.TlsConfig | None = None,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then stop gracefully."""
-    router = await start_router(config, admin_token=admin_token, metrics_port=metrics_port, http_port=http_port)
+    """Serve until SIGINT or SIGTERM, then stop gracefully. A Redis refusing the credentials stops it at once."""
+    redis = connect(config.redis_url)
+    try:
+        await check_credentials(redis, config.redis_url)
+    finally:
+        await redis.aclose()
+    router = await start_router(config, admin_token=admin_token, metrics_port=metrics_port, http_port=http_port,
+                                tls=tls_config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     http = f", OpenAI HTTP on port {router.http_server.port}" if router.http_server else ""
-    print(f"baton router listening on {config.host}:{router.port}{http} (redis {config.redis_url})", flush=True)
+    print(f"baton router listening on {config.host}:{router.port} ({tls.describe(tls_config)}){http} "
+          f"(redis {redact_url(config.redis_url)})", flush=True)
     await stop.wait()
     log.info("stopping router (grace %.1f s)", config.shutdown_grace_s)
     await router.stop(config.shutdown_grace_s)
@@ -110,14 +140,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
-    except ValueError as exc:
+        tls_config = tls_from_args(args)
+    except ValueError as exc:  # TlsConfigError too
         parser.error(str(exc))
     if not (config.model_dir / "tokenizer.json").is_file():
         parser.error(f"--model {config.model_dir}: no tokenizer.json there (build one with `baton model tiny`)")
+    from proto.tracing import TracingConfig, setup_tracing
+
+    try:
+        setup_tracing(TracingConfig.from_env(os.environ, console=args.otel_console), "baton-router",
+                      protocol=os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         http_port = args.http_port or None  # 0: off
-        asyncio.run(serve(config, admin_token=args.admin_token, metrics_port=args.metrics_port, http_port=http_port))
-    except (BatonError, OSError, RuntimeError) as exc:  # bad model folder, port taken, ...
+        asyncio.run(serve(config, admin_token=args.admin_token, metrics_port=args.metrics_port, http_port=http_port,
+                          tls_config=tls_config))
+    except (BatonError, OSError, RuntimeError, ValueError) as exc:  # bad model folder, port taken, Redis refused, ...
         print(f"baton router: error: {exc}", file=sys.stderr)
         return 1
     return 0

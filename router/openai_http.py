@@ -4,9 +4,15 @@
 Handlers only convert and delegate, like the gRPC servicer: ``openai_request.parse`` turns the JSON body
 into a ``pb.GenerateRequest``, ``Frontend.prepare`` validates and tokenizes it into a ``Job``, and
 ``Relay.generate`` runs it, so both APIs answer alike. ``_error_response`` is the one place typed errors
-become HTTP statuses (400 bad input, 429 over capacity, 503 no worker, 504 deadline, 500 a bug). A stream
-reads its first response before it sends headers, so routing errors still get their status; a failure
-later in a stream is sent as a last ``data: {"error": ...}`` event.
+become HTTP statuses (400 bad input, 429 over capacity, with ``Retry-After`` when the router's admission
+limit refused it; 503 no worker, 504 deadline, 500 a bug). A stream reads its first response before it
+sends headers, so routing errors still get their status; a failure later in a stream is sent as a last
+``data: {"error": ...}`` event.
+
+Every error a completions call answers (status or last stream event) counts once in the router's
+``baton:request_errors_total{code}``, labelled like the gRPC front's: the status the same error gets there
+(400 -> ``INVALID_ARGUMENT``, 429 -> ``RESOURCE_EXHAUSTED``, 503 -> ``UNAVAILABLE``, 504 ->
+``DEADLINE_EXCEEDED``, 500 -> ``INTERNAL``), so one series counts a failure whichever API the client used.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,8 +32,10 @@ from aiohttp import web
 
 from engine.errors import CapacityExceeded, InvalidRequest
 from proto import baton_pb2 as pb
-from router.errors import DeadlineExceeded, WorkerUnavailable
+from proto import tracing
+from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, status_for
 from router.frontend import Frontend, Job
+from router.openai_logprobs import LogprobsBuilder
 from router.openai_request import Endpoint, InvalidParam, OpenAIRequest, parse
 from router.relay import Relay
 
@@ -51,6 +60,7 @@ class _Outcome:
     text: str = ""
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    logprobs: LogprobsBuilder | None = None  # None: the client asked for none
 
 
 class OpenAIHandlers:
@@ -82,9 +92,10 @@ class OpenAIHandlers:
         try:
             request = parse(endpoint, await _json_body(http), f"{_OBJECTS[endpoint][2]}-{uuid.uuid4().hex}")
             job = self._prepare(request)
-            responses = self._relay.generate(job, asyncio.get_running_loop().time() + self._request_timeout_s)
+            parent = tracing.extract(http.headers.items()) if self._relay.tracer is not None else None
+            responses = self._relay.generate(job, asyncio.get_running_loop().time() + self._request_timeout_s, parent)
         except Exception as exc:  # noqa: BLE001 - mapped, or logged as a bug
-            return _error_response(exc)
+            return self._error_response(exc)
         try:
             if request.stream:
                 return await self._stream(http, request, job, responses)
@@ -92,7 +103,7 @@ class OpenAIHandlers:
         except ConnectionError:  # the client hung up mid-stream: nobody to answer
             raise
         except Exception as exc:  # noqa: BLE001 - mapped, or logged as a bug
-            return _error_response(exc)
+            return self._error_response(exc)
         finally:  # also on cancellation: the relay's cleanup aborts the workers now
             await responses.aclose()
 
@@ -106,10 +117,11 @@ class OpenAIHandlers:
     async def _complete(
         self, request: OpenAIRequest, job: Job, responses: AsyncIterator[pb.GenerateResponse],
     ) -> web.Response:
-        outcome = _Outcome()
+        outcome = self._outcome(request)
         async for response in responses:
             _accumulate(outcome, response)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": None}
+        logprobs = outcome.logprobs.take() if outcome.logprobs is not None else None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": logprobs}
         if request.endpoint is Endpoint.CHAT:
             choice["message"] = {"role": "assistant", "content": outcome.text}
         else:
@@ -123,7 +135,7 @@ class OpenAIHandlers:
         first = await anext(responses)  # routing errors surface here, before any header is sent
         sse = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await sse.prepare(http)
-        outcome = _Outcome()
+        outcome = self._outcome(request)
         if request.endpoint is Endpoint.CHAT:
             await _send(sse, self._chunk(request, job, {"role": "assistant", "content": ""}, None))
         try:
@@ -131,6 +143,7 @@ class OpenAIHandlers:
         except ConnectionError:
             raise
         except Exception as exc:  # noqa: BLE001 - headers are out: the error is the stream's last event
+            self._count_error(exc)
             await _send(sse, _error_body(exc)[1])
         if request.include_usage and outcome.usage is not None:
             await _send(sse, {**self._envelope(request, job, _OBJECTS[request.endpoint][1]), "choices": [],
@@ -146,17 +159,34 @@ class OpenAIHandlers:
         response: pb.GenerateResponse | None = first
         while response is not None:
             _accumulate(outcome, response)
-            if response.text or outcome.finish_reason is not None:
-                await _send(sse, self._chunk(request, job, response.text, outcome.finish_reason))
+            if response.text or outcome.finish_reason is not None:  # held-back tokens' logprobs wait for text
+                pending = outcome.logprobs is not None and outcome.logprobs.has_pending
+                logprobs = outcome.logprobs.take() if pending else None
+                await _send(sse, self._chunk(request, job, response.text, outcome.finish_reason, logprobs))
             response = await anext(responses, None)
 
-    def _chunk(self, request: OpenAIRequest, job: Job, text: str | dict[str, str], finish: str | None) -> dict:
+    def _outcome(self, request: OpenAIRequest) -> _Outcome:
+        if request.logprobs is None:
+            return _Outcome()
+        return _Outcome(logprobs=LogprobsBuilder(self._frontend.tokenizer, chat=request.endpoint is Endpoint.CHAT))
+
+    def _chunk(
+        self, request: OpenAIRequest, job: Job, text: str | dict[str, str], finish: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict:
         if request.endpoint is Endpoint.CHAT:
             delta = text if isinstance(text, dict) else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return {**self._envelope(request, job, _OBJECTS[request.endpoint][1]), "choices": [choice]}
+
+    def _error_response(self, exc: Exception) -> web.Response:
+        self._count_error(exc)
+        return _error_response(exc)
+
+    def _count_error(self, exc: Exception) -> None:
+        self._relay.metrics.request_error(status_for(exc).name)
 
     def _envelope(self, request: OpenAIRequest, job: Job, kind: str) -> dict[str, Any]:
         return {"id": job.request_id, "object": kind, "created": int(time.time()),
@@ -165,6 +195,8 @@ class OpenAIHandlers:
 
 def _accumulate(outcome: _Outcome, response: pb.GenerateResponse) -> None:
     outcome.text += response.text
+    if outcome.logprobs is not None and response.token_ids:
+        outcome.logprobs.add(response.token_ids, response.logprobs)
     if response.finish_reason:
         outcome.finish_reason = _FINISH_REASONS.get(response.finish_reason, "stop")
     if response.HasField("usage"):
@@ -206,7 +238,14 @@ def _error_json(status: int, error_type: str, message: str, param: str | None, c
 
 def _error_response(exc: Exception) -> web.Response:
     status, body = _error_body(exc)
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=_retry_headers(exc))
+
+
+def _retry_headers(exc: Exception) -> dict[str, str] | None:
+    """``Retry-After`` (whole seconds, at least 1) on a refusal by the router's admission limit."""
+    if not isinstance(exc, Overloaded):
+        return None
+    return {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
 
 
 def build_app(handlers: OpenAIHandlers) -> web.Application:

@@ -3,8 +3,9 @@
 The HTTP front converts here, then takes the very path gRPC takes (``Frontend.prepare`` -> ``Relay``), so
 both APIs validate, tokenize and generate alike. Every rejection is an ``InvalidParam`` (an
 ``InvalidRequest``) that names the offending parameter; unknown fields are ignored, as OpenAI's own
-server does, but known features Baton lacks (``n`` > 1, ``logprobs``, tools, ...) are rejected, never
-silently dropped.
+server does, but known features Baton lacks (``n`` > 1, ``echo``, tools, ...) are rejected, never
+silently dropped. Logprobs: completions take ``logprobs: n``, chat ``logprobs: true`` with an optional
+``top_logprobs: n`` (n in [0, 20], the engine's limit); either becomes ``SamplingParams.logprobs = n``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
     max_tokens_given: bool  # False: chat gets the rest of the context (completions keep the default 16)
+    logprobs: int | None = None  # top-n logprobs per token asked for (0: the sampled token's only); None: none
 
 
 # OpenAI (and vLLM's extra) sampling parameters: name -> (proto field, JSON types accepted).
@@ -49,9 +51,10 @@ _SCALARS: dict[str, tuple[str, tuple[type, ...]]] = {
     "min_tokens": ("min_tokens", (int,)),
 }
 # Known OpenAI features Baton does not implement: present and not null/false -> 400.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+_UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "functions", "function_call",
                 "echo", "suffix", "audio", "prediction")
 _INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20  # engine.sampling_params' limit on top-n logprobs
 
 
 def parse(endpoint: Endpoint, body: object, request_id: str) -> OpenAIRequest:
@@ -65,13 +68,16 @@ def parse(endpoint: Endpoint, body: object, request_id: str) -> OpenAIRequest:
     else:
         _set_prompt(request, body)
     max_tokens_given = _set_sampling(request.sampling, body)
+    logprobs = _chat_logprobs(body) if endpoint is Endpoint.CHAT else _completion_logprobs(body)
+    if logprobs is not None:
+        request.sampling.logprobs = logprobs
     stream = bool(_optional(body, "stream", bool))
     options = _optional(body, "stream_options", Mapping) or {}
     if options and not stream:
         raise InvalidParam("stream_options", "stream_options is only allowed when stream is true")
     include_usage = bool(_optional(options, "include_usage", bool, name="stream_options.include_usage"))
     return OpenAIRequest(endpoint=endpoint, generate=request, stream=stream, include_usage=include_usage,
-                         max_tokens_given=max_tokens_given)
+                         max_tokens_given=max_tokens_given, logprobs=logprobs)
 
 
 def _check_unsupported(body: Mapping[str, Any]) -> None:
@@ -87,6 +93,27 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise InvalidParam("response_format", "only response_format {\"type\": \"text\"} is supported")
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    if body.get("top_logprobs") is not None:
+        raise InvalidParam("top_logprobs", "top_logprobs is a chat parameter; completions take logprobs: n")
+    return _top_n(body, "logprobs")
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    wanted = bool(_optional(body, "logprobs", bool))
+    top_n = _top_n(body, "top_logprobs")
+    if top_n is not None and not wanted:
+        raise InvalidParam("top_logprobs", "top_logprobs requires logprobs to be true")
+    return (top_n or 0) if wanted else None
+
+
+def _top_n(body: Mapping[str, Any], name: str) -> int | None:
+    value = _optional(body, name, (int,))
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidParam(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 def _set_prompt(request: pb.GenerateRequest, body: Mapping[str, Any]) -> None:

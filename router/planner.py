@@ -234,6 +234,23 @@ def damp(current: int | None, plan: PoolPlan, since_change_s: float | None, conf
     return current, "hold (within the hysteresis band)"
 
 
+def itl_row_at_context(context_lens: tuple[int, ...], grid: tuple[float, ...], num_batches: int,
+                      context: float) -> tuple[float, ...]:
+    """One ITL per batch size at ``context`` tokens from a [context x batch] grid (linear, flat beyond)."""
+    if not context_lens or len(grid) != len(context_lens) * num_batches:
+        raise InvalidRequest(f"decode profile: itl grid needs {len(context_lens)} x {num_batches} values, "
+                             f"got {len(grid)}")
+    if any(b <= a for a, b in zip(context_lens, context_lens[1:])):
+        raise InvalidRequest(f"decode profile: context lengths must increase, got {list(context_lens)}")
+    columns = [tuple(grid[r * num_batches + j] for r in range(len(context_lens))) for j in range(num_batches)]
+    return tuple(_interpolate(context_lens, column, context) for column in columns)
+
+
+def interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise-linear y(x), flat beyond the ends."""
+    return _interpolate(xs, ys, x)
+
+
 def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
     """Piecewise-linear y(x), flat beyond the ends."""
     if x <= xs[0]:

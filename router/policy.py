@@ -59,6 +59,7 @@ class Candidate:
     cached_blocks: int = 0  # leading blocks of this prompt's hash chain the worker holds
     draining: bool = False
     inflight: int = 0  # requests this router sent here and that have not finished
+    inflight_prefill_tokens: int = 0  # prompt tokens this router sent here to prefill, not yet answered
 
     @property
     def num_active(self) -> int:
@@ -77,7 +78,9 @@ class Candidate:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        return 0 if self.load is None else self.load.queued_prefill_tokens
+        """As last reported, or this router's own unanswered prefills when more (reports lag a burst)."""
+        reported = 0 if self.load is None else self.load.queued_prefill_tokens
+        return max(reported, self.inflight_prefill_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,10 +183,17 @@ def route_by_cost(
     ]
     best = cost_model.choose(priced, config.cost, state.rng)
     sampled_note = f" ({len(sampled)} of {len(fits)} decode workers priced)" if len(sampled) < len(fits) else ""
+    others = sorted((p for p in priced if p is not best), key=lambda p: p.cost_s)
+    runner_up = ""
+    if others:  # what the choice was weighed against
+        r = others[0]
+        runner_up = (f" (next: {r.decode.worker_id} cost {r.cost_s:.4f} s = ttft {r.plan.ttft_s:.4f} + itl "
+                     f"{r.itl_s:.4f}, {request.cached_tokens(r.decode)} cached)")
     kind = RouteKind.REMOTE if best.plan.kind == "remote" else RouteKind.LOCAL
     return RouteDecision(
         kind=kind, decode_id=best.decode.worker_id, prefill_id=best.plan.prefill_id,
-        reason=f"cost{sampled_note}: {best.describe(config.cost)}{note}",
+        reason=f"cost{sampled_note}: {request.cached_tokens(best.decode)} of {request.num_prompt_tokens} prompt "
+               f"tokens cached on {best.decode.worker_id}{runner_up}; {best.describe(config.cost)}{note}",
         decode_cached_tokens=request.cached_tokens(best.decode), predicted_ttft_s=best.plan.ttft_s,
     )
 

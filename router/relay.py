@@ -11,6 +11,9 @@ Whatever ends the request (done, stop string, error, client gone, deadline), the
 returned but no decode worker answered (so none consumed it) — after D confirmed its abort when D was
 handed the lease, so P never frees blocks D may still be reading. Those calls run as background tasks
 (``router.control``), so they still go out while the request's own task is being cancelled.
+
+With an OpenTelemetry tracer (``proto.tracing``), each request also leaves spans (``router.tracing``) cut at
+its ``RequestTrace`` instants; the Prefill and Decode calls carry the trace context to the workers.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from engine.tokenizer import Tokenizer
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.registry import WorkerInfo
 from proto import baton_pb2 as pb
+from proto.tracing import current_tracer
+from router.admission import AdmissionGate
 from router.control import WorkerControl
 from router.convert import worker_sampling
+from router.cost_model import used_kv_blocks
 from router.directory import Snapshot, WorkerDirectory, build_candidates, served_scheme
-from router.errors import DeadlineExceeded, WorkerUnavailable, error_from_status
+from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, error_from_status
 from router.frontend import Job
 from router.metrics import RouterMetrics
 from router.output import TextStream
@@ -39,6 +45,7 @@ from router.policy import (
     Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, pick_decode, route,
 )
 from router.trace import RequestTrace
+from router.tracing import RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +58,30 @@ class Relay:
     def __init__(
         self, directory: WorkerDirectory, tokenizer: Tokenizer, policy: PolicyConfig, *,
         decode_retries: int = 1, control_rpc_timeout_s: float = 2.0, metrics: RouterMetrics | None = None,
+        tracer: Any | None = None, max_inflight_requests: int | None = None,
     ) -> None:
         self.directory, self.tokenizer, self.policy = directory, tokenizer, policy
+        # the router-wide admission limit, shared by both fronts (None: no limit)
+        self.admission = AdmissionGate(max_inflight_requests)
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.decode_retries = decode_retries
         self.control = WorkerControl(directory, timeout_s=control_rpc_timeout_s)
         # Requests this router sent to each decode worker and not yet finished: heartbeats report load
         # every ~2 s, so a burst would otherwise pile onto whichever worker looked idlest.
         self.inflight: Counter[str] = Counter()
+        self.inflight_prefill_tokens: Counter[str] = Counter()  # sent to each prefill worker, not yet answered
         self.routing = RoutingState.for_config(policy)  # learned rates, RNG, round-robin cursor
+        self.tracer = tracer if tracer is not None else current_tracer()  # None: no spans at all
 
-    def generate(self, job: Job, deadline_s: float) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream ``job``'s responses; ``deadline_s`` is on the event loop's clock."""
-        return _Flow(self, job, deadline_s).run()
+    def generate(self, job: Job, deadline_s: float, trace_parent: Any = None) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream ``job``'s responses; ``deadline_s`` is on the event loop's clock. ``trace_parent``: the
+        client's trace context (``proto.tracing.extract``), which the request's spans continue.
+
+        Over the admission limit (``--max-inflight-requests``) this raises ``Overloaded`` at once, before
+        anything is built for the request. The slot is taken (checked again) when the stream starts and
+        given back when it ends, whatever ends it: a stream never started holds none."""
+        self.admission.check()
+        return _Flow(self, job, deadline_s, trace_parent).run()
 
 
 class _DecodeFailed(Exception):
@@ -83,10 +101,11 @@ class _DecodeFailed(Exception):
 class _Flow:
     """The state of one request; every field is touched only from the request's own task."""
 
-    def __init__(self, relay: Relay, job: Job, deadline_s: float) -> None:
+    def __init__(self, relay: Relay, job: Job, deadline_s: float, trace_parent: Any = None) -> None:
         self._relay, self._job, self._deadline_s = relay, job, deadline_s
         self._loop = asyncio.get_running_loop()
         self._trace = RequestTrace()
+        self._spans = RequestSpans.begin(relay.tracer, self._trace, job.request_id, trace_parent)
         self._text = TextStream(relay.tokenizer, job.prompt_token_ids, job.params.stop)
         self._sampling = worker_sampling(job.params)
         self._output_ids: list[int] = []
@@ -107,17 +126,28 @@ class _Flow:
         self._decode_has_handle = False
         self._done = False  # the final message was built
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
+        self._decision: RouteDecision | None = None
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
+        try:  # Overloaded if the slot Relay.generate saw free was taken meanwhile
+            self._relay.admission.enter()
+        except Overloaded as exc:
+            self._spans.close(error=f"{type(exc).__name__}: {exc}")
+            raise
         self._relay.metrics.running.inc()
         try:
             async for response in self._stages():
                 yield response
                 if not self._done:
                     self._remaining_s()  # a slow client may keep a write pending past the deadline
+        except BaseException as exc:
+            self._spans.close(error=f"{type(exc).__name__}: {exc}")
+            raise
         finally:
+            self._relay.admission.leave(self._trace.elapsed_ms() * 1e-3 if self._done else None)
             self._relay.metrics.running.dec()
             self._cleanup()
+            self._spans.close()
 
     async def _stages(self) -> AsyncIterator[pb.GenerateResponse]:
         decision = await self._route()
@@ -141,12 +171,15 @@ class _Flow:
         prompt = self._job.prompt_token_ids
         root = root_hash(scheme.fingerprint, scheme.block_size, self._job.cache_salt)
         cached = await self._relay.directory.lookup(hash_blocks(prompt, scheme.block_size, root))
-        self._candidates = build_candidates(self._snapshot, scheme, cached, self._relay.inflight)
+        self._candidates = build_candidates(self._snapshot, scheme, cached, self._relay.inflight,
+                                            self._relay.inflight_prefill_tokens)
         self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size)
         decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
         self._trace.route(decision.kind.value, decision.reason, decision.predicted_ttft_s)
+        self._spans.routed(decision.kind.value, decision.reason)
+        self._decision = decision
         self._relay.metrics.decision(decision.kind.value, decision.reason)
         log.debug("request_id=%s routed %s: decode=%s prefill=%s (%s)", self._job.worker_request_id,
                   decision.kind.value, decision.decode_id, decision.prefill_id, decision.reason)
@@ -167,15 +200,27 @@ class _Flow:
             cache_salt=job.cache_salt, decode_worker_id=decision.decode_id, priority=job.priority,
         )
         self._prefill_worker, self._prefill_pending = worker, True
+        pending = self._relay.inflight_prefill_tokens
+        num_tokens = len(job.prompt_token_ids)
+        pending[worker.worker_id] += num_tokens
+        metadata = self._spans.call("prefill", worker.worker_id)
         try:
-            response = await self._relay.directory.stub(worker).Prefill(request, timeout=self._remaining_s())
+            response = await self._relay.directory.stub(worker).Prefill(request, timeout=self._remaining_s(),
+                                                                        metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             self._prefill_pending = False
+            self._spans.end("prefill", error=exc.code().name)
             self._prefill_failed(worker, exc)
             return None
+        finally:
+            pending[worker.worker_id] -= num_tokens
+            if pending[worker.worker_id] <= 0:
+                del pending[worker.worker_id]
         self._prefill_pending = False
+        self._spans.end("prefill")
         if response.HasField("handle") and response.handle.lease_id:
             self._handle = response.handle
+            self._spans.open("kv.lease", **{"baton.lease_id": response.handle.lease_id})
         return response
 
     def _prefill_failed(self, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> None:
@@ -234,7 +279,9 @@ class _Flow:
 
     async def _decode_on(self, worker: WorkerInfo) -> AsyncIterator[pb.GenerateResponse]:
         with_handle = self._handle is not None
-        call = self._relay.directory.stub(worker).Decode(self._decode_request(), timeout=self._remaining_s())
+        metadata = self._spans.call("decode", worker.worker_id)
+        call = self._relay.directory.stub(worker).Decode(self._decode_request(), timeout=self._remaining_s(),
+                                                         metadata=metadata)
         self._decode_worker, self._decode_call, self._decode_active = worker, call, True
         self._decode_has_handle = with_handle
         num_tokens = 0
@@ -248,12 +295,15 @@ class _Flow:
                     yield self._tokens(list(response.token_ids), list(response.logprobs))
                 if self._finish:  # a stop string matched: D is still generating
                     self._stop_decode()
+                    self._spans.end("decode")
                     return
                 if response.finish_reason:
                     self._finish, self._decode_active = response.finish_reason, False
+                    self._spans.end("decode")
                     return
         except grpc.aio.AioRpcError as exc:
             self._decode_active = False
+            self._spans.end("decode", error=exc.code().name)
             self._relay.control.abort(worker, self._job.worker_request_id)  # D may be alive and still hold it
             raise _DecodeFailed(worker, exc.code(), exc.details() or "", num_tokens) from exc
         self._decode_active = False
@@ -299,6 +349,7 @@ class _Flow:
         """
         if (lease := self._unconsumed_lease()) is not None:
             self._relay.control.release_lease(*lease)
+            self._spans.end("kv.lease")
         self._lease_consumed = True
 
     def _unconsumed_lease(self) -> tuple[WorkerInfo, str] | None:
@@ -326,11 +377,32 @@ class _Flow:
         prefill = self._prefill_worker.worker_id if self._prefilled_remotely and self._prefill_worker else ""
         decode = self._decode_worker.worker_id if self._decode_worker else ""
         timings = self._trace.final(prefill_worker=prefill, decode_worker=decode)
+        self._learn_overhead(timings)
         self._relay.metrics.request_finished(
             self._trace, num_prompt_tokens=usage.prompt_tokens, num_output_tokens=usage.completion_tokens,
             finished_reason=pb.FinishReason.Name(self._finish).removeprefix("FINISH_REASON_").lower())
-        return pb.GenerateResponse(request_id=self._job.request_id, text=piece.text, finish_reason=self._finish,
-                                   usage=usage, timings=timings)
+        final = pb.GenerateResponse(request_id=self._job.request_id, text=piece.text, finish_reason=self._finish,
+                                    usage=usage, timings=timings)
+        self._spans.finish(final)
+        return final
+
+    def _learn_overhead(self, timings: pb.Timings) -> None:
+        """Teach the rates what this request measured: the route kind's fixed cost (TTFT minus the
+        computing worker's own prefill time), D's local prefill rate, D's decode speed."""
+        decision, request = self._decision, self._route_request
+        if decision is None or request is None or self._trace.first_token_s is None:
+            return
+        if timings.route_kind != decision.kind.value or timings.route_reason != decision.reason:
+            return  # a fallback changed the route: these figures belong to another plan
+        rates = self._relay.routing.rates
+        rates.observe_ttft(decision.kind.value, timings.ttft_ms * 1e-3, timings.prefill_ms * 1e-3)
+        if decision.kind is RouteKind.LOCAL:
+            computed = request.num_prompt_tokens - self._cached_prompt_tokens
+            rates.observe_prefill(decision.decode_id, computed, timings.prefill_ms - timings.queue_ms)
+        decode = next((c for c in self._candidates if c.worker_id == decision.decode_id), None)
+        if decode is not None and timings.decode_tokens_per_s > 0:
+            kv_blocks = used_kv_blocks(decode) + request.blocks_to_admit
+            rates.observe_decode(decode.worker_id, decode.num_active + 1, timings.decode_tokens_per_s, kv_blocks)
 
     # ---- deadline and cleanup ----------------------------------------------------------------
     def _remaining_s(self) -> float:

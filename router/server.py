@@ -22,12 +22,15 @@ from engine.errors import BatonError
 from engine.tokenizer import Tokenizer
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from proto import tracing
+from proto.tls import TlsConfig, add_port, describe
 from proto.malformed import MalformedRequestInterceptor
 from proto.metrics_http import MetricsServer, serve_metrics
 from router.admin import ADMIN_SERVICE, AdminServicer
 from router.config import ModelCard, RouterConfig, resolve_max_model_len
 from router.directory import WorkerDirectory, served_scheme
-from router.errors import WorkerUnavailable, status_for
+from router.index_mirror import MirrorSync
+from router.errors import WorkerUnavailable, retry_metadata, status_for
 from router.frontend import Frontend, ModelLimits
 from router.metrics import RouterMetrics
 from router.openai_http import HttpServer, OpenAIHandlers, serve_openai
@@ -91,7 +94,7 @@ async def _abort(
     if metrics is not None:
         metrics.request_error(code.name)
     if isinstance(exc, BatonError):
-        await context.abort(code, str(exc))
+        await context.abort(code, str(exc), trailing_metadata=retry_metadata(exc))
     log.exception("unexpected error in %s", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
 
@@ -106,7 +109,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         job = self._frontend.prepare(request)
-        responses = self._relay.generate(job, self._deadline_s(context))
+        parent = tracing.extract(context.invocation_metadata()) if self._relay.tracer is not None else None
+        responses = self._relay.generate(job, self._deadline_s(context), parent)
         try:
             async for response in responses:
                 await context.write(response)
@@ -161,13 +165,15 @@ class RunningRouter:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.relay.control.drain(timeout_s=grace_s)
+        if self.directory.mirror is not None:
+            await self.directory.mirror.stop()
         await self.directory.close()
         await self.redis.aclose()
 
 
 async def start_router(
     config: RouterConfig, *, tokenizer: Tokenizer | None = None, admin_token: str | None = None,
-    metrics_port: int | None = None, http_port: int | None = None,
+    metrics_port: int | None = None, http_port: int | None = None, tls: TlsConfig | None = None,
 ) -> RunningRouter:
     """Build and start the router (``config.port`` 0 binds a free port; see ``RunningRouter.port``).
 
@@ -175,31 +181,40 @@ async def start_router(
     ``metrics_port``: serve Prometheus ``/metrics`` there on ``config.host`` (None or 0: not at all).
     ``http_port``: serve the OpenAI-compatible HTTP front there on ``config.host`` (None: not at all; 0: any
     free port, see ``RunningRouter.http_server.port``).
+    ``tls``: serve gRPC over TLS (mTLS when it has a CA) and call the workers over TLS with the same
+    certificate (None: plaintext both ways).
     """
     card = ModelCard.from_folder(config.model_dir)
     tokenizer = tokenizer or Tokenizer.from_pretrained(config.model_dir)
     limits = ModelLimits(name=config.served_model_name, vocab_size=card.vocab_size,
                          max_model_len=resolve_max_model_len(config, card))
     redis = connect(config.redis_url)
-    directory = WorkerDirectory(Registry(redis, config.ns), ttl_s=config.worker_list_ttl_s,
-                                channel_idle_s=config.request_timeout_s + 60.0)
+    registry = Registry(redis, config.ns)
+    mirror = MirrorSync(registry.index, redis) if config.index_mirror else None
+    if mirror is not None:
+        mirror.start()  # lookups go to Redis until its first snapshot is in
+    directory = WorkerDirectory(registry, ttl_s=config.worker_list_ttl_s,
+                                channel_idle_s=config.request_timeout_s + 60.0, mirror=mirror, tls=tls)
     metrics = RouterMetrics()
     relay = Relay(directory, tokenizer, config.policy, decode_retries=config.decode_retries,
-                  control_rpc_timeout_s=config.control_rpc_timeout_s, metrics=metrics)
+                  control_rpc_timeout_s=config.control_rpc_timeout_s, metrics=metrics,
+                  max_inflight_requests=config.max_inflight_requests)
     frontend = Frontend(tokenizer, limits)
     servicer = GenerationServicer(frontend, relay, directory, card, request_timeout_s=config.request_timeout_s)
     server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), ErrorInterceptor(metrics)])
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(Registry(redis, config.ns), redis, token=admin_token), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(Registry(redis, config.ns), redis, token=admin_token,
+                                                    metrics_registry=metrics.registry), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(services, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", tls)
     await server.start()
     for service in ("", GENERATION_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("router serving %s on %s:%d (max_model_len %d)", limits.name, config.host, port, limits.max_model_len)
+    log.info("router serving %s on %s:%d (%s, max_model_len %d)", limits.name, config.host, port,
+             describe(tls), limits.max_model_len)
     metrics_server = serve_metrics(metrics.registry, config.host, metrics_port)
     http_server = await serve_openai(OpenAIHandlers(frontend, relay, request_timeout_s=config.request_timeout_s),
                                      config.host, http_port)

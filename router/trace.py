@@ -19,6 +19,7 @@ class RequestTrace:
         self.route_kind = ""
         self.route_reason = ""
         self.predicted_ttft_s: float | None = None  # the cost policy's prediction, reported beside the measured
+        self.end_s: float | None = None  # when the final Timings were cut (e2e_ms ends here)
         self._worker_notes: list[str] = []  # route_reason a worker reported, e.g. "KV pull failed; ..."
         self._timings = pb.Timings()  # workers' non-zero fields merged in
 
@@ -39,11 +40,16 @@ class RequestTrace:
             self._worker_notes.append(timings.route_reason)
         self._timings.MergeFrom(timings)
 
+    def now(self) -> float:
+        """An instant on this trace's clock (the spans of router.tracing are cut at such instants)."""
+        return self._clock()
+
     def elapsed_ms(self) -> float:
         return (self._clock() - self.start_s) * 1e3
 
     def final(self, *, prefill_worker: str, decode_worker: str) -> pb.Timings:
         t, now = pb.Timings(), self._clock()
+        self.end_s = now
         t.CopyFrom(self._timings)
         first = self.first_token_s or now
         t.ttft_ms, t.e2e_ms = (first - self.start_s) * 1e3, (now - self.start_s) * 1e3

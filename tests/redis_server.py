@@ -4,6 +4,8 @@
     client = redis.asyncio.from_url(server.url)
     server.restart()                      # stop, then start again on the same port
     server.stop()                         # SIGTERM by PID, SIGKILL if it lingers
+    RedisServer.start(password="pw")      # requirepass: url is redis://:pw@127.0.0.1:PORT/0
+    RedisServer.start(tls=RedisTls(cert, key, ca))   # TLS only (no plaintext port): url is rediss://...
 
 ``redis_server_binary()`` finds the binary (``$BATON_REDIS_SERVER``, ``$PATH``, Debian's and Homebrew's
 usual places); ``require_redis_server()`` skips the calling test with the install hint when there is none.
@@ -15,10 +17,13 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 INSTALL_HINT = "redis-server not found: run scripts/ensure-redis.sh (Debian: apt-get install -y redis-server)"
 _CANDIDATES = ("/usr/bin/redis-server", "/usr/sbin/redis-server", "/usr/local/bin/redis-server",
@@ -52,11 +57,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _ping(port: int, timeout_s: float = 0.2) -> bool:
+@dataclass(frozen=True)
+class RedisTls:
+    """Serve TLS only, with this certificate; clients need not present one (``--tls-auth-clients no``)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+def _ping(port: int, timeout_s: float = 0.2, *, password: str | None = None, tls: RedisTls | None = None) -> bool:
+    auth = b"" if password is None else f"AUTH {password}\r\n".encode()
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as raw:
+            sock = raw if tls is None else ssl.create_default_context(cafile=str(tls.ca)).wrap_socket(
+                raw, server_hostname="127.0.0.1")
+            sock.sendall(auth + b"PING\r\n")
+            reply = b""
+            while b"PONG" not in reply and len(reply) < 256 and (chunk := sock.recv(64)):
+                reply += chunk
+            return b"+PONG" in reply
     except OSError:
         return False
 
@@ -64,14 +84,19 @@ def _ping(port: int, timeout_s: float = 0.2) -> bool:
 class RedisServer:
     """One ``redis-server`` child process (not daemonized, so its PID is ours to stop)."""
 
-    def __init__(self, binary: str, port: int, folder: Path, *, owns_folder: bool) -> None:
+    def __init__(self, binary: str, port: int, folder: Path, *, owns_folder: bool, password: str | None = None,
+                 tls: RedisTls | None = None) -> None:
         self.binary, self.port, self.folder = binary, port, folder
+        self.password, self.tls = password, tls
         self._owns_folder = owns_folder
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = "" if self.password is None else f":{quote(self.password, safe='')}@"
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(str(self.tls.ca))}"
 
     @property
     def pid(self) -> int | None:
@@ -79,15 +104,18 @@ class RedisServer:
 
     @classmethod
     def start(
-        cls, *, binary: str | None = None, port: int | None = None, startup_timeout_s: float = 10.0
+        cls, *, binary: str | None = None, port: int | None = None, startup_timeout_s: float = 10.0,
+        password: str | None = None, tls: RedisTls | None = None,
     ) -> RedisServer:
-        """Start on ``port`` (a free one when None; retried on a lost port race) and wait for PING."""
+        """Start on ``port`` (a free one when None; retried on a lost port race) and wait for PING.
+
+        ``password``: ``--requirepass``; ``tls``: serve TLS only on ``port``."""
         binary = binary or redis_server_binary()
         if binary is None:
             raise FileNotFoundError(INSTALL_HINT)
         folder = Path(tempfile.mkdtemp(prefix="baton-redis-"))
         for attempt in range(3):
-            server = cls(binary, port or free_port(), folder, owns_folder=True)
+            server = cls(binary, port or free_port(), folder, owns_folder=True, password=password, tls=tls)
             try:
                 server._launch(startup_timeout_s)
                 return server
@@ -103,13 +131,19 @@ class RedisServer:
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--daemonize", "no", "--dir", str(self.folder), "--logfile", str(self.folder / "redis.log"),
         ]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        if self.tls is not None:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
+                         "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
+                         "--tls-auth-clients", "no"]
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 break
-            if _ping(self.port):
+            if _ping(self.port, password=self.password, tls=self.tls):
                 return
             time.sleep(0.02)
         raise RuntimeError(f"redis-server did not start on port {self.port}: {self.log_tail()}")

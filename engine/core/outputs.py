@@ -52,6 +52,7 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     held_block_ids: tuple[int, ...] = ()  # hold_blocks requests: blocks now owned by the caller
+    queue_s: float | None = None  # the request's wait before its first scheduled step (Request.queue_s)
 
     @property
     def finished(self) -> bool:

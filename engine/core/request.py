@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -75,6 +77,11 @@ class Request:
     # Prefill side of a disaggregated request: on finish, hand the blocks to the caller (a transfer
     # lease) instead of freeing them.
     hold_blocks: bool = False
+    # Seconds from arrival to the first step that scheduled it (its wait in the scheduler's queue), set once
+    # by the first WAITING -> RUNNING transition; stays None for a request whose KV was pulled from a
+    # prefill worker (it never waits to be prefilled here). ``clock`` is the clock of ``arrival_time``.
+    queue_s: float | None = None
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -98,6 +105,8 @@ class Request:
     def transition(self, new_status: RequestStatus) -> None:
         if new_status not in _ALLOWED.get(self.status, frozenset()):
             raise IllegalTransition(f"request {self.request_id}: {self.status.name} -> {new_status.name}")
+        if self.queue_s is None and new_status is RequestStatus.RUNNING and self.status is RequestStatus.WAITING:
+            self.queue_s = max(self.clock() - self.arrival_time, 0.0)
         self.status = new_status
 
     def append_output_token(self, token_id: int) -> None:

@@ -193,7 +193,7 @@ class Scheduler:
         status = self._check_stop(request, token)
         new_logprobs = [entry] if entry is not None and request.sampling_params.logprobs is not None else []
         if status is None:
-            return RequestDelta(request.request_id, [token], None, new_logprobs)
+            return RequestDelta(request.request_id, [token], None, new_logprobs, queue_s=request.queue_s)
         self.running.remove(request)
         request.transition(status)
         return self._finish(request, [token], new_logprobs)
@@ -218,7 +218,7 @@ class Scheduler:
         del self._order[request.request_id]
         return RequestDelta(
             request.request_id, tokens, request.finish_reason, list(new_logprobs),
-            request.num_prompt_tokens, request.num_cached_tokens, held,
+            request.num_prompt_tokens, request.num_cached_tokens, held, request.queue_s,
         )
 
     def stats(self) -> SchedulerStats:

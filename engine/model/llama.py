@@ -6,6 +6,8 @@ projections, ``qkv_proj`` and ``gate_up_proj``, which the loader fills from q/k/
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -65,10 +67,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            x = layer(x, batch)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch)  # [T, hidden]; layer i's KV is written (issued, on CUDA)
+            if on_layer is not None:
+                on_layer(i)
         return self.norm(x)
 
 
@@ -88,8 +93,10 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, batch)  # [T, hidden]
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """``on_layer(i)`` runs after decoder layer i wrote its KV (see ``engine.runner.LayerHook``)."""
+        return self.model(input_ids, batch, on_layer)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
         return self.lm_head(hidden).float()

@@ -1,9 +1,12 @@
 """The official ``openai`` client against a real router's HTTP front (redis-server, router, 1 prefill,
 1 decode, the tiny model): completions and chat, streaming and not, get exactly the greedy text the gRPC
-Generate path returns for the same input, with usage; bad input is a 400 with a message."""
+Generate path returns for the same input, with usage and the same logprobs; bad input is a 400 with a
+message."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 import urllib.request
 
@@ -12,6 +15,7 @@ import openai
 import pytest
 
 from engine.tiny import build_model
+from engine.tokenizer import Tokenizer
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import free_port
@@ -30,11 +34,24 @@ def model_dir(tmp_path_factory):
     return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
 
 
+# Every process prints its trace spans (proto.tracing's console exporter) to its log, flushed every 100 ms.
+TRACING_ENV = {"BATON_OTEL_CONSOLE": "1", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+
+
 @pytest.fixture(scope="module")
 def platform(model_dir, tmp_path_factory):
     http_port = free_port()
-    cluster, redis = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=1, decode=1,
-                                   router_args=("--http-port", str(http_port)))
+    saved = {name: os.environ.get(name) for name in TRACING_ENV}
+    os.environ.update(TRACING_ENV)
+    try:
+        cluster, redis = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=1, decode=1,
+                                       router_args=("--http-port", str(http_port)))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     cluster.http_url = f"http://127.0.0.1:{http_port}/v1"
     _wait_http(cluster.http_url)
     yield cluster
@@ -59,10 +76,14 @@ def client(platform):
     return openai.OpenAI(base_url=platform.http_url, api_key="unused", max_retries=0, timeout=60)
 
 
-def grpc_text(address: str, **input_fields) -> tuple[str, pb.GenerateResponse]:
+def grpc_responses(address: str, logprobs: int | None = None, **input_fields) -> list[pb.GenerateResponse]:
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
-    request = pb.GenerateRequest(sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), **input_fields)
-    responses = list(stub.Generate(request, timeout=60))
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=logprobs)
+    return list(stub.Generate(pb.GenerateRequest(sampling=sampling, **input_fields), timeout=60))
+
+
+def grpc_text(address: str, **input_fields) -> tuple[str, pb.GenerateResponse]:
+    responses = grpc_responses(address, **input_fields)
     return "".join(r.text for r in responses), responses[-1]
 
 
@@ -74,6 +95,7 @@ def grpc_chat(address: str, messages: list[dict[str, str]]) -> tuple[str, pb.Gen
 def test_completions_equal_grpc(platform, client, prompt):
     expected, last = grpc_text(platform.router.address, prompt=prompt)
     assert last.timings.route_kind == ("remote" if len(prompt) > 20 else "local")  # both paths are compared
+    assert 0.0 < last.timings.queue_ms <= last.timings.ttft_ms  # P's (remote) or D's (local) engine queue wait
     out = client.completions.create(model=platform.model_dir.name, prompt=prompt, max_tokens=MAX_TOKENS,
                                      temperature=0)
     assert out.choices[0].text == expected and expected
@@ -119,3 +141,98 @@ def test_bad_request_is_400_with_a_message_and_the_front_keeps_serving(platform,
     assert "'gpt-4' is not served here" in info.value.message
     out = client.completions.create(model=platform.model_dir.name, prompt=PROMPTS[0], max_tokens=2, temperature=0)
     assert out.usage.completion_tokens >= 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer(platform) -> Tokenizer:
+    return Tokenizer.from_pretrained(platform.model_dir)
+
+
+def grpc_logprobs(address: str, top_n: int, **input_fields) -> tuple[list[int], list[pb.Logprobs]]:
+    """The reference: greedy logprobs over gRPC, after one warm-up call so that every compared call finds
+    the same prefix cache (and so the same route and the same float arithmetic)."""
+    grpc_responses(address, logprobs=top_n, **input_fields)
+    responses = grpc_responses(address, logprobs=top_n, **input_fields)
+    ids, logprobs = [t for r in responses for t in r.token_ids], [lp for r in responses for lp in r.logprobs]
+    assert len(ids) == len(logprobs) == responses[-1].usage.completion_tokens
+    return ids, logprobs
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completion_logprobs_equal_grpc(platform, client, tokenizer, prompt):
+    ids, expected = grpc_logprobs(platform.router.address, 3, prompt=prompt)
+    texts = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    tops = [{tokenizer.decode([t.token_id], skip_special_tokens=False): t.logprob for t in lp.top} for lp in expected]
+    for i, top in enumerate(tops):
+        top.setdefault(texts[i], expected[i].logprob)
+    kwargs = dict(model=platform.model_dir.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=3)
+    got = client.completions.create(**kwargs).choices[0].logprobs
+    assert got.tokens == texts and got.token_logprobs == [lp.logprob for lp in expected]
+    assert got.top_logprobs == tops and all(len(lp.top) == 3 for lp in expected)
+    assert got.text_offset == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [c for c in chunks if c is not None]
+    assert [t for c in streamed for t in c.token_logprobs] == got.token_logprobs
+    assert [o for c in streamed for o in c.text_offset] == got.text_offset
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_logprobs_equal_grpc(platform, client, tokenizer, messages):
+    chat = pb.Chat(messages=[pb.ChatMessage(**m) for m in messages])
+    ids, expected = grpc_logprobs(platform.router.address, 2, chat=chat)
+    kwargs = dict(model=platform.model_dir.name, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                  logprobs=True, top_logprobs=2)
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    assert [c.logprob for c in content] == [lp.logprob for lp in expected]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert [[(t.token, t.logprob) for t in c.top_logprobs] for c in content] == [
+        [(tokenizer.decode([t.token_id], skip_special_tokens=False), t.logprob) for t in lp.top] for lp in expected]
+    stream = client.chat.completions.create(**kwargs, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model=platform.model_dir.name, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None  # not asked for: none
+    assert_pools_full(platform)
+
+
+def logged_spans(log_text: str) -> list[dict]:
+    """The JSON spans the console exporter wrote among a process's log lines."""
+    decoder, spans, at = json.JSONDecoder(), [], 0
+    while (at := log_text.find("\n{", at)) != -1:
+        try:
+            span, end = decoder.raw_decode(log_text, at + 1)
+        except json.JSONDecodeError:
+            at += 2
+            continue
+        spans.append(span)
+        at = end
+    return [span for span in spans if isinstance(span, dict) and "context" in span]
+
+
+def test_one_trace_spans_router_and_both_workers(platform):
+    prompt = "A trace follows this request from the router to the prefill worker and on to the decode worker"
+    final = grpc_responses(platform.router.address, prompt=prompt, request_id="traced-1")[-1]
+    assert final.timings.route_kind == "remote"
+    procs = [platform.router, *platform.workers]
+
+    def spans() -> dict[str, list[dict]]:
+        return {proc.name: logged_spans(proc.log_path.read_text(errors="replace")) for proc in procs}
+
+    def root_of(found: dict[str, list[dict]]) -> dict | None:
+        return next((s for s in found[platform.router.name]
+                     if s["name"] == "generate" and s["attributes"].get("baton.request_id") == "traced-1"), None)
+
+    deadline = time.monotonic() + 20
+    while (root := root_of(found := spans())) is None or not all(found.values()):
+        assert time.monotonic() < deadline, "spans did not reach the logs"
+        time.sleep(0.2)
+    trace_id = root["context"]["trace_id"]
+    in_trace = {name: {s["name"]: s for s in found[name] if s["context"]["trace_id"] == trace_id} for name in found}
+    router, prefill, decode = (in_trace[p.name] for p in procs)
+    assert {"route", "prefill", "kv.lease", "decode", "stream"} <= set(router)
+    assert {"prefill", "prefill.queue", "prefill.compute"} <= set(prefill)
+    assert {"decode", "kv.transfer", "decode.first_token"} <= set(decode)
+    assert prefill["prefill"]["parent_id"] == router["prefill"]["context"]["span_id"]
+    assert decode["decode"]["parent_id"] == router["decode"]["context"]["span_id"]
+    assert root["attributes"]["baton.queue_ms"] == final.timings.queue_ms

@@ -1,9 +1,14 @@
 """KV-aware routing with real processes (1 prefill + 3 decode workers): a request that repeats a long
-prefix lands on the decode worker that holds it; another tenant's salt never reuses it."""
+prefix lands on the decode worker that holds it; another tenant's salt never reuses it. And (1 prefill +
+1 decode worker with a small chunk budget, as decode workers run to protect their ITL) a prompt that goes
+remote while the prefill pool is idle goes local while it is saturated, and remote again after."""
 
 from __future__ import annotations
 
+import random
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -11,7 +16,9 @@ import pytest
 from engine.tiny import build_model
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
-from tests.integration.test_e2e import assert_pools_full, start_cluster
+from tests.integration.cluster import Cluster
+from tests.integration.test_e2e import _wait_serving, assert_pools_full, start_cluster
+from tests.redis_server import RedisServer, require_redis_server
 
 PREFIX = [(13 * j) % 2500 + 20 for j in range(120)]  # 30 blocks of 4
 
@@ -24,13 +31,16 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     cluster, redis = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=1, decode=3, policy="cost")
+    cluster.mirror_router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "cost",
+                                                 "--index-mirror")
+    _wait_serving(cluster.mirror_router.address)
     yield cluster
     cluster.stop_all()
     redis.stop()
 
 
-def generate(cluster, prompt: list[int], salt: str = "") -> pb.GenerateResponse:
-    stub = pb_grpc.GenerationStub(grpc.insecure_channel(cluster.router.address))
+def generate(cluster, prompt: list[int], salt: str = "", router=None) -> pb.GenerateResponse:
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel((router or cluster.router).address))
     params = pb.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params, cache_salt=salt)
     return list(stub.Generate(request, timeout=60))[-1]
@@ -54,6 +64,19 @@ def test_a_repeated_long_prefix_lands_where_it_is_cached(cluster):
     assert_pools_full(cluster)
 
 
+def test_a_router_mirroring_the_index_agrees_with_the_one_that_placed_the_prefix(cluster):
+    prefix = [(7 * j) % 2500 + 30 for j in range(120)]
+    holder = generate(cluster, prefix + [1]).timings.decode_worker  # placed through the first router
+    wait_indexed()
+    for suffix in ([2, 3], [4] * 7):  # the second router learned where it lives from {ns}:events alone
+        again = generate(cluster, prefix + suffix, router=cluster.mirror_router)
+        assert again.timings.decode_worker == holder, again.timings.route_reason
+        assert again.usage.cached_prompt_tokens >= len(prefix)
+        assert f"{len(prefix)} of {len(prefix) + len(suffix)} prompt tokens cached on {holder}" \
+            in again.timings.route_reason
+    assert_pools_full(cluster)
+
+
 def test_another_tenant_salt_never_reuses_the_prefix(cluster):
     generate(cluster, PREFIX + [5, 5, 5], salt="tenant-a")
     wait_indexed()
@@ -62,3 +85,79 @@ def test_another_tenant_salt_never_reuses_the_prefix(cluster):
     assert same_tenant.usage.cached_prompt_tokens >= len(PREFIX)
     assert other_tenant.usage.cached_prompt_tokens == 0
     assert_pools_full(cluster)
+
+
+# --- a saturated prefill pool -----------------------------------------------------------------------
+
+REMOTE_QUEUE = re.compile(r"remote on p0 [0-9.]+ s = overhead [0-9.]+ \+ queue ([0-9.]+)")
+RANDOM = random.Random(11)
+
+
+def fresh_prompt(num_tokens: int = 600) -> list[int]:
+    return [RANDOM.randrange(20, 2000) for _ in range(num_tokens)]  # no prefix any worker holds
+
+
+@pytest.fixture(scope="module")
+def chunked(model_dir, tmp_path_factory):
+    """1P + 1D; D prefills in 16-token chunks (its local prefill is ~2x slower than P's, which is what
+    makes remote worth it here), both heartbeat every 0.5 s so the router sees P's queue quickly."""
+    require_redis_server()
+    redis = RedisServer.start()
+    cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("chunked-logs"))
+    fast = ("--heartbeat-ttl-s", "1.5")
+    cluster.workers = [
+        cluster.start_worker("prefill", *fast, worker_id="p0", num_blocks=1024),
+        cluster.start_worker("decode", *fast, "--max-num-batched-tokens", "16", worker_id="d0", num_blocks=1024),
+    ]
+    try:
+        cluster.wait_for_workers({"p0", "d0"})
+        cluster.router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "cost")
+        _wait_serving(cluster.router.address)
+        yield cluster
+    finally:
+        cluster.stop_all()
+        redis.stop()
+
+
+def route_of(cluster, prompt: list[int]) -> tuple[str, float | None, str]:
+    """(route kind, the remote plan's priced queue seconds, the reason)."""
+    final = generate(cluster, prompt)
+    reason = final.timings.route_reason
+    match = REMOTE_QUEUE.search(reason)
+    return final.timings.route_kind, float(match.group(1)) if match else None, reason
+
+
+def wait_for_route(cluster, kind: str, timeout_s: float = 20.0) -> tuple[float | None, str]:
+    deadline, last = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        got, queue_s, last = route_of(cluster, fresh_prompt())
+        if got == kind:
+            return queue_s, last
+    raise AssertionError(f"no {kind} route within {timeout_s} s; last: {last}")
+
+
+def test_a_saturated_prefill_pool_makes_prompts_go_local(chunked):
+    for _ in range(3):  # the router learns P's and D's rates and the route kinds' fixed costs
+        route_of(chunked, fresh_prompt())
+    kind, _, reason = route_of(chunked, fresh_prompt())
+    assert kind == "remote", reason  # P idle: 600 tokens prefill ~2x faster on P than in D's chunks
+
+    # Another router's traffic (sent straight to P) saturates it: 60 x 1,000 tokens, seconds of work even on
+    # a quiet machine (P's queue must outlast the heartbeat and listing delays before the router sees it).
+    p0 = pb_grpc.WorkerStub(grpc.insecure_channel(chunked.workers[0].address))
+    params = pb.SamplingParams(temperature=0.0, max_tokens=1)
+
+    def prefill_and_release(i: int) -> None:
+        response = p0.Prefill(pb.PrefillRequest(request_id=f"other-{i}", token_ids=fresh_prompt(1000), sampling=params,
+                                                decode_worker_id="d0"), timeout=120)
+        if response.handle.lease_id:  # nobody pulls it: release at once so P's pool keeps admitting
+            p0.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=response.handle.lease_id), timeout=10)
+
+    with ThreadPoolExecutor(max_workers=60) as pool:
+        futures = [pool.submit(prefill_and_release, i) for i in range(60)]
+        queue_s, reason = wait_for_route(chunked, "local")
+        assert queue_s is not None and queue_s >= 0.2, reason  # P's queue was priced, and it flipped the choice
+        for future in futures:
+            future.result(timeout=120)
+    wait_for_route(chunked, "remote")  # P idle again: back to remote
+    assert_pools_full(chunked)

@@ -80,3 +80,19 @@ def test_scale_decode_up_then_down(platform):
     wait_for(lambda: decode_workers(address) == ["decode-0"], 60, proc, log_dir)
     assert generate(address).finish_reason == pb.FINISH_REASON_LENGTH  # still serving
     assert proc.poll() is None
+
+
+def test_an_operator_drain_under_baton_up_leaves_the_worker_up_and_idle(platform):
+    """`baton up` starts workers with --on-drain stay: only its own scale-down stops them."""
+    address, proc, log_dir = platform
+    admin = pb_grpc.AdminStub(grpc.insecure_channel(address))
+    assert admin.Drain(pb.DrainRequest(worker_id="decode-0"), timeout=5).changed
+    try:
+        time.sleep(8)  # past the worker's drain settle time (5 s) and poll period
+        workers = admin.ListWorkers(pb.ListWorkersRequest(), timeout=5).workers
+        assert [w.state for w in workers if w.worker_id == "decode-0"] == [pb.WORKER_STATE_DRAINING]
+        assert proc.poll() is None
+    finally:
+        admin.Undrain(pb.DrainRequest(worker_id="decode-0"), timeout=5)
+    wait_for(lambda: decode_workers(address) == ["decode-0"], 10, proc, log_dir)
+    assert generate(address).finish_reason == pb.FINISH_REASON_LENGTH

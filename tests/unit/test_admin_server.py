@@ -176,6 +176,26 @@ def test_plan_uses_the_stored_profile_or_says_none_is_there(stub, redis):
     assert stub.Plan(request, metadata=AUTH).decode == 3  # 20/s * 200 * 20 ms = 80 sequences / 32
 
 
+def test_store_profile_validates_then_writes_what_plan_reads(stub, redis):
+    bad = pb.StoreProfileRequest(prefill_curve=pb.PrefillCurve(prompt_lens=[512, 128], tokens_per_s=[1, 2]),
+                                 decode_curve=DECODE_CURVE)
+    error = refused(stub.StoreProfile, bad, metadata=AUTH)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "increasing" in error.details()
+    assert redis.get(f"{NS}:profile:decode") is None  # nothing written when one curve is malformed
+    assert refused(stub.StoreProfile, pb.StoreProfileRequest(decode_curve=DECODE_CURVE)).code() == (
+        grpc.StatusCode.UNAUTHENTICATED)
+    # ITL grid by context: at isl 500 + osl 200 / 2 = context 600, halfway between the rows 100 and 1100
+    grid = pb.DecodeCurve(batch_sizes=[1, 8], itl_ms=[20, 24], context_lens=[100, 1100], itl_ms_grid=[10, 12, 20, 24])
+    reply = stub.StoreProfile(pb.StoreProfileRequest(prefill_curve=PREFILL_CURVE, decode_curve=grid,
+                                                     measured_on="p0,d0"), metadata=AUTH)
+    assert list(reply.keys) == [f"{NS}:profile:prefill", f"{NS}:profile:decode"]
+    stored = json.loads(redis.get(f"{NS}:profile:decode"))
+    assert stored["context_lens"] == [100, 1100] and stored["measured_on"] == "p0,d0"
+    plan = stub.Plan(pb.PlanRequest(ttft_p90_ms=300, itl_p90_ms=16.5, rate=1, isl=500, osl=200), metadata=AUTH)
+    batch = next(t.value for t in plan.terms if t.name == "batch at ITL target")
+    assert batch == pytest.approx(4.5)  # the row at 600 is [15, 18] ms: 16.5 ms is halfway from batch 1 to 8
+
+
 def test_a_router_without_a_token_serves_admin_openly(loop, redis_server, tmp_path):
     model_dir = make_model_folder(tmp_path / "tiny")
     running = start(loop, redis_server, model_dir, "open", None)

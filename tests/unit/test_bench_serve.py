@@ -90,25 +90,47 @@ def test_trace_times_are_used_unless_a_rate_is_given(tmp_path):
     assert serve.default_rate([Planned(None, [5], 1)], None) == 1.0
 
 
-def test_tiny_run_writes_json_whose_counts_match_the_requests_sent(tmp_path):
-    from engine.tiny import build_model
-    from tests.integration.test_e2e import start_cluster
+_COMMON = ["--num-requests", "6", "--rate", "20", "--max-prompt-len", "48", "--max-output-len", "8"]
 
-    model_dir = build_model("tiny", tmp_path / "tiny", train_steps=20, progress=lambda _: None)
-    (tmp_path / "logs").mkdir()
-    cluster, redis = start_cluster(model_dir, tmp_path / "logs", prefill=1, decode=1)
-    try:
-        rc = serve.main(["--router", cluster.router.address, "--num-requests", "6", "--rate", "20",
-                         "--max-prompt-len", "48", "--max-output-len", "8", "--warmup", "1",
-                         "--out", str(tmp_path / "out")])
-    finally:
-        cluster.stop_all()
-        redis.stop()
-    report = json.loads((tmp_path / "out" / "serve.json").read_text())
+
+def _check_report(out_dir, rc: int) -> None:
+    report = json.loads((out_dir / "serve.json").read_text())
     (run,) = report["runs"]
     assert rc == 0
     assert (run["num_requests"], run["completed"], run["failed"]) == (6, 6, 0)
     assert len(run["requests"]) == 6
     assert run["output_tokens"] == sum(r["output_tokens"] for r in run["requests"])
-    assert all(0 < r["output_tokens"] <= 8 for r in run["requests"])
-    assert (tmp_path / "out" / "serve_cdf.png").stat().st_size > 0
+    assert all(r["output_tokens"] == p.max_tokens for r, p in zip(run["requests"], _planned()))
+    assert all(r["prompt_tokens"] == len(p.prompt) for r, p in zip(run["requests"], _planned()))
+    assert run["ttft_ms"]["p50"] > 0 and run["e2e_ms"]["p50"] >= run["ttft_ms"]["p50"]
+    assert (out_dir / "serve_cdf.png").stat().st_size > 0
+
+
+def _planned() -> list[Planned]:
+    """What the tiny runs below send (the tiny preset: vocabulary 4096, context 2048)."""
+    args = serve._parse(["--router", "x", *_COMMON])
+    return serve.build(args, serve.pb.ModelInfoResponse(vocab_size=4096, max_model_len=2048))
+
+
+def test_tiny_run_writes_json_whose_counts_match_the_requests_sent_grpc_and_http(tmp_path):
+    from engine.tiny import build_model
+    from tests.integration.cluster import free_port
+    from tests.integration.test_e2e import start_cluster
+
+    model_dir = build_model("tiny", tmp_path / "tiny", train_steps=20, progress=lambda _: None)
+    (tmp_path / "logs").mkdir()
+    http_port = free_port()
+    cluster, redis = start_cluster(model_dir, tmp_path / "logs", prefill=1, decode=1,
+                                   router_args=("--http-port", str(http_port)))
+    common = [*_COMMON, "--warmup", "1"]
+    try:
+        rc_grpc = serve.main(["--router", cluster.router.address, *common, "--out", str(tmp_path / "grpc")])
+        rc_http = serve.main(["--router", f"127.0.0.1:{http_port}", "--protocol", "http", *common,
+                              "--out", str(tmp_path / "http")])
+    finally:
+        cluster.stop_all()
+        redis.stop()
+    _check_report(tmp_path / "grpc", rc_grpc)
+    _check_report(tmp_path / "http", rc_http)
+    http = json.loads((tmp_path / "http" / "serve.json").read_text())
+    assert http["config"]["protocol"] == "http"

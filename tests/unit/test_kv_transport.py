@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
 import socket
 import struct
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kv_transfer import tcp
-from kv_transfer.errors import KVTransferError, LayoutMismatch, LeaseNotFound
+from kv_transfer import checksum, tcp
+from kv_transfer.errors import ChecksumMismatch, KVTransferError, LayoutMismatch, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
 from kv_transfer.transport import TransportConfig, connect, make_server, pull
@@ -26,7 +30,13 @@ LAYOUT = KVLayout(
 )
 CONFIG = TransportConfig(connect_timeout_s=2.0, io_timeout_s=2.0)
 SENTINEL = 0xAB
-KINDS = ("tcp", "local")
+def _ucx_kind():
+    from kv_transfer.ucx import INSTALL_HINT, ucxx_available
+
+    return pytest.param("ucx", marks=pytest.mark.skipif(not ucxx_available(), reason=INSTALL_HINT))
+
+
+KINDS = ("tcp", "local", "nccl", _ucx_kind())
 
 
 def run(coro, timeout_s: float = 15.0):
@@ -48,10 +58,10 @@ def destination(layout: KVLayout = LAYOUT, num_blocks: int = 40) -> KVBuffer:
 class Prefill:
     """A serving side: a source buffer, a lease table on a fake clock, and a started server."""
 
-    def __init__(self, kind: str, src: KVBuffer | None = None) -> None:
+    def __init__(self, kind: str, src: KVBuffer | None = None, config: TransportConfig = CONFIG) -> None:
         self.kind, self.src, self.now, self.table = kind, src or source(), [0.0], LeaseTable()
         resolve = self.table.resolver(lambda: self.now[0])
-        self.server = make_server(kind, buffer=self.src, resolve=resolve, config=CONFIG)
+        self.server = make_server(kind, buffer=self.src, resolve=resolve, config=config)
         self.uri = ""
 
     async def __aenter__(self) -> Prefill:
@@ -282,3 +292,290 @@ def test_tcp_server_keeps_serving_after_bad_clients() -> None:
             idle.close()
 
     run(scenario())
+
+
+# --- checksums (TransportConfig.checksum) ---------------------------------------------------------
+
+CHECKSUM_CONFIG = dataclasses.replace(CONFIG, checksum=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checksums_on_still_give_exact_bytes(kind: str) -> None:
+    async def scenario() -> None:
+        async with Prefill(kind) as p:
+            src_ids, dst_ids = [3, 4, 5, 30, 12], [0, 1, 2, 39, 7]
+            dst = destination()
+            stats = await pull(p.uri, LAYOUT, p.lease(src_ids), src_ids, dst, dst_ids, config=CHECKSUM_CONFIG)
+            assert_copied(p, src_ids, dst, dst_ids)
+            assert stats.num_bytes == len(src_ids) * LAYOUT.bytes_per_block
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bytes_changed_after_checksumming_raise_checksum_mismatch(kind: str, monkeypatch) -> None:
+    """A test-only hook on the serving side makes the bytes the server hashes differ from the bytes it
+    sends: two source blocks are corrupted while they are hashed and restored at once, so whether a server
+    hashes before or after sending, what lands differs from its checksums (and the source stays intact).
+    Servers hash with ``checksum.block_checksums``; the patch reaches every module holding that function."""
+    real_block_checksums = checksum.block_checksums
+    corrupted_src = (12, 15)
+
+    async def scenario() -> None:
+        async with Prefill(kind) as p:
+
+            def hash_corrupted(buffer: KVBuffer, block_ids: Sequence[int]) -> np.ndarray:
+                if buffer is not p.src:
+                    return real_block_checksums(buffer, block_ids)
+                flip = (LAYOUT.num_layers - 1, list(corrupted_src), 5)  # [layer, blocks, byte]
+                buffer.array[flip] ^= 0xFF
+                try:
+                    return real_block_checksums(buffer, block_ids)
+                finally:
+                    buffer.array[flip] ^= 0xFF
+
+            for module in list(sys.modules.values()):  # every module that imported the function itself, too
+                if module is checksum or getattr(module, "block_checksums", None) is real_block_checksums:
+                    monkeypatch.setattr(module, "block_checksums", hash_corrupted)
+            src_ids, dst_ids = list(range(10, 18)), list(range(20, 28))
+            with pytest.raises(ChecksumMismatch) as info:
+                await pull(p.uri, LAYOUT, p.lease(src_ids), src_ids, destination(), dst_ids, config=CHECKSUM_CONFIG)
+            assert info.value.block_ids == (22, 25)  # the destination blocks the corrupted ones landed in
+            dst = destination()  # checksums off: nothing is hashed, the (intact) bytes arrive
+            await p.pull(p.lease(src_ids), src_ids, dst, dst_ids)
+            assert_copied(p, src_ids, dst, dst_ids)
+
+    run(scenario())
+
+
+# --- peers that vanish mid-transfer: a real second process, killed by PID -------------------------
+
+PROCESS_KINDS = tuple(k for k in KINDS if k != "local")  # local has no second process
+ROOT = Path(__file__).resolve().parents[2]
+BIG = KVLayout(model_fingerprint=b"big", dtype="float32", block_size=16, num_layers=8, num_kv_heads=2, head_dim=64)
+BIG_BLOCKS = 2048  # 128 KiB a block: 256 MiB, long enough on loopback to be killed in the middle
+PEER = """
+import asyncio, sys
+import numpy as np
+from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.transport import TransportConfig, make_server, pull
+
+role, kind, layout, num_blocks = sys.argv[1], sys.argv[2], KVLayout.from_json(sys.argv[3]), int(sys.argv[4])
+config = TransportConfig(connect_timeout_s=5.0, io_timeout_s=2.0)
+
+def resolve(lease_id):
+    print("reading", flush=True)
+    return range(num_blocks)
+
+async def main():
+    if role == "serve":  # ones everywhere; serves any lease id
+        buffer = KVBuffer(layout, np.ones(layout.bytes_per_block * num_blocks, np.uint8))
+        server = make_server(kind, buffer=buffer, resolve=resolve, config=config)
+        print(await server.start(), flush=True)
+        await asyncio.sleep(120)
+    else:
+        ids = list(range(num_blocks))
+        await pull(sys.argv[5], layout, sys.argv[6], ids, KVBuffer.allocate(layout, num_blocks), ids, config=config)
+        print("pulled", flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def start_peer(role: str, kind: str, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-c", PEER, role, kind, BIG.to_json(), str(BIG_BLOCKS), *args,
+        stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+    )
+
+
+async def kill(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    await proc.wait()
+
+
+async def wait_until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the transfer to start"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("kind", PROCESS_KINDS)
+def test_a_serving_process_killed_mid_pull_raises_within_the_timeout(kind: str) -> None:
+    async def scenario() -> None:
+        proc = await start_peer("serve", kind)
+        try:
+            uri = (await asyncio.wait_for(proc.stdout.readline(), 30.0)).decode().strip()
+            dst, ids = KVBuffer.allocate(BIG, BIG_BLOCKS), list(range(BIG_BLOCKS))  # zeros; the source is ones
+            pulling = asyncio.create_task(pull(uri, BIG, "lease", ids, dst, ids, config=CONFIG))
+            await wait_until(lambda: dst.array[0, 0, 0] == 1 or pulling.done(), 30.0)  # the first bytes landed
+            await kill(proc)
+            killed_at = time.monotonic()
+            with pytest.raises(KVTransferError):
+                await pulling
+            assert time.monotonic() - killed_at < CONFIG.io_timeout_s + 1.0
+            assert not (dst.array[-1, -1] == 1).all(), "the pull had finished before the kill"
+        finally:
+            await kill(proc)
+
+    run(scenario(), timeout_s=60.0)
+
+
+@pytest.mark.parametrize("kind", PROCESS_KINDS)
+def test_a_pulling_process_killed_mid_pull_leaves_the_server_serving(kind: str) -> None:
+    async def scenario() -> None:
+        num_bytes = BIG.bytes_per_block * BIG_BLOCKS
+        src = KVBuffer(BIG, np.resize(np.arange(251, dtype=np.uint8), num_bytes))  # 251 is prime: blocks differ
+        table, reads = LeaseTable(), asyncio.Event()
+
+        def resolve(lease_id: str):
+            reads.set()
+            return table.get(lease_id, 0.0).block_ids
+
+        server = make_server(kind, buffer=src, resolve=resolve, config=CONFIG)
+        uri = await server.start()
+        proc = await start_peer("pull", kind, uri, table.create(range(BIG_BLOCKS), now=0.0).lease_id)
+        try:
+            await asyncio.wait_for(reads.wait(), 30.0)
+            await asyncio.sleep(0.02)  # the KV is flowing
+            await kill(proc)
+            dst, src_ids, dst_ids = KVBuffer.allocate(BIG, 8), [7, 8, 100, 2047], [0, 1, 2, 3]
+            await pull(uri, BIG, table.create(src_ids, now=0.0).lease_id, src_ids, dst, dst_ids, config=CONFIG)
+            assert np.array_equal(dst.array[:, dst_ids], src.array[:, src_ids])
+        finally:
+            await kill(proc)
+            await server.stop()
+
+    run(scenario(), timeout_s=60.0)
+
+
+def test_tcp_checksums_asked_of_a_server_that_sends_none_raise() -> None:
+    """A v1 server that predates READ_CHECKSUM ignores the flag and ends with an empty DONE."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):  # HELLO, READ
+            header = await reader.readexactly(tcp.HEADER.size)
+            payload = await reader.readexactly(tcp.HEADER.unpack(header)[4])
+        num_bytes = len(tcp.decode_read(payload)[1]) * LAYOUT.bytes_per_block
+        writer.write(tcp.encode_frame(tcp.HELLO_OK, LAYOUT.to_json().encode()))
+        writer.write(tcp.encode_frame(tcp.DATA, struct.pack("<Q", num_bytes)) + b"\x01" * num_bytes)
+        writer.write(tcp.encode_frame(tcp.DONE))
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        uri = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            with pytest.raises(KVTransferError, match="without checksum support"):
+                await pull(uri, LAYOUT, "lease", [1, 2], destination(), [1, 2], config=CHECKSUM_CONFIG)
+            await pull(uri, LAYOUT, "lease", [1, 2], destination(), [1, 2], config=CONFIG)  # not asked: fine
+        finally:
+            server.close()
+
+    run(scenario())
+
+
+# ---- choosing a transport per worker pair -------------------------------------------------------
+
+def test_parse_kinds_and_auto_preference():
+    from kv_transfer.transport import AUTO_PREFERENCE, kind_available, parse_kinds
+
+    assert parse_kinds("tcp") == ("tcp",) and parse_kinds("nccl, tcp,nccl") == ("nccl", "tcp")
+    auto = parse_kinds("auto")
+    assert auto[0] == "tcp" and set(auto) <= set(AUTO_PREFERENCE["cpu"])
+    assert list(auto) == [k for k in AUTO_PREFERENCE["cpu"] if kind_available(k) is None]
+    assert parse_kinds("auto", device="cuda:0")[-1] == "tcp"
+    for bad, message in (("", "at least one"), ("local", "in-process only"), ("carrier-pigeon", "unknown")):
+        with pytest.raises(ValueError, match=message):
+            parse_kinds(bad)
+
+
+def test_choose_uri_takes_the_pullers_first_kind_the_server_offers():
+    from kv_transfer.transport import choose_uri
+
+    offered = "tcp://10.0.0.1:7000 nccl://10.0.0.1:7001"
+    assert choose_uri(offered, ("ucx", "nccl", "tcp")) == "nccl://10.0.0.1:7001"
+    assert choose_uri(offered, ("tcp", "nccl")) == "tcp://10.0.0.1:7000"
+    assert choose_uri("tcp://h:1", ("tcp",)) == "tcp://h:1"  # a single URI, as older workers register
+    with pytest.raises(KVTransferError, match=r"peer serves \['nccl', 'tcp'\], this worker pulls with \['ucx'\]"):
+        choose_uri(offered, ("ucx",))
+
+
+# ---- authenticated reads (kv_transfer/auth.py) --------------------------------------------------
+
+SECRET = b"0123456789abcdef-deployment-secret"
+SERVED = [k for k in KINDS if k != "local"]  # local is in-process: no peer to authenticate
+
+
+@pytest.mark.parametrize("kind", SERVED)
+def test_a_peer_without_the_data_plane_secret_reads_nothing(kind: str) -> None:
+    from kv_transfer.auth import Unauthenticated
+
+    with_secret = dataclasses.replace(CONFIG, secret=SECRET)
+
+    async def scenario() -> None:
+        async with Prefill(kind, config=with_secret) as p:
+            src_ids, dst_ids = [3, 4, 9], [0, 7, 8]
+            lease = p.lease(src_ids)
+            for client in (CONFIG, dataclasses.replace(CONFIG, secret=b"another-secret-of-enough-bytes")):
+                dst = destination()
+                with pytest.raises(Unauthenticated, match="unauthenticated"):
+                    await pull(p.uri, LAYOUT, lease, src_ids, dst, dst_ids, config=client)
+                assert_untouched(dst)
+            dst = destination()  # the lease is intact: the right secret still reads it
+            await pull(p.uri, LAYOUT, lease, src_ids, dst, dst_ids, config=with_secret)
+            assert_copied(p, src_ids, dst, dst_ids)
+            assert "secret" not in repr(with_secret)  # never printed with the config
+
+    run(scenario())
+
+
+def test_a_captured_authenticated_read_cannot_be_replayed() -> None:
+    from kv_transfer.tcp import sign_read
+    from kv_transfer.tcp_wire import DATA, ERR_AUTH, ERROR, HELLO, READ, encode_frame, encode_read
+
+    with_secret = dataclasses.replace(CONFIG, secret=SECRET)
+
+    async def scenario() -> None:
+        async with Prefill("tcp", config=with_secret) as p:
+            lease = p.lease([1, 2])
+            hello = LAYOUT.to_json().encode()
+            read, flags = sign_read(with_secret, READ, hello, encode_read(lease, [1, 2]))
+            captured = encode_frame(HELLO, hello) + encode_frame(READ, read, flags)
+            port = int(p.uri.rsplit(":", 1)[1])
+            replies = []
+            for _ in range(2):  # the genuine request, then the same bytes again
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(captured)
+                await writer.drain()
+                await reader.readexactly(tcp.HEADER.size + len(hello))  # HELLO_OK
+                replies.append(tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER.size)))
+                writer.close()
+            assert replies[0][2] == DATA
+            assert (replies[1][2], replies[1][3]) == (ERROR, ERR_AUTH)
+
+    run(scenario())
+
+
+def test_read_auth_rules() -> None:
+    from kv_transfer.auth import ReadAuth, Unauthenticated, load_secret
+
+    now = [1000.0]
+    auth = ReadAuth(SECRET, window_s=30.0, clock=lambda: now[0])
+    trailer = auth.sign(3, b"request")
+    auth.verify(3, b"request", trailer)
+    for kind, request, bad in ((3, b"request", trailer), (3, b"requesT", auth.sign(3, b"request")),
+                               (4, b"request", auth.sign(3, b"request")), (3, b"request", b"short")):
+        with pytest.raises(Unauthenticated):  # replay, altered request, other frame kind, garbage
+            auth.verify(kind, request, bad)
+    stale = auth.sign(3, b"request")
+    now[0] += 31.0
+    with pytest.raises(Unauthenticated):
+        auth.verify(3, b"request", stale)
+    assert load_secret(None, {}) is None
+    assert load_secret(None, {"BATON_KV_SECRET": " " + SECRET.decode() + "\n"}) == SECRET
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        load_secret(None, {"BATON_KV_SECRET": "short"})

@@ -95,7 +95,7 @@ def test_worker_gauges_follow_stats_and_counters_advance_by_the_new_part():
     metrics.scheduler_stats(_stats(num_running=2, num_waiting=0, kv_cache_usage=0.3, prefix_cache_queries=20,
                                    prefix_cache_hits=15, num_preemptions=1))
     metrics.kv_transfer(4096, 0.002)
-    metrics.kv_transfer(1024, 0.001)
+    metrics.kv_transfer(1024, 0.001, transport="nccl")
     metrics.request_error("UNAVAILABLE")
     assert (value("baton:num_requests_running", labels), value("baton:num_requests_waiting", labels)) == (2.0, 0.0)
     assert value("baton:kv_cache_usage_perc", labels) == pytest.approx(0.3)
@@ -105,6 +105,8 @@ def test_worker_gauges_follow_stats_and_counters_advance_by_the_new_part():
     assert value("baton:num_preemptions_total", labels) == 1.0
     assert value("baton:kv_transfer_bytes_total", labels) == 5120.0
     assert value("baton:kv_transfer_seconds_count", labels) == 2.0
+    for transport in ("tcp", "nccl"):  # which transport each worker pair used
+        assert value("baton:kv_transfers_total", {"worker_id": "d0", "transport": transport}) == 1.0
     assert value("baton:request_errors_total", {"worker_id": "d0", "code": "UNAVAILABLE"}) == 1.0
 
 

@@ -50,6 +50,19 @@ def test_max_completion_tokens_wins_and_absence_is_reported():
     assert not request.max_tokens_given and not request.generate.sampling.HasField("max_tokens")
 
 
+def test_logprobs_map_to_the_top_n_of_sampling():
+    request = parse(COMPLETIONS, {"prompt": "x", "logprobs": 3}, "r")
+    assert request.logprobs == 3 and request.generate.sampling.logprobs == 3
+    request = parse(COMPLETIONS, {"prompt": "x", "logprobs": 0}, "r")
+    assert request.logprobs == 0 and request.generate.sampling.HasField("logprobs")
+    assert parse(COMPLETIONS, {"prompt": "x", "logprobs": None}, "r").logprobs is None
+    chat = [{"role": "user", "content": "x"}]
+    assert parse(CHAT, {"messages": chat, "logprobs": True, "top_logprobs": 5}, "r").generate.sampling.logprobs == 5
+    assert parse(CHAT, {"messages": chat, "logprobs": True}, "r").logprobs == 0
+    request = parse(CHAT, {"messages": chat, "logprobs": False}, "r")
+    assert request.logprobs is None and not request.generate.sampling.HasField("logprobs")
+
+
 def test_chat_messages_and_text_parts():
     request = parse(CHAT, {"messages": [
         {"role": "system", "content": "be brief"},
@@ -67,7 +80,13 @@ def test_chat_messages_and_text_parts():
     (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", "batch of 2"),
     (COMPLETIONS, {"prompt": [1, "x"]}, "prompt", "token ids"),
     (COMPLETIONS, {"prompt": "x", "n": 2}, "n", "n must be 1"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": 1}, "logprobs", "not supported"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": True}, "logprobs", "an integer"),
+    (COMPLETIONS, {"prompt": "x", "top_logprobs": 2}, "top_logprobs", "chat parameter"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs", "a boolean"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "requires logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}, "top_logprobs",
+     "[0, 20]"),
     (COMPLETIONS, {"prompt": "x", "echo": True}, "echo", "not supported"),
     (COMPLETIONS, {"prompt": "x", "best_of": 3}, "best_of", "best_of must be 1"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
@@ -158,3 +177,20 @@ def test_grpc_still_serves_next_to_http(router):
     with grpc.insecure_channel(f"127.0.0.1:{router[1].port}") as channel:
         ids = pb_grpc.GenerationStub(channel).Tokenize(pb.TokenizeRequest(prompt="hello"), timeout=10).token_ids
     assert len(ids) > 0
+
+
+def errors_counted(router, code: str) -> float:
+    value = router[1].metrics.registry.get_sample_value("baton:request_errors_total", {"code": code})
+    return value or 0.0
+
+
+def test_http_errors_count_in_request_errors_total_like_grpc_ones(router, model_dir):
+    before = {code: errors_counted(router, code) for code in ("INVALID_ARGUMENT", "UNAVAILABLE", "INTERNAL")}
+    assert call(router, "/v1/completions", {"prompt": "hi", "n": 3})[0] == 400
+    assert call(router, "/v1/completions", raw=b"{not json")[0] == 400
+    assert call(router, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})[0] == 503
+    assert call(router, "/v1/completions", {"prompt": "hi", "stream": True})[0] == 503
+    assert call(router, "/v1/models/gpt-4")[0] == 404  # not a generate call: not counted
+    assert errors_counted(router, "INVALID_ARGUMENT") == before["INVALID_ARGUMENT"] + 2
+    assert errors_counted(router, "UNAVAILABLE") == before["UNAVAILABLE"] + 2
+    assert errors_counted(router, "INTERNAL") == before["INTERNAL"]

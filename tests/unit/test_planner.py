@@ -9,7 +9,8 @@ import pytest
 
 from engine.errors import InvalidRequest
 from router.planner import (
-    Corrections, DecodeProfile, PlannerConfig, PoolState, PrefillProfile, Slo, Traffic, max_batch_at_itl,
+    Corrections, DecodeProfile, PlannerConfig, PoolState, PrefillProfile, Slo, Traffic, itl_row_at_context,
+    max_batch_at_itl,
     plan_pools, prefill_ttft_p90_s,
 )
 
@@ -134,3 +135,14 @@ def test_reasoning_names_every_term():
 def test_bad_input_is_invalid_request(bad):
     with pytest.raises(InvalidRequest):
         bad()
+
+
+def test_itl_row_at_context_interpolates_between_profiled_contexts():
+    grid = (10.0, 12.0, 20.0, 24.0)  # contexts 100 and 1100, batches 1 and 8
+    assert itl_row_at_context((100, 1100), grid, 2, 600) == (15.0, 18.0)
+    assert itl_row_at_context((100, 1100), grid, 2, 50) == (10.0, 12.0)  # flat beyond the ends
+    assert itl_row_at_context((100, 1100), grid, 2, 5000) == (20.0, 24.0)
+    with pytest.raises(InvalidRequest, match="2 x 2 values"):
+        itl_row_at_context((100, 1100), grid[:3], 2, 600)
+    with pytest.raises(InvalidRequest, match="must increase"):
+        itl_row_at_context((1100, 100), grid, 2, 600)

@@ -2,7 +2,9 @@
 
 Defaults priced with (RatesConfig / CostConfig): prefill 10,000 tok/s on P and 5,000 tok/s on D, decode step
 0.010 s + 0.0005 s per sequence, link 10 GB/s, 131,072 KV bytes per token (the test layouts carry only the
-block size), 64 expected output tokens, ITL target 0.100 s, 512-token prefill chunks.
+block size), 64 expected output tokens, ITL target 0.100 s, 512-token prefill chunks. The hand-computed
+figures leave out the fixed per-route overhead and the KV-usage term of a decode step (``BASE`` zeroes
+them); their own tests below price them.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from router.policy import Candidate, PolicyConfig, RouteKind, RoutingState, rout
 from router.rates import Rates, RatesConfig
 from tests.unit.test_router_policy import req, worker
 
-COST = PolicyConfig(disagg_threshold_tokens=64)
+BASE = RatesConfig(remote_overhead_s=0.0, local_overhead_s=0.0, decode_step_per_kv_block_s=0.0)
+COST = PolicyConfig(disagg_threshold_tokens=64, rates=BASE)
 
 
 def state(seed: int = 0, rates: Rates | None = None) -> RoutingState:
-    return RoutingState(rates=rates or Rates(), rng=random.Random(seed))
+    return RoutingState(rates=rates or Rates(BASE), rng=random.Random(seed))
 
 
 def with_cost(**changes: object) -> PolicyConfig:
@@ -45,7 +48,9 @@ def test_long_shared_prefix_wins_despite_slightly_higher_load():
     assert (decision.kind, decision.decode_id, decision.prefill_id) == (RouteKind.LOCAL, "d0", None)
     assert decision.predicted_ttft_s == pytest.approx(0.091)
     assert decision.decode_cached_tokens == 1600
-    assert decision.reason.startswith("cost: d0: cost 0.8270 s = ttft 0.0910 + 64 x itl 0.0115; ")
+    assert decision.reason.startswith("cost: 1600 of 2000 prompt tokens cached on d0 (next: d1 cost 0.9302 s = "
+                                      "ttft 0.2262 + itl 0.0110, 0 cached); d0: cost 0.8270 s = ttft 0.0910 + "
+                                      "64 x itl 0.0115; ")
     assert decision.reason.endswith("local predicts the lower ttft")
     least_loaded = dataclasses.replace(COST, policy="least_loaded")
     assert route(req(2000), cands, least_loaded).decode_id == "d1"  # the simple policy ignores the prefix
@@ -88,7 +93,7 @@ def test_least_queued_prefill_worker_is_the_remote_choice():
 def test_slow_link_makes_remote_lose_for_a_big_prompt():
     cands = [worker("d0", total=400, free=400), worker("p0", "prefill", total=400, free=400)]
     assert route(req(4000), cands, COST, state=state()).kind is RouteKind.REMOTE  # 0.452 s vs 0.8 s local
-    rates = Rates()
+    rates = Rates(BASE)
     rates.observe_transfer("p0", "d0", num_bytes=100_000_000, transfer_ms=1000.0)  # 0.1 GB/s
     decision = route(req(4000), cands, COST, state=state(rates=rates))
     # remote 0.4 + 4000 x 131072 / 1e8 = 5.64 s; local 0.8 s
@@ -173,7 +178,7 @@ def test_reported_rates_are_used_until_measured():
     p0 = Candidate(info=worker("p0", "prefill").info, load=fast_p)
     decision = route(req(400), [worker("d0"), p0], COST, state=state())
     assert decision.predicted_ttft_s == pytest.approx(400 / 40_000 + 400 * 131072 / 1e10)
-    rates = Rates()
+    rates = Rates(BASE)
     rates.observe_prefill("p0", num_tokens=400, prefill_ms=100.0)  # measured 4,000 tok/s wins over the report
     decision = route(req(400), [worker("d0"), p0], COST, state=state(rates=rates))
     assert decision.kind is RouteKind.LOCAL and decision.predicted_ttft_s == pytest.approx(400 / 5000)
@@ -256,3 +261,79 @@ def test_round_robin_keeps_one_cursor_per_role():
     picks = [route(req(500), cands, config, state=routing) for _ in range(4)]
     assert [d.decode_id for d in picks] == ["d0", "d1", "d0", "d1"]
     assert [d.prefill_id for d in picks] == ["p0", "p1", "p0", "p1"]
+
+
+def test_learned_overhead_of_a_route_kind_flips_the_choice():
+    # 400 tokens, both idle: remote 400/10,000 + 400 x 131,072 / 1e10 = 0.04524 s beats local 400/5,000 = 0.08 s.
+    rates = Rates(BASE)
+    cands = [worker("d0"), worker("p0", "prefill")]
+    decision = route(req(400), cands, COST, state=state(rates=rates))
+    assert decision.kind is RouteKind.REMOTE and decision.predicted_ttft_s == pytest.approx(0.04524288)
+    rates.observe_ttft("remote", measured_s=0.10, prefill_s=0.04524288)  # 0.0548 s beside P's own time
+    rates.observe_ttft("local", measured_s=0.01, prefill_s=0.02)  # clocks disagree: clamped to 0
+    assert rates.overhead_s("remote") == pytest.approx(0.10 - 0.04524288) and rates.overhead_s("local") == 0.0
+    decision = route(req(400), cands, COST, state=state(rates=rates))
+    assert decision.kind is RouteKind.LOCAL and decision.predicted_ttft_s == pytest.approx(0.08)
+    assert "remote on p0 0.1000 s = overhead 0.0548 + queue 0.0000" in decision.reason
+    assert Rates().overhead_s("remote") == 0.005 and Rates().overhead_s("local") == 0.002  # defaults until learned
+
+
+def test_decode_step_line_is_fitted_on_batch_and_kv_blocks():
+    rates = Rates(RatesConfig(alpha=0.3))
+    samples = [(batch, kv_blocks) for batch in range(1, 9) for kv_blocks in range(0, 1000, 170)]
+    random.Random(0).shuffle(samples)  # as they come in real life: batch and KV use vary together
+    for batch, kv_blocks in samples:
+        rates.observe_decode_step("d0", batch, 0.010 + 0.001 * batch + 1e-5 * kv_blocks, kv_blocks)
+    base_s, per_seq_s, per_block_s = rates._steps["d0"].line()
+    assert (base_s, per_seq_s, per_block_s) == pytest.approx((0.010, 0.001, 1e-5), rel=1e-6)
+    assert rates.decode_step_s("d0", None, 4, 500) == pytest.approx(0.010 + 0.004 + 0.005)
+    # An unmeasured worker is priced like its measured peers, not at the default (0.010 + 0.0005 per seq).
+    assert rates.decode_step_s("d9", None, 4, 500) == pytest.approx(0.019)
+    # Too little spread in KV use: that slope keeps its default, the batch slope is still fitted.
+    flat = Rates(RatesConfig(decode_step_per_kv_block_s=2e-6))
+    for batch in range(1, 9):
+        flat.observe_decode_step("d0", batch, 0.010 + 0.001 * batch + 2e-6 * 300, 300)
+    assert flat._steps["d0"].line() == pytest.approx((0.010, 0.001, 2e-6))
+
+
+def test_kv_usage_of_a_decode_worker_raises_its_predicted_itl():
+    # Same batch; d0 holds 90 of its 100 blocks. itl d0 = 0.0105 + 1e-4 x (90 + 2) = 0.0197, d1 = 0.0107.
+    config = dataclasses.replace(COST, rates=dataclasses.replace(BASE, decode_step_per_kv_block_s=1e-4))
+    cands = [worker("d0", free=10), worker("d1", free=100)]
+    decision = route(req(30), cands, config, state=state(rates=Rates(config.rates)))
+    assert decision.decode_id == "d1" and "64 x itl 0.0107" in decision.reason
+    assert route(req(30), cands, COST, state=state()).decode_id == "d0"  # without the term: a tie, won by id
+
+
+def test_prefills_this_router_sent_count_as_queued_before_the_report_catches_up():
+    # p0 reports an empty queue, but this router sent it 20,000 tokens that are not answered yet.
+    idle = [worker("d0"), worker("p0", "prefill")]
+    assert route(req(300), idle, COST, state=state()).kind is RouteKind.REMOTE  # 0.0339 s vs local 0.06 s
+    busy = [worker("d0"), dataclasses.replace(worker("p0", "prefill"), inflight_prefill_tokens=20_000)]
+    decision = route(req(300), busy, COST, state=state())
+    assert decision.kind is RouteKind.LOCAL and decision.predicted_ttft_s == pytest.approx(0.06)
+    assert "queue 2.0000" in decision.reason
+
+
+def test_a_reported_decode_step_is_moved_to_the_batch_it_will_run():
+    # d0 is idle now, but its engine measured 12 ms steps at a mean batch of 4: base 12 - 4 x 0.5 = 10 ms.
+    rates = Rates(BASE)
+    idle = WorkerLoad(running=0, waiting=0, free_blocks=100, queued_prefill_tokens=0, decode_step_s=0.012,
+                      decode_batch_size=4.0)
+    assert rates.decode_step_s("d0", idle, 1) == pytest.approx(0.0105)
+    for batch in range(1, 9):  # a router-side fit does not override the engine's own timing ...
+        rates.observe_decode_step("d0", batch, 0.030 + 0.002 * batch)
+    assert rates.decode_step_s("d0", idle, 1) == pytest.approx(0.012 - 4 * 0.002 + 0.002)  # ... only its slope
+    # d9 has not decoded yet: its peers' reported base (12 - 4 x 2 = 4 ms), its own default slope
+    assert rates.decode_step_s("d9", None, 1) == pytest.approx(0.004 + 0.0005)
+    fitted_only = Rates(BASE)
+    for batch in range(1, 9):
+        fitted_only.observe_decode_step("d0", batch, 0.030 + 0.002 * batch)
+    assert fitted_only.decode_step_s("d0", None, 1) == pytest.approx(0.032)  # nobody reports: the fitted line
+
+
+def test_an_unlearned_route_kind_borrows_the_learned_one_shifted_by_the_defaults():
+    rates = Rates(RatesConfig(remote_overhead_s=0.005, local_overhead_s=0.002))
+    rates.observe_ttft("local", measured_s=0.030, prefill_s=0.018)  # 12 ms measured beside the prefill
+    assert rates.overhead_s("local") == pytest.approx(0.012)
+    assert rates.overhead_s("remote") == pytest.approx(0.015)  # not 5 ms: local's 12 + the 3 ms difference

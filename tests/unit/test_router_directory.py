@@ -73,10 +73,18 @@ def test_listing_is_cached_for_ttl_and_survives_a_redis_outage(redis_server):
         assert [i.worker_id for i, _ in stale.workers] == ["d0", "d1"]
         assert await directory.lookup([b"x" * 16]) == {}  # and routing goes by load only
         redis_server.restart()  # empty: no persistence; workers re-register with their next heartbeat
-        await registry.register(info("d2"))
         assert [i.worker_id for i, _ in (await directory.snapshot()).workers] == ["d0", "d1"]  # backing off
         clock.now_s += 1.0
+        empty = await directory.snapshot()  # an empty registry right after a full one: the last listing
+        assert [i.worker_id for i, _ in empty.workers] == ["d0", "d1"]
+        clock.now_s += 60.0  # longer than a heartbeat TTL: the registry is believed
+        assert (await directory.snapshot()).workers == ()
+        await registry.register(info("d2"))
+        clock.now_s += 1.0
         assert [i.worker_id for i, _ in (await directory.snapshot()).workers] == ["d2"]
+        await registry.deregister("d2")  # every worker left (Redis kept its data): believed at once
+        clock.now_s += 1.0
+        assert (await directory.snapshot()).workers == ()
         await directory.close()
         await redis.aclose()
 

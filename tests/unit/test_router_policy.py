@@ -7,6 +7,7 @@ import pytest
 from engine.errors import CapacityExceeded
 from kv_transfer.registry import WorkerInfo, WorkerLoad
 from router.errors import WorkerUnavailable
+from router.rates import RatesConfig
 from router.policy import Candidate, PolicyConfig, RouteKind, RouteRequest, pick_decode, pick_prefill, route
 
 BS = 16
@@ -153,7 +154,7 @@ def test_fully_cached_prompt_has_no_uncached_tokens():
 
 
 def test_threshold_zero_disaggregates_everything_uncached():
-    config = PolicyConfig(disagg_threshold_tokens=0)
+    config = PolicyConfig(disagg_threshold_tokens=0, rates=RatesConfig(remote_overhead_s=0.0, local_overhead_s=0.0))
     assert route(req(1), [worker("d0"), worker("p0", "prefill")], config).kind is RouteKind.REMOTE
 
 

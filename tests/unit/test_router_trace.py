@@ -43,3 +43,20 @@ def test_single_token_has_no_decode_rate():
     trace.tokens_sent(1)
     t = trace.final(prefill_worker="", decode_worker="d0")
     assert t.decode_tokens_per_s == 0.0 and round(t.ttft_ms, 6) == 20.0 and t.transfer_gbps == 0.0
+
+
+def test_queue_ms_of_the_worker_reaches_the_final_timings_and_the_cli_line():
+    from router.generate_cli import format_timings
+
+    clock = Clock()
+    trace = RequestTrace(clock)
+    trace.route("remote", "cost")
+    trace.merge(pb.Timings(prefill_ms=40.0, queue_ms=12.5, prefill_worker="p0"))
+    clock.now_s += 0.05
+    trace.tokens_sent(1)
+    trace.merge(pb.Timings(decode_worker="d0"))  # D pulled the KV: no queue_ms of its own
+    t = trace.final(prefill_worker="p0", decode_worker="d0")
+    assert t.queue_ms == 12.5
+    final = pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH, timings=t,
+                                usage=pb.Usage(prompt_tokens=80, completion_tokens=1))
+    assert format_timings(final).startswith("[TTFT 50.0 ms | queue 12.5 ms | prefill p0 | decode d0 | route remote")

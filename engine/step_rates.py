@@ -1,0 +1,45 @@
+"""The engine's own speed, measured on its steps and reported with the worker's heartbeat.
+
+The router prices every route with a prefill rate and a decode step time per worker (``router/rates.py``).
+It learns them from the timings it sees, but a new worker, or one the router has not used yet, would be
+priced at a guess; so each engine keeps exponential moving averages of what its steps actually took and
+the worker reports them (``WorkerLoad.prefill_tokens_per_s`` / ``decode_step_s``):
+
+- a step that computed at least ``min_prefill_tokens`` prompt tokens is a prefill sample (with a small
+  chunk budget that is the chunked rate, which is what local prefill on a decode worker gets):
+  ``prompt tokens / step seconds`` (decodes riding along make it a slight under-estimate, as they should:
+  the rate is what a new prompt will get);
+- any other step with running decodes is a decode sample: its seconds, at the batch size it ran.
+
+One ``perf_counter`` pair and a pass over the step's sequences per step (the same pass the scheduler
+already makes); nothing per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.outputs import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepRates:
+    alpha: float = 0.1
+    min_prefill_tokens: int = 8  # fewer: a decode step that happens to carry a few prompt tokens
+    prefill_tokens_per_s: float | None = None
+    decode_step_s: float | None = None
+    decode_batch_size: float | None = None  # the mean batch the decode step time was measured at
+
+    def observe(self, output: SchedulerOutput, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        decodes = sum(1 for s in output.seqs if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens)
+        prompt_tokens = output.num_batched_tokens - decodes
+        if prompt_tokens >= self.min_prefill_tokens:
+            self.prefill_tokens_per_s = self._ewma(self.prefill_tokens_per_s, prompt_tokens / seconds)
+        elif decodes and not prompt_tokens:
+            self.decode_step_s = self._ewma(self.decode_step_s, seconds)
+            self.decode_batch_size = self._ewma(self.decode_batch_size, float(decodes))
+
+    def _ewma(self, value: float | None, sample: float) -> float:
+        return sample if value is None else value + self.alpha * (sample - value)

@@ -1,0 +1,438 @@
+"""``nccl://host:port``: the KV data plane over ``torch.distributed`` point-to-point (NCCL on GPU, gloo on CPU).
+
+Each (server, client) pair talks over a **channel**: one small TCP control connection (the frames of
+``kv_transfer/tcp_wire.py``) plus a private 2-rank process group, built directly
+(``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a ``PrefixStore`` of the server's ``TCPStore``), never
+through the global ``init_process_group``: a worker talks to many peers at once. The backend follows the KV
+tensor's device: a CPU ``KVBuffer`` moves over gloo, a CUDA cache tensor (``device_cache``) over NCCL.
+
+    client -> N_HELLO   the client's KVLayout JSON; code = its backend (0 gloo, 1 nccl)
+    server -> ERROR     layout or backend mismatch: refused before any KV byte moves, connection closed
+           or HELLO_OK  the server's KVLayout JSON (the client checks it too), then
+              GROUP     u16 TCPStore port | channel prefix: both sides build the group (server rank 0)
+    then, once per pull, one at a time on the channel:
+    client -> N_READ    encode_read(lease id, source ids) | u32 count | count x u32 destination ids;
+                        code bit READ_CHECKSUM asks for checksums
+    server -> ERROR     unknown/expired lease, block not in the lease, out of range: nothing moves, the
+                        channel stays usable
+           or DATA      u64 num_bytes; then the KV moves over the group: one message per layer per run of
+                        blocks consecutive on both sides (``paired_runs``), in the same order on both ends
+              DONE      the lease was still live after the last byte; payload: the blocks' checksums when
+                        asked (else ERROR: the lease ended mid-read)
+
+One pull at a time per channel keeps the two ends' message order identical (NCCL ignores tags), and
+concurrent pulls simply open more channels. A client keeps its idle channels for reuse (up to
+``MAX_IDLE_CHANNELS`` per server, for ``REUSE_S``); the server drops a channel idle for ``IDLE_S``. Any
+failure other than a refusal tears the channel down (socket closed, group shut down). Collective waits run
+on the channel's own thread, each bounded by ``TransportConfig`` timeouts (a gloo timeout also closes the
+group's connection, so nothing lands after it): a vanished peer surfaces within ``io_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import functools
+import itertools
+import logging
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer import auth, checksum
+from kv_transfer.errors import KVTransferError
+from kv_transfer.layout import KVBuffer, KVLayout, paired_runs
+from kv_transfer.nccl_channel import (
+    Channel,
+    channel_closed,
+    connect,
+    exchange,
+    join_group,
+    kv_tensor,
+    messages,
+    new_group,
+    unless_closed,
+    wait_readable,
+)
+from kv_transfer.tcp import (
+    _check_data,
+    _check_hello_ok,
+    _refuse,
+    _remote_error,
+    refuse_layout,
+    refuse_read,
+    refuse_unauthenticated,
+    sign_read,
+    verify_done,
+)
+from kv_transfer.tcp_wire import (
+    DATA,
+    DONE,
+    ERR_PROTOCOL,
+    ERR_REFUSED,
+    ERROR,
+    HELLO_OK,
+    READ_AUTH,
+    READ_CHECKSUM,
+    _tune,
+    decode_read,
+    encode_frame,
+    encode_read,
+    recv_frame,
+    send_frame,
+)
+from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args
+
+logger = logging.getLogger(__name__)
+
+N_HELLO, GROUP, N_READ = 17, 18, 19  # kinds of their own: a tcp:// peer refuses them, and vice versa
+BACKENDS = ("gloo", "nccl")
+IDLE_S = 60.0  # the server drops a channel with no READ for this long
+REUSE_S = 30.0  # a client reuses an idle channel only this long (well inside the server's IDLE_S)
+MAX_IDLE_CHANNELS = 4  # per server, per client
+
+
+def encode_pull(lease_id: str, src_ids: Sequence[int], dst_ids: Sequence[int]) -> bytes:
+    dst = [int(b) for b in dst_ids]
+    return encode_read(lease_id, [int(b) for b in src_ids]) + struct.pack(f"<I{len(dst)}I", len(dst), *dst)
+
+
+def decode_pull(payload: bytes) -> tuple[str, list[int], list[int]]:
+    try:
+        (lease_len,) = struct.unpack_from("<H", payload)
+        (count,) = struct.unpack_from("<I", payload, 2 + lease_len)
+        end = 6 + lease_len + 4 * count
+        (num_dst,) = struct.unpack_from("<I", payload, end)
+        if num_dst != count or len(payload) != end + 4 + 4 * count:
+            raise ValueError("destination ids do not match the source ids")
+        dst_ids = list(struct.unpack_from(f"<{count}I", payload, end + 4))
+    except (struct.error, ValueError) as exc:
+        raise KVTransferError(f"malformed READ: {exc}") from exc
+    lease_id, src_ids = decode_read(payload[:end])
+    return lease_id, src_ids, dst_ids
+
+
+# --- server ---------------------------------------------------------------------------------------
+
+
+class NcclServer:
+    """Serves reads of leased blocks of ``buffer`` (or of ``device_cache``, its GPU twin) over channels."""
+
+    def __init__(
+        self,
+        *,
+        buffer: KVBuffer,
+        resolve: Resolver,
+        config: TransportConfig | None = None,
+        device_cache: torch.Tensor | None = None,
+    ) -> None:
+        self.buffer, self.resolve, self.config = buffer, resolve, config or TransportConfig()
+        self.kv = kv_tensor(buffer, device_cache)
+        self.backend = "nccl" if self.kv.is_cuda else "gloo"
+        self.auth = auth.ReadAuth(self.config.secret) if self.config.secret else None
+        if self.kv.is_cuda and self.config.checksum:  # pragma: no cover - needs a GPU
+            raise ValueError("nccl: checksums need the KV in host memory")
+        self.uri: str | None = None
+        self._listener: socket.socket | None = None
+        self._store: dist.TCPStore | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._connections: set[asyncio.Task] = set()
+        self._channel_ids = itertools.count()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
+        if self.uri is not None:
+            return self.uri
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(addr)
+            listener.listen(128)
+            listener.setblocking(False)
+            timeout = datetime.timedelta(seconds=self.config.connect_timeout_s)
+            self._store = dist.TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+        except (OSError, RuntimeError) as exc:
+            listener.close()
+            raise KVTransferError(f"nccl: cannot listen on {host}:{port}: {exc}") from exc
+        self._listener = listener
+        self._accept_task = asyncio.create_task(self._accept_loop(listener))
+        shown = advertise_host or host
+        self.uri = f"nccl://{f'[{shown}]' if ':' in shown else shown}:{listener.getsockname()[1]}"
+        logger.info("KV data plane serving %s (%s)", self.uri, self.backend)
+        return self.uri
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._accept_task, *self._connections) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        self._listener, self._accept_task, self._store, self.uri = None, None, None, None
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                logger.warning("KV data plane accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve_channel(Channel(sock, f"client {sock.getpeername()}")))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve_channel(self, channel: Channel) -> None:
+        try:
+            _tune(channel.sock, self.config)
+            refusal = await self._open(channel)
+            while refusal is None and await self._serve_read(channel):
+                pass
+            if refusal is not None:
+                await _refuse(channel.sock, refusal)
+        except (KVTransferError, OSError) as exc:  # malformed, silent or vanished client: drop the channel
+            logger.info("KV data plane: dropped a client: %s", exc)
+        finally:
+            channel.close()
+            self._forget(channel.store_keys)
+
+    def _forget(self, keys: list[str]) -> None:
+        """Delete a finished channel's rendezvous keys, so the store does not grow with every channel (not
+        sooner: rank 0's group may be built before rank 1 has read them)."""
+        for key in keys:
+            with contextlib.suppress(Exception):
+                self._store.delete_key(key)
+
+    async def _open(self, channel: Channel) -> bytes | None:
+        """HELLO -> HELLO_OK + GROUP, then build the group; returns an ERROR frame to close with instead."""
+        hello = await recv_frame(channel.sock, self.config.io_timeout_s, channel.uri)
+        if hello.kind != N_HELLO:
+            return encode_frame(ERROR, b"expected an nccl:// HELLO", ERR_PROTOCOL)
+        refusal = refuse_layout(self.buffer.layout, hello.payload)
+        if refusal is None and hello.code != BACKENDS.index(self.backend):
+            refusal = encode_frame(ERROR, f"the server moves KV with {self.backend}".encode(), ERR_REFUSED)
+        if refusal is not None:
+            return refusal
+        prefix = f"kv/{next(self._channel_ids)}/{secrets.token_hex(4)}"
+        group_frame = encode_frame(GROUP, struct.pack("<H", self._store.port) + prefix.encode())
+        await send_frame(channel.sock, encode_frame(HELLO_OK, self.buffer.layout.to_json().encode()) + group_frame,
+                         self.config.io_timeout_s, channel.uri)
+        # A store client of its own: TCPStore serializes its calls, and one rendezvous waiting on a silent
+        # client must not hold up the others.
+        store, host = dist.PrefixStore(prefix, self._store.clone()), channel.sock.getsockname()[0]
+        timeout_s = self.config.connect_timeout_s
+        channel.store_keys = [f"{prefix}/0/{rank}" for rank in (0, 1)]  # gloo's rendezvous keys
+        build = functools.partial(new_group, store, 0, host, timeout_s, self.kv.device)
+        channel.group = await channel.call(build, bound_s=timeout_s, what="building the process group")
+        return None
+
+    async def _serve_read(self, channel: Channel) -> bool:
+        """Serve one READ; False when the client closed the channel."""
+        io_s = self.config.io_timeout_s
+        if not await wait_readable(channel.sock, IDLE_S):
+            return False
+        try:
+            read = await recv_frame(channel.sock, io_s, channel.uri)
+        except KVTransferError:
+            if channel_closed(channel.sock):
+                return False
+            raise
+        if read.kind != N_READ:
+            raise KVTransferError(f"expected READ, got frame kind {read.kind}")
+        request, trailer = auth.split_trailer(read.payload, bool(read.code & READ_AUTH))
+        refusal = refuse_unauthenticated(self.auth, N_READ, request, trailer)
+        if refusal is not None:
+            await send_frame(channel.sock, refusal, io_s, channel.uri)
+            return True
+        lease_id, src_ids, dst_ids = decode_pull(request)
+        refusal = refuse_read(self.buffer, self.resolve, self.config, lease_id, src_ids)
+        if refusal is not None:
+            await send_frame(channel.sock, refusal, io_s, channel.uri)
+            return True
+        sums = checksum.block_checksums(self.buffer, src_ids) if read.code & READ_CHECKSUM else None
+        num_bytes = len(src_ids) * self.buffer.layout.bytes_per_block
+        await send_frame(channel.sock, encode_frame(DATA, struct.pack("<Q", num_bytes)), io_s, channel.uri)
+        runs = [(s, c) for s, _, c in paired_runs(src_ids, dst_ids)]
+        send = functools.partial(exchange, channel.group, messages(self.kv, runs), send=True, timeout_s=io_s)
+        await channel.call(send, bound_s=io_s, what="sending KV")
+        done = encode_frame(DONE, b"" if sums is None else sums.tobytes())
+        after = refuse_read(self.buffer, self.resolve, self.config, lease_id, src_ids)  # the lease held throughout
+        await send_frame(channel.sock, after or done, io_s, channel.uri)
+        return True
+
+
+# --- client ---------------------------------------------------------------------------------------
+
+
+class NcclClient:
+    """Pulls leased blocks from ``nccl://`` servers, keeping idle channels for the next pull.
+
+    ``device_cache`` (uint8 ``[L, N, seg]`` on a GPU) is where the KV lands instead of ``dst_buffer``'s
+    bytes, which then only name the layout and block range. Idle channels close with ``close()`` or when
+    the client is garbage collected.
+    """
+
+    def __init__(self, config: TransportConfig | None = None, *, device_cache: torch.Tensor | None = None) -> None:
+        self.config = config or TransportConfig()
+        self.device_cache = device_cache
+        if device_cache is not None and self.config.checksum:  # pragma: no cover - needs a GPU
+            raise ValueError("nccl: checksums need the KV in host memory")
+        self._idle: dict[str, list[Channel]] = {}
+        _start_reaper()
+        self._finalizer = weakref.finalize(self, _reap_later, self._idle)
+
+    def close(self) -> None:
+        self._finalizer.detach()
+        _close_all(self._idle)
+
+    async def pull(
+        self,
+        uri: str,
+        layout: KVLayout,
+        lease_id: str,
+        src_block_ids: Sequence[int],
+        dst_buffer: KVBuffer,
+        dst_block_ids: Sequence[int],
+    ) -> TransferStats:
+        start = time.perf_counter()
+        check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
+        kv = kv_tensor(dst_buffer, self.device_cache)
+        channel = self._take_idle(uri) or await self._open(uri, layout, kv.device)
+        try:
+            done = await self._read(channel, lease_id, src_block_ids, kv, dst_block_ids)
+        except _Refused as refused:  # nothing moved: the channel is still good
+            self._keep(channel)
+            raise refused.error from None
+        except BaseException:
+            channel.close()
+            raise
+        self._keep(channel)
+        if self.config.checksum:
+            verify_done(uri, dst_buffer, dst_block_ids, done)
+        num_bytes = len(src_block_ids) * layout.bytes_per_block
+        return TransferStats(num_blocks=len(src_block_ids), num_bytes=num_bytes, seconds=time.perf_counter() - start)
+
+    async def _open(self, uri: str, layout: KVLayout, device: torch.device) -> Channel:
+        host, port = _parse(uri)
+        io_s, what = self.config.io_timeout_s, f"KV server {uri}"
+        sock = await connect(host, port, self.config)
+        channel = Channel(sock, uri)
+        try:
+            backend = BACKENDS.index("nccl" if device.type == "cuda" else "gloo")
+            await send_frame(sock, encode_frame(N_HELLO, layout.to_json().encode(), backend), io_s, what)
+            _check_hello_ok(uri, layout, await recv_frame(sock, io_s, what))
+            group = await recv_frame(sock, io_s, what)
+            if group.kind != GROUP or len(group.payload) < 3:
+                raise _remote_error(uri, group)
+            (store_port,), prefix = struct.unpack_from("<H", group.payload), group.payload[2:].decode()
+            join = functools.partial(join_group, host, store_port, prefix, sock.getsockname()[0],
+                                     self.config.connect_timeout_s, device)
+            channel.group = await channel.call(join, bound_s=2 * self.config.connect_timeout_s,
+                                               what="building the process group")
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    async def _read(self, channel: Channel, lease_id: str, src_ids, kv: torch.Tensor, dst_ids) -> bytes:
+        """One pull on ``channel``; returns DONE's payload (the checksums, when asked)."""
+        io_s, what, sock = self.config.io_timeout_s, f"KV server {channel.uri}", channel.sock
+        read, flags = sign_read(self.config, N_READ, b"", encode_pull(lease_id, src_ids, dst_ids))
+        flags |= READ_CHECKSUM if self.config.checksum else 0
+        await send_frame(sock, encode_frame(N_READ, read, flags), io_s, what)
+        reply = await recv_frame(sock, io_s, what)
+        if reply.kind == ERROR:
+            raise _Refused(_remote_error(channel.uri, reply))
+        _check_data(channel.uri, len(src_ids) * kv.shape[0] * kv.shape[2], reply)
+        runs = [(d, c) for _, d, c in paired_runs([int(b) for b in src_ids], [int(b) for b in dst_ids])]
+        recv = functools.partial(exchange, channel.group, messages(kv, runs), send=False, timeout_s=io_s)
+        await unless_closed(channel.call(recv, bound_s=io_s, what="receiving KV"), sock, what)
+        done = await recv_frame(sock, io_s, what)
+        if done.kind != DONE:
+            raise _remote_error(channel.uri, done)
+        return done.payload
+
+    def _take_idle(self, uri: str) -> Channel | None:
+        idle = self._idle.get(uri, [])
+        while idle:
+            channel = idle.pop()
+            if time.monotonic() - channel.idle_since < REUSE_S and not channel_closed(channel.sock):
+                return channel
+            channel.close()
+        return None
+
+    def _keep(self, channel: Channel) -> None:
+        idle = self._idle.setdefault(channel.uri, [])
+        if len(idle) >= MAX_IDLE_CHANNELS:
+            channel.close()
+            return
+        channel.idle_since = time.monotonic()
+        idle.append(channel)
+
+
+class _Refused(Exception):
+    """The server refused a READ before any byte moved (carries the error to raise)."""
+
+    def __init__(self, error: KVTransferError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _close_all(idle: dict[str, list[Channel]]) -> None:
+    for channels in idle.values():
+        for channel in channels:
+            channel.close()
+    idle.clear()
+
+
+# A garbage-collected client's channels are closed on a reaper thread, never inside the finalizer: the
+# collector may run in the middle of a ``ThreadPoolExecutor.submit`` (which holds a module-global lock),
+# and ``Channel.close`` submits to its executor -- closing there would deadlock that very thread.
+# ``queue.SimpleQueue.put`` is reentrant, safe from a finalizer.
+_REAP: queue.SimpleQueue[Channel] = queue.SimpleQueue()
+_reaper: threading.Thread | None = None
+_reaper_lock = threading.Lock()
+
+
+def _start_reaper() -> None:
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap_forever, name="kv-nccl-reaper", daemon=True)
+            _reaper.start()
+
+
+def _reap_forever() -> None:
+    while True:
+        channel = _REAP.get()
+        with contextlib.suppress(Exception):
+            channel.close()
+
+
+def _reap_later(idle: dict[str, list[Channel]]) -> None:
+    for channels in list(idle.values()):
+        for channel in channels:
+            _REAP.put(channel)
+    idle.clear()
+
+
+def _parse(uri: str) -> tuple[str, int]:
+    parts = urlsplit(uri)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise KVTransferError(f"bad KV data-plane URI {uri!r}: {exc}") from exc
+    if parts.scheme != "nccl" or not host or port is None:
+        raise KVTransferError(f"bad KV data-plane URI {uri!r} (want nccl://host:port)")
+    return host, port

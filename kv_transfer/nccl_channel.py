@@ -1,0 +1,189 @@
+"""The ``nccl://`` transport's plumbing: private 2-rank process groups and the channels that carry them.
+
+A **channel** is one TCP control socket, one 2-rank group (gloo for CPU tensors, NCCL for CUDA ones) built
+directly over a ``PrefixStore`` of the serving side's ``TCPStore`` (never the global ``init_process_group``),
+and one thread that runs the group's blocking calls, so the event loop never blocks and a slow peer on one
+channel stalls nobody else. The protocol itself is described in ``kv_transfer/nccl.py``.
+
+Tearing a group down while a wait is in flight on it is not safe (gloo's ``abort`` can crash the process),
+and gloo's ``abort`` does not wake a pending send; so a channel closes its socket at once and shuts its group
+down on its own thread once the wait in flight there has ended, which every wait bounds by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import socket
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.errors import KVTransferError
+from kv_transfer.layout import KVBuffer
+from kv_transfer.tcp_wire import _tune
+from kv_transfer.transport import TransportConfig
+
+GRACE_S = 1.0  # slack on top of a bounded collective wait before the event loop gives up on it
+MAX_MESSAGE_BYTES = 64 << 20  # one send/recv; each is allowed TransportConfig.io_timeout_s
+
+
+def kv_tensor(buffer: KVBuffer, device_cache: torch.Tensor | None) -> torch.Tensor:
+    """The tensor the KV moves from/into: ``device_cache`` (uint8 ``[L, N, seg]``, on the GPU) when given,
+    else a zero-copy view of the buffer's bytes."""
+    if device_cache is not None:
+        if tuple(device_cache.shape) != buffer.array.shape or device_cache.dtype != torch.uint8:
+            raise ValueError(f"device_cache must be uint8 {buffer.array.shape}, got {device_cache.dtype} "
+                             f"{tuple(device_cache.shape)}")
+        return device_cache
+    with warnings.catch_warnings():  # a read-only source is only ever sent from
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(buffer.array)  # [num_layers, num_blocks, segment_bytes]
+
+
+def messages(kv: torch.Tensor, runs: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """Contiguous 1-D views, layer-major: one per layer per ``(first_block, count)`` run, a long run cut
+    into pieces of at most MAX_MESSAGE_BYTES (so each wait's timeout bounds a bounded amount of bytes)."""
+    per_message = max(1, MAX_MESSAGE_BYTES // kv.shape[2])  # blocks; kv is [num_layers, num_blocks, seg]
+    pieces = [
+        (start, min(per_message, first + count - start))
+        for first, count in runs
+        for start in range(first, first + count, per_message)
+    ]
+    return [kv[layer, first : first + count].reshape(-1) for layer in range(kv.shape[0]) for first, count in pieces]
+
+
+def new_group(store: dist.Store, rank: int, host: str, timeout_s: float, device: torch.device):
+    """A private 2-rank process group (rank 0 serves); blocks until the peer joins or ``timeout_s``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":  # pragma: no cover - needs a GPU
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        torch.cuda.set_device(device)
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def exchange(group, tensors: Sequence[torch.Tensor], *, send: bool, timeout_s: float) -> None:
+    """Post every send (recv) to the peer in order, then wait for each, at most ``timeout_s`` apiece."""
+    peer, op = (1, group.send) if send else (0, group.recv)
+    works = [op([t], peer, 0) for t in tensors]
+    for work in works:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    if tensors and tensors[0].is_cuda:  # pragma: no cover - needs a GPU: NCCL's wait only orders streams
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+
+
+class Channel:
+    """One control socket + its 2-rank group + the thread that runs the group's blocking calls."""
+
+    def __init__(self, sock: socket.socket, uri: str) -> None:
+        self.sock, self.uri, self.group = sock, uri, None
+        self.store_keys: list[str] = []
+        self.idle_since = time.monotonic()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-nccl")
+
+    async def call(self, fn: Callable[[], object], *, bound_s: float, what: str):
+        """``fn()`` on the channel's thread; ``fn`` bounds its own waits by ``bound_s``. Cancelled, it still
+        lets ``fn`` end before re-raising: a posted receive cannot be withdrawn (neither ``shutdown`` nor
+        ``abort`` stops gloo writing into its buffer), so no KV byte may land after the pull is over."""
+        future = asyncio.get_running_loop().run_in_executor(self._thread, fn)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), bound_s + GRACE_S)
+        except asyncio.CancelledError:
+            await asyncio.wait({future}, timeout=bound_s + GRACE_S)
+            raise
+        except (RuntimeError, TimeoutError, dist.DistError) as exc:
+            raise KVTransferError(f"{what} with {self.uri} failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Tear down (idempotent): close the socket now; shut the group down on the channel's thread, after
+        any wait in flight there has ended (bounded), since tearing a group down under a wait is not safe."""
+        group, self.group = self.group, None
+        self.sock.close()
+        with contextlib.suppress(RuntimeError):  # already shut down
+            if group is not None:
+                self._thread.submit(_shutdown, group)
+            self._thread.shutdown(wait=False)
+
+
+def _shutdown(group) -> None:
+    with contextlib.suppress(Exception):
+        group.shutdown()
+
+
+def channel_closed(sock: socket.socket) -> bool:
+    """True if the peer closed (or broke) an idle control socket."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
+async def unless_closed(work, sock: socket.socket, what: str) -> None:
+    """Await the receive ``work``; if the peer closes the control socket meanwhile (a server that died or
+    stopped mid-transfer), say so rather than report gloo's timeout, once ``work`` has ended (bounded):
+    until then bytes may still land."""
+    work, watch = asyncio.ensure_future(work), asyncio.ensure_future(wait_readable(sock, float("inf")))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        await asyncio.wait({work})  # Channel.call lets the receive end before it gives up
+        raise
+    finally:
+        watch.cancel()
+        await asyncio.wait({watch})  # its reader is off the socket before anyone else waits on it
+    if work.done() or not channel_closed(sock):
+        await work  # the socket holds the next frame: DONE may overtake the last KV bytes
+        return
+    with contextlib.suppress(KVTransferError):
+        await work
+    raise KVTransferError(f"{what}: peer closed the connection mid-transfer")
+
+
+async def wait_readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Wait for the next frame of an idle channel; False after ``timeout_s`` of silence."""
+    loop, ready = asyncio.get_running_loop(), asyncio.Event()
+    loop.add_reader(sock.fileno(), ready.set)
+    try:
+        await asyncio.wait_for(ready.wait(), timeout_s)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+def join_group(host: str, store_port: int, prefix: str, local_host: str, timeout_s: float, device: torch.device):
+    """The client's side of ``new_group``: rank 1, through the server's store at ``host:store_port``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, store_port, None, False, timeout)
+    return new_group(dist.PrefixStore(prefix, store), 1, local_host, timeout_s, device)
+
+
+async def connect(host: str, port: int, config: TransportConfig) -> socket.socket:
+    """A connected, non-blocking control socket, within ``connect_timeout_s``."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), config.connect_timeout_s)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        try:
+            _tune(sock, config)
+            await asyncio.wait_for(loop.sock_connect(sock, infos[0][4]), config.connect_timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+    except (OSError, TimeoutError) as exc:
+        raise KVTransferError(f"cannot connect to KV server nccl://{host}:{port}: {exc!r}") from exc
+    return sock

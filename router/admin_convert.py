@@ -1,0 +1,102 @@
+"""Proto conversion for ``router.admin`` (shell helpers: core objects in, ``baton.v1`` messages out)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from kv_transfer.registry import WorkerInfo, WorkerLoad
+from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from router import planner
+from router.traffic import Percentiles, Window
+
+log = logging.getLogger(__name__)
+
+
+def curve_dict(curve: pb.PrefillCurve | pb.DecodeCurve) -> dict[str, Any]:
+    if isinstance(curve, pb.PrefillCurve):
+        return {"prompt_lens": list(curve.prompt_lens), "tokens_per_s": list(curve.tokens_per_s)}
+    kv = curve.kv_tokens_per_worker if curve.HasField("kv_tokens_per_worker") else None
+    return {"batch_sizes": list(curve.batch_sizes), "itl_ms": list(curve.itl_ms), "kv_tokens_per_worker": kv,
+            "context_lens": list(curve.context_lens), "itl_ms_grid": list(curve.itl_ms_grid)}
+
+
+def worker_to_proto(info: WorkerInfo, load: WorkerLoad | None, draining: bool, now_ms: int,
+                    prefix_hit_rate: float | None = None) -> pb.AdminWorker:
+    worker = pb.AdminWorker(
+        worker_id=info.worker_id, role=info.role, grpc_address=info.grpc_address, kv_uri=info.kv_uri,
+        state=pb.WORKER_STATE_DRAINING if draining else pb.WORKER_STATE_UP, num_total_blocks=info.total_blocks,
+    )
+    if load is not None:
+        worker.has_load, worker.num_running, worker.num_waiting = True, load.running, load.waiting
+        worker.num_free_blocks, worker.queued_prefill_tokens = load.free_blocks, load.queued_prefill_tokens
+        if info.total_blocks > 0:
+            worker.kv_cache_usage = 1.0 - load.free_blocks / info.total_blocks
+        if load.reported_unix_ms is not None:
+            worker.load_age_ms = max(0, now_ms - load.reported_unix_ms)
+    if prefix_hit_rate is not None:
+        worker.prefix_cache_hit_rate = prefix_hit_rate
+    return worker
+
+
+async def prefix_hit_rates(workers: list[WorkerInfo], timeout_s: float) -> dict[str, float]:
+    """Each worker's prefix-cache hit rate since it started, from its ``Stats`` (concurrent, short deadline).
+
+    A worker that does not answer in time (or serves TLS only) is left out: its row shows no rate.
+    """
+    async def one(info: WorkerInfo) -> tuple[str, float | None]:
+        try:
+            async with grpc.aio.insecure_channel(info.grpc_address) as channel:
+                stats = await pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            log.debug("Stats of worker_id=%s failed: %r", info.worker_id, exc)
+            return info.worker_id, None
+        queries = stats.prefix_cache_queries
+        return info.worker_id, (stats.prefix_cache_hits / queries if queries > 0 else None)
+
+    pairs = await asyncio.gather(*(one(info) for info in workers))
+    return {worker_id: rate for worker_id, rate in pairs if rate is not None}
+
+
+def window_to_proto(window: Window) -> pb.TrafficWindow:
+    out = pb.TrafficWindow(window_s=window.span_s, num_requests=window.num_requests, rate=window.rate_per_s,
+                           mean_isl=window.mean_isl or 0.0, mean_osl=window.mean_osl or 0.0)
+    for name in ("ttft", "itl"):
+        if (p := getattr(window, name)) is not None:
+            getattr(out, name).CopyFrom(_percentiles(p))
+    return out
+
+
+def _percentiles(p: Percentiles) -> pb.LatencyPercentiles:
+    return pb.LatencyPercentiles(count=p.count, p50_ms=p.p50_s * 1e3, p90_ms=p.p90_s * 1e3, p99_ms=p.p99_s * 1e3)
+
+
+def traffic_terms(window: Window) -> list[planner.Term]:
+    """The observed traffic, as plan terms (pool ``traffic``)."""
+    terms = [planner.Term(pool="traffic", name="window", value=window.span_s, unit="s",
+                          note=f"{window.num_requests} finished requests"),
+             planner.Term(pool="traffic", name="rate", value=window.rate_per_s, unit="req/s", note="observed"),
+             planner.Term(pool="traffic", name="mean isl", value=window.mean_isl or 0.0, unit="tokens"),
+             planner.Term(pool="traffic", name="mean osl", value=window.mean_osl or 0.0, unit="tokens")]
+    for name, p in (("TTFT", window.ttft), ("ITL", window.itl)):
+        if p is not None:
+            terms.append(planner.Term(pool="traffic", name=f"measured {name} p90", value=p.p90_s * 1e3, unit="ms",
+                                      note=f"p50 {p.p50_s * 1e3:.3g} ms, p99 {p.p99_s * 1e3:.3g} ms, n = {p.count}"))
+    return terms
+
+
+def plan_to_proto(plan: planner.Plan, *, applied: bool, extra_terms: list[planner.Term] = (),
+                  window: Window | None = None) -> pb.PlanResponse:
+    terms = [pb.PlanTerm(pool=t.pool, name=t.name, value=t.value, unit=t.unit, note=t.note)
+             for t in (*extra_terms, *plan.terms)]
+    extra = "".join(f"{t.pool:<8} {t.name:<28} = {t.value:.4g} {t.unit}" + (f"  ({t.note})" if t.note else "") + "\n"
+                    for t in extra_terms)
+    response = pb.PlanResponse(prefill=plan.prefill, decode=plan.decode, prefill_raw=plan.prefill_plan.raw,
+                               decode_raw=plan.decode_plan.raw, feasible=plan.feasible, terms=terms,
+                               reasoning=extra + plan.explain(), applied=applied)
+    if window is not None:
+        response.traffic.CopyFrom(window_to_proto(window))
+    return response

@@ -1,0 +1,179 @@
+"""What the router served lately, from its own Prometheus histograms, and the planner's correction factors.
+
+The smallest honest mechanism: the router already records every finished request's TTFT, inter-token gaps,
+prompt and output tokens in cumulative histograms (``router.metrics``). ``TrafficRecorder`` keeps
+timestamped copies of them (one every ``period_s``, taken when asked) and a window is the difference between
+now and the newest copy at least ``window_s`` old — or the router's start, when it is younger; the window
+reports the span it actually covers. Percentiles interpolate inside buckets the way PromQL's
+``histogram_quantile`` does, so they match the dashboards (and share their bucket resolution).
+
+Corrections (measured / predicted, ``1.0`` when there is too little data): prefill compares the measured
+TTFT p90 with the M/D/1 prediction for the current prefill pool at the observed rate and ISL; decode
+compares the measured ITL p90 with the profile's ITL at the batch each decode worker runs by Little's law
+(``rate * osl * measured ITL p50 / workers``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from router import planner
+
+MIN_REQUESTS = 5  # fewer finished requests in the window: no correction
+MIN_GAPS = 20  # fewer inter-token gaps: no decode correction
+_SERIES = {"ttft": "baton:time_to_first_token_seconds", "itl": "baton:inter_token_latency_seconds",
+           "isl": "baton:request_prompt_tokens", "osl": "baton:request_generation_tokens"}
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """A cumulative Prometheus histogram: upper bounds (the last is inf) and cumulative counts."""
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[float, ...]
+    total: float  # sum of observations
+
+    @property
+    def count(self) -> float:
+        return self.cumulative[-1] if self.cumulative else 0.0
+
+    def minus(self, old: Histogram) -> Histogram:
+        if old.bounds != self.bounds:
+            return self
+        return Histogram(self.bounds, tuple(a - b for a, b in zip(self.cumulative, old.cumulative)),
+                         self.total - old.total)
+
+    def quantile(self, q: float) -> float | None:
+        """PromQL ``histogram_quantile``: linear inside the bucket; the last finite bound past it."""
+        if self.count <= 0:
+            return None
+        rank, lower, below = q * self.count, 0.0, 0.0
+        for bound, cumulative in zip(self.bounds, self.cumulative):
+            if cumulative >= rank:
+                if math.isinf(bound):
+                    return lower
+                inside = cumulative - below
+                return lower + (bound - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+            lower, below = bound, cumulative
+        return lower
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    at_s: float
+    series: dict[str, Histogram]  # keys of _SERIES
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Percentiles:
+    count: int
+    p50_s: float
+    p90_s: float
+    p99_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Window:
+    span_s: float
+    num_requests: int
+    rate_per_s: float
+    mean_isl: float | None
+    mean_osl: float | None
+    ttft: Percentiles | None
+    itl: Percentiles | None
+
+
+def read_histograms(registry) -> dict[str, Histogram]:
+    """The four request histograms of a ``prometheus_client`` registry (empty ones when absent)."""
+    rows: dict[str, list[tuple[float, float]]] = {key: [] for key in _SERIES}
+    sums: dict[str, float] = {key: 0.0 for key in _SERIES}
+    names = {name: key for key, name in _SERIES.items()}
+    for family in registry.collect():
+        key = names.get(family.name)
+        for sample in family.samples if key else ():
+            if sample.name.endswith("_bucket"):
+                rows[key].append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                sums[key] = sample.value
+    return {key: Histogram(tuple(b for b, _ in sorted(r)), tuple(c for _, c in sorted(r)), sums[key])
+            for key, r in rows.items()}
+
+
+def window_between(new: Snapshot, old: Snapshot) -> Window:
+    delta = {key: new.series[key].minus(old.series[key]) for key in _SERIES}
+    span_s = max(new.at_s - old.at_s, 1e-9)
+    requests = delta["isl"].count
+    mean = lambda h: h.total / h.count if h.count > 0 else None  # noqa: E731
+    return Window(span_s=span_s, num_requests=int(requests), rate_per_s=requests / span_s,
+                  mean_isl=mean(delta["isl"]), mean_osl=mean(delta["osl"]),
+                  ttft=_percentiles(delta["ttft"]), itl=_percentiles(delta["itl"]))
+
+
+def _percentiles(histogram: Histogram) -> Percentiles | None:
+    if histogram.count <= 0:
+        return None
+    p50, p90, p99 = (histogram.quantile(q) for q in (0.5, 0.9, 0.99))
+    return Percentiles(count=int(histogram.count), p50_s=p50, p90_s=p90, p99_s=p99)  # type: ignore[arg-type]
+
+
+class TrafficRecorder:
+    """Timestamped copies of the router's histograms; the first is the empty state at the router's start."""
+
+    def __init__(self, registry, start_s: float, *, period_s: float = 10.0, keep_s: float = 3600.0) -> None:
+        self._registry, self.period_s, self.keep_s = registry, period_s, keep_s
+        empty = {key: Histogram(h.bounds, tuple(0.0 for _ in h.cumulative), 0.0)
+                 for key, h in read_histograms(registry).items()}
+        self._snapshots: deque[Snapshot] = deque([Snapshot(start_s, empty)])
+
+    def record(self, now_s: float) -> Snapshot:
+        current = Snapshot(now_s, read_histograms(self._registry))
+        if now_s - self._snapshots[-1].at_s >= self.period_s:
+            self._snapshots.append(current)
+        while len(self._snapshots) > 1 and now_s - self._snapshots[1].at_s > self.keep_s:
+            self._snapshots.popleft()
+        return current
+
+    def window(self, now_s: float, window_s: float) -> Window:
+        current = self.record(now_s)
+        base = self._snapshots[0]
+        for snapshot in self._snapshots:
+            if now_s - snapshot.at_s >= window_s:
+                base = snapshot
+        return window_between(current, base)
+
+
+def corrections(window: Window, prefill: planner.PrefillProfile, decode: planner.DecodeProfile, *,
+                prefill_workers: int, decode_workers: int) -> tuple[planner.Corrections, list[planner.Term]]:
+    """Measured / predicted latency for each pool (1.0 and a note saying why, when it cannot be measured)."""
+    p, p_note = _prefill_correction(window, prefill, prefill_workers)
+    d, d_note = _decode_correction(window, decode, decode_workers)
+    terms = [planner.Term(pool="prefill", name="measured correction", value=p, unit="x", note=p_note),
+             planner.Term(pool="decode", name="measured correction", value=d, unit="x", note=d_note)]
+    return planner.Corrections(prefill=p, decode=d), terms
+
+
+def _prefill_correction(window: Window, profile: planner.PrefillProfile, workers: int) -> tuple[float, str]:
+    if window.ttft is None or window.num_requests < MIN_REQUESTS or window.mean_isl is None:
+        return 1.0, f"fewer than {MIN_REQUESTS} requests in the window"
+    if workers < 1:
+        return 1.0, "no prefill workers: TTFT came from local prefill"
+    _, predicted_s = planner.prefill_ttft_p90_s(window.rate_per_s, profile.service_time_s(window.mean_isl), workers)
+    if not math.isfinite(predicted_s) or predicted_s <= 0:
+        return 1.0, f"the model predicts an unstable queue at {workers} workers"
+    return window.ttft.p90_s / predicted_s, (f"TTFT p90 {window.ttft.p90_s * 1e3:.1f} ms measured / "
+                                             f"{predicted_s * 1e3:.1f} ms predicted at {workers} workers")
+
+
+def _decode_correction(window: Window, profile: planner.DecodeProfile, workers: int) -> tuple[float, str]:
+    if window.num_requests < MIN_REQUESTS or window.mean_osl is None:
+        return 1.0, f"fewer than {MIN_REQUESTS} requests in the window"
+    if window.itl is None or window.itl.count < MIN_GAPS:
+        return 1.0, f"fewer than {MIN_GAPS} inter-token gaps in the window"
+    if workers < 1:
+        return 1.0, "no decode workers"
+    batch = max(1.0, window.rate_per_s * window.mean_osl * window.itl.p50_s / workers)
+    predicted_s = planner.interpolate(profile.batch_sizes, profile.itl_s, batch)
+    return window.itl.p90_s / predicted_s, (f"ITL p90 {window.itl.p90_s * 1e3:.2f} ms measured / "
+                                            f"{predicted_s * 1e3:.2f} ms predicted at batch {batch:.1f}")

@@ -1,0 +1,83 @@
+"""The KV transport per worker pair, with real processes: each worker serves every transport it was
+started with; a pull uses the puller's first transport the server offers (shown in the timings); a
+decode worker without the deployment's data-plane secret reads nothing and recomputes locally."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from kv_transfer.registry import Registry, connect
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
+from tests.integration.cluster import Cluster
+from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, _wait_serving, assert_pools_full, expected, model_dir  # noqa: F401
+from tests.redis_server import RedisServer, require_redis_server
+
+DECODES = {"d-nccl": ("nccl,tcp", True), "d-tcp": ("tcp", True), "d-nosecret": ("tcp,nccl", False)}
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):  # noqa: F811
+    require_redis_server()
+    redis = RedisServer.start()
+    logs = tmp_path_factory.mktemp("transport-logs")
+    secret = logs / "kv.secret"
+    secret.write_text("a-deployment-secret-of-32-bytes!\n")
+    cluster = Cluster(redis.url, model_dir, logs)
+    with_secret = ("--kv-secret-file", str(secret))
+    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", "tcp,nccl", *with_secret, worker_id="p0")]
+    for worker_id, (kinds, has_secret) in DECODES.items():
+        cluster.workers.append(cluster.start_worker("decode", "--kv-transport", kinds,
+                                                    *(with_secret if has_secret else ()), worker_id=worker_id))
+    try:
+        cluster.wait_for_workers({"p0", *DECODES})
+        cluster.router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "least_loaded")
+        _wait_serving(cluster.router.address)
+        yield cluster
+    finally:
+        cluster.stop_all()
+        redis.stop()
+
+
+def only(cluster, decode_id: str) -> None:
+    """Drain every decode worker but ``decode_id`` so the router has one choice."""
+    async def set_draining() -> None:
+        redis = connect(cluster.redis_url)
+        registry = Registry(redis, cluster.namespace)
+        for other in DECODES:
+            await (registry.remove_draining(other) if other == decode_id else registry.add_draining(other))
+        await redis.aclose()
+
+    asyncio.run(set_draining())
+    time.sleep(1.5)  # the router re-lists the registry every 0.5 s
+
+
+def generate(cluster, prompt: list[int]) -> tuple[list[int], pb.Timings]:
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(cluster.router.address))
+    params = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params),
+                                   timeout=60))
+    return [t for r in responses for t in r.token_ids], responses[-1].timings
+
+
+@pytest.mark.parametrize("decode_id, transport", [("d-nccl", "nccl"), ("d-tcp", "tcp")])
+def test_the_pair_uses_the_pullers_first_transport_the_server_offers(cluster, expected, decode_id, transport):  # noqa: F811
+    only(cluster, decode_id)
+    for i in (20, 23):  # long enough to prefill remotely
+        tokens, timings = generate(cluster, PROMPTS[i])
+        assert tokens == expected[i]
+        assert (timings.route_kind, timings.decode_worker, timings.prefill_worker) == ("remote", decode_id, "p0")
+        assert timings.transport == transport and timings.transfer_bytes > 0, timings
+    assert_pools_full(cluster)
+
+
+def test_a_decode_worker_without_the_secret_reads_nothing_and_recomputes(cluster, expected):  # noqa: F811
+    only(cluster, "d-nosecret")
+    tokens, timings = generate(cluster, PROMPTS[21])
+    assert tokens == expected[21]  # recomputed locally: the same tokens
+    assert timings.transfer_bytes == 0 and "unauthenticated" in timings.route_reason, timings
+    assert_pools_full(cluster)  # P's lease was released although nobody read it

@@ -1,0 +1,72 @@
+"""``bench.kv_transfer`` on a tiny size (tcp + raw only) and the peers' READ descriptors; no peer packages."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+
+import numpy as np
+import pytest
+
+from bench import kv_peers, kv_transfer
+from kv_transfer.layout import KVBuffer
+
+SMALL = kv_transfer.SMALL
+
+
+def test_tiny_run_writes_results_with_the_expected_bytes(tmp_path, monkeypatch):
+    for name, value in kv_transfer.ENV_DEFAULTS.items():  # main sets them; restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, value))
+    out = tmp_path / "kv.json"
+    kv_transfer.main(["--tokens", "64", "--runs", "2", "--transports", "tcp", "nosuch", "--peers", "--out", str(out)])
+
+    doc = json.loads(out.read_text())
+    assert doc["runs"] == 2
+    assert set(doc["systems"]) == {"raw", "tcp"}
+    assert set(doc["skipped"]) == {"nosuch"}  # an unknown kind is reported, not a crash
+    [result] = doc["results"]
+    assert (result["tokens"], result["blocks"]) == (64, 4)
+    assert result["num_bytes"] == 4 * SMALL.bytes_per_block == 4 * 128 * 1024
+    assert set(result["systems"]) == {"raw", "tcp/contiguous", "tcp/scattered"}
+    for name, stats in result["systems"].items():
+        assert stats["bytes_moved"] == result["num_bytes"], name
+        assert len(stats["seconds"]) == 2 and all(s > 0 for s in stats["seconds"])
+        assert stats["gbps"] > 0 and 0 < stats["p50_ms"] <= stats["p99_ms"]
+    assert result["systems"]["raw"]["ratio_vs_raw"] == 1.0
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_read_descriptors_cover_exactly_the_requested_blocks():
+    src, dst = _filled(12), KVBuffer.allocate(SMALL, 10)
+    src_ids, dst_ids = [1, 2, 3, 7, 8, 11], [0, 1, 5, 2, 3, 9]
+    src_addrs, dst_addrs, lengths = kv_peers.read_descriptors(
+        kv_peers.buffer_address(src), src.num_blocks, dst, src_ids, dst_ids
+    )
+    # runs consecutive on both sides: (1,0,2) (3,5,1) (7,2,2) (11,9,1) -> 4 per layer
+    assert len(lengths) == 4 * SMALL.num_layers
+    assert int(lengths.sum()) == len(src_ids) * SMALL.bytes_per_block
+    for s, d, n in zip(src_addrs.tolist(), dst_addrs.tolist(), lengths.tolist()):
+        ctypes.memmove(d, s, n)  # what a READ does
+    expected = KVBuffer.allocate(SMALL, 10)
+    expected.copy_blocks_from(src, src_ids, dst_ids)
+    assert np.array_equal(dst.array, expected.array)
+
+
+def test_prompt_blocks_are_distinct_and_in_range():
+    src_ids, patterns = kv_transfer.prompt_blocks(1000, 200)
+    assert len(src_ids) == 63 and src_ids == sorted(set(src_ids)) and max(src_ids) < 200
+    assert patterns["contiguous"] == list(range(63))
+    assert len(set(patterns["scattered"])) == 63 and max(patterns["scattered"]) < 200
+
+
+def test_a_peer_that_does_not_import_is_unavailable_with_the_reason(monkeypatch):
+    monkeypatch.setitem(kv_peers._MODULES, "nixl", "baton_no_such_module")
+    with pytest.raises(kv_peers.PeerUnavailable, match="nixl-cu12 not usable.*baton_no_such_module"):
+        kv_peers.check_available("nixl")
+
+
+def _filled(num_blocks: int) -> KVBuffer:
+    buffer = KVBuffer.allocate(SMALL, num_blocks)
+    buffer.array[:] = np.random.default_rng(0).integers(0, 256, buffer.array.shape, dtype=np.uint8)
+    return buffer

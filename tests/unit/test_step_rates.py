@@ -1,0 +1,51 @@
+"""The engine measures its own prefill rate and decode step time (reported with the worker's heartbeat)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.core.outputs import ScheduledSeq, SchedulerOutput
+from engine.core.request import Request
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from engine.step_rates import StepRates
+from engine.tiny import build_model
+
+
+def request(rid: str, prompt_len: int, outputs: int = 0) -> Request:
+    r = Request(request_id=rid, prompt_token_ids=list(range(1, prompt_len + 1)), sampling_params=SamplingParams(),
+                seed=0, eos_token_ids=frozenset(), arrival_time=0.0)
+    for token in range(outputs):
+        r.append_output_token(token + 1)
+    return r
+
+
+def step(*slices: tuple[Request, int, int]) -> SchedulerOutput:
+    seqs = tuple(ScheduledSeq(r, start, n, (0,), True) for r, start, n in slices)
+    return SchedulerOutput(seqs=seqs, num_batched_tokens=sum(n for _, _, n in slices))
+
+
+def test_prefill_and_decode_samples_are_told_apart():
+    rates = StepRates(alpha=0.5)
+    a, b, c = request("a", 100), request("b", 10, outputs=3), request("c", 10, outputs=5)
+    rates.observe(step((a, 0, 64)), 0.010)  # 64 prompt tokens in 10 ms
+    assert rates.prefill_tokens_per_s == pytest.approx(6400.0) and rates.decode_step_s is None
+    rates.observe(step((a, 64, 36), (b, 12, 1)), 0.005)  # 36 prompt tokens + a decode: a prefill sample
+    assert rates.prefill_tokens_per_s == pytest.approx((6400.0 + 7200.0) / 2)
+    rates.observe(step((b, 12, 1), (c, 14, 1)), 0.004)  # two decodes
+    rates.observe(step((b, 13, 1)), 0.002)  # one decode
+    assert rates.decode_step_s == pytest.approx(0.003) and rates.decode_batch_size == pytest.approx(1.5)
+    rates.observe(step((a, 0, 4), (b, 14, 1)), 0.003)  # too few prompt tokens to tell: neither
+    assert rates.decode_step_s == pytest.approx(0.003) and rates.prefill_tokens_per_s == pytest.approx(6800.0)
+
+
+def test_a_real_engine_reports_what_its_steps_took(tmp_path):
+    engine = Engine(EngineConfig(model=str(build_model("tiny", tmp_path, train_steps=5, progress=lambda _: None)),
+                                 num_blocks=64, block_size=4, num_threads=1))
+    assert engine.step_rates.prefill_tokens_per_s is None
+    engine.add_request("r0", list(range(5, 105)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.step_rates.prefill_tokens_per_s > 100  # 100 tokens in one step, far faster than 1 s
+    assert 0 < engine.step_rates.decode_step_s < 1 and engine.step_rates.decode_batch_size == 1.0

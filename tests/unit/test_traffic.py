@@ -1,0 +1,154 @@
+"""`plan --from-traffic`: windows over the router's own request histograms, percentiles as PromQL computes
+them, correction factors from measured vs predicted latency, and known windows -> known plans (pure), then
+through a real in-process router's Admin service (GetTraffic, Plan(from_traffic), `baton admin status`)."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from router import admin_cli, planner
+from router.metrics import RouterMetrics
+from router.trace import RequestTrace
+from router.traffic import Histogram, Percentiles, TrafficRecorder, Window, corrections
+from tests.redis_server import RedisServer, require_redis_server
+from tests.unit.test_admin_server import NS, register, start, worker
+from tests.unit.test_router_server import LoopThread, make_model_folder
+
+PREFILL = planner.PrefillProfile(prompt_lens=(128, 4096), tokens_per_s=(1e4, 1e4))  # D = 100 ms at isl 1000
+DECODE = planner.DecodeProfile(batch_sizes=(1, 8, 32, 64), itl_s=(0.010, 0.012, 0.020, 0.036))
+
+
+def finish(metrics: RouterMetrics, *, ttft_s: float, gaps_s: list[float], isl: int, osl: int) -> None:
+    """One finished request, recorded the way the relay records it."""
+    trace = RequestTrace(clock=lambda: 0.0)
+    trace.first_token_s, trace.token_gaps_s = ttft_s, gaps_s
+    metrics.request_finished(trace, num_prompt_tokens=isl, num_output_tokens=osl, finished_reason="length")
+
+
+def test_histogram_quantile_interpolates_inside_the_bucket_like_promql():
+    h = Histogram(bounds=(1.0, 2.0, 4.0, math.inf), cumulative=(0.0, 10.0, 10.0, 12.0), total=0.0)
+    assert h.quantile(0.5) == pytest.approx(1.6)  # rank 6 of 12: 6 of the 10 inside (1, 2]
+    assert h.quantile(0.99) == 4.0  # in the +Inf bucket: the last finite bound
+    assert Histogram((1.0, math.inf), (0.0, 0.0), 0.0).quantile(0.5) is None
+
+
+def test_a_window_counts_the_requests_it_covers_and_their_means():
+    metrics = RouterMetrics()
+    recorder = TrafficRecorder(metrics.registry, start_s=0.0, period_s=10.0)
+    for _ in range(10):
+        finish(metrics, ttft_s=0.05, gaps_s=[0.02] * 19, isl=100, osl=20)
+    window = recorder.window(now_s=60.0, window_s=300.0)  # the router is younger than the window
+    assert (window.span_s, window.num_requests, window.mean_isl, window.mean_osl) == (60.0, 10, 100.0, 20.0)
+    assert window.rate_per_s == pytest.approx(10 / 60)
+    assert 0.04 < window.ttft.p50_s <= 0.06 and window.ttft.count == 10  # the (0.04, 0.06] bucket
+    assert 0.01 < window.itl.p90_s <= 0.025 and window.itl.count == 190
+    for _ in range(5):
+        finish(metrics, ttft_s=2.0, gaps_s=[0.02], isl=300, osl=2)
+    recent = recorder.window(now_s=90.0, window_s=30.0)  # from the copy taken at 60 s
+    assert (recent.span_s, recent.num_requests, recent.mean_isl, recent.mean_osl) == (30.0, 5, 300.0, 2.0)
+    assert 1.0 < recent.ttft.p50_s <= 2.5
+    assert recorder.window(now_s=200.0, window_s=60.0).num_requests == 0  # nothing since 90 s
+
+
+def window(**overrides) -> Window:
+    fields = dict(span_s=60.0, num_requests=600, rate_per_s=10.0, mean_isl=1000.0, mean_osl=200.0,
+                  ttft=Percentiles(count=600, p50_s=0.3, p90_s=0.52, p99_s=0.9),
+                  itl=Percentiles(count=10_000, p50_s=0.012, p90_s=0.016, p99_s=0.03))
+    return Window(**{**fields, **overrides})
+
+
+def test_corrections_are_measured_over_predicted_latency():
+    found, terms = corrections(window(), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
+    # prefill: 2 M/D/1 queues at rho 0.5, D 100 ms: 100 + 100 ln 5 / (2 * 0.5) = 260.9 ms predicted
+    assert found.prefill == pytest.approx(0.52 / (0.1 + 0.1 * math.log(5)))
+    # decode: Little gives 10 * 200 * 12 ms / 2 = 12 seqs per worker; the profile's ITL there is 13.33 ms
+    assert found.decode == pytest.approx(0.016 / 0.0133333333)
+    assert [t.name for t in terms] == ["measured correction", "measured correction"]
+
+
+def test_too_little_data_or_no_pool_means_no_correction():
+    few, _ = corrections(window(num_requests=3), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
+    assert few == planner.Corrections(prefill=1.0, decode=1.0)
+    local, terms = corrections(window(), PREFILL, DECODE, prefill_workers=0, decode_workers=2)
+    assert local.prefill == 1.0 and "local prefill" in terms[0].note
+    unstable, terms = corrections(window(), PREFILL, DECODE, prefill_workers=1, decode_workers=2)
+    assert unstable.prefill == 1.0 and "unstable" in terms[0].note
+
+
+def test_a_known_window_gives_a_known_plan():
+    slo = planner.Slo(ttft_p90_s=0.5, itl_p90_s=0.018)
+    traffic = planner.Traffic(rate_per_s=10.0, mean_isl=1000.0, mean_osl=200.0)
+    trusting = planner.plan_pools(slo, traffic, PREFILL, DECODE)
+    assert (trusting.prefill, trusting.decode) == (2, 2)
+    measured, _ = corrections(window(), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
+    corrected = planner.plan_pools(slo, traffic, PREFILL, DECODE, corrections=measured)
+    # TTFT runs 2x the model: 2 workers now predict 520 ms > 500; decode's ITL 1.2x: 17 seqs fit, 36 run
+    assert (corrected.prefill, corrected.decode) == (3, 3)
+
+
+# ---- through a real router's Admin service ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory) -> Iterator[tuple]:
+    require_redis_server()
+    loop = LoopThread()
+    with RedisServer.start() as server:
+        running = start(loop, server, make_model_folder(tmp_path_factory.mktemp("m") / "tiny"), NS, None)
+        try:
+            yield running, server, loop
+        finally:
+            loop.run(running.stop(0.5))
+            loop.close()
+
+
+def test_plan_from_traffic_through_the_admin_service(router):
+    running, server, loop = router
+    register(loop, server, (worker("d1", "decode"), None))  # a registry entry: one decode worker is live
+    stub = pb_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{running.port}"))
+    request = pb.PlanRequest(ttft_p90_ms=500, itl_p90_ms=18, from_traffic=True, traffic_window_s=600,
+                             prefill_curve=pb.PrefillCurve(prompt_lens=[128, 4096], tokens_per_s=[1e4, 1e4]),
+                             decode_curve=pb.DecodeCurve(batch_sizes=[1, 8, 32, 64], itl_ms=[10, 12, 20, 36]))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Plan(request, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no finished requests" in refused.value.details()
+    for _ in range(8):
+        finish(running.relay.metrics, ttft_s=0.05, gaps_s=[0.012] * 30, isl=1000, osl=31)
+    seen = stub.GetTraffic(pb.GetTrafficRequest(window_s=600), timeout=5)
+    assert (seen.num_requests, seen.mean_isl, seen.mean_osl, seen.ttft.count, seen.itl.count) == (8, 1000, 31, 8, 240)
+    plan = stub.Plan(request, timeout=5)
+    assert plan.traffic.num_requests == 8 and plan.traffic.rate == pytest.approx(8 / plan.traffic.window_s, rel=0.05)
+    terms = {(t.pool, t.name): t for t in plan.terms}
+    assert terms[("traffic", "mean isl")].value == 1000 and terms[("traffic", "rate")].value == plan.traffic.rate
+    assert terms[("prefill", "measured correction")].value == 1.0  # no prefill workers registered: local TTFT
+    assert "no prefill workers" in terms[("prefill", "measured correction")].note
+    decode_correction = terms[("decode", "measured correction")].value
+    assert decode_correction != 1.0 and "ITL p90" in terms[("decode", "measured correction")].note
+    expected = planner.plan_pools(planner.Slo(ttft_p90_s=0.5, itl_p90_s=0.018),
+                                  planner.Traffic(rate_per_s=plan.traffic.rate, mean_isl=1000, mean_osl=31),
+                                  PREFILL, DECODE, corrections=planner.Corrections(decode=decode_correction))
+    assert (plan.prefill_raw, plan.decode_raw) == (expected.prefill_plan.raw, expected.decode_plan.raw)
+    out = io.StringIO()
+    assert admin_cli.main(["--router", f"127.0.0.1:{running.port}", "--json", "plan", "--ttft-p90", "500",
+                           "--itl-p90", "18", "--from-traffic", "--window", "600", "--prefill-correction", "3"],
+                          out=out, err=io.StringIO()) == 1  # no profile stored in Redis and none given
+    status = io.StringIO()
+    assert admin_cli.main(["--router", f"127.0.0.1:{running.port}", "status"], out=status) == 0
+    text = status.getvalue()
+    assert "8 requests" in text and "mean isl 1000, osl 31" in text
+    ttft_row = next(line.split() for line in text.splitlines() if line.startswith("TTFT ms"))
+    assert ttft_row[2] == "8" and 40 < float(ttft_row[3]) <= 60
+
+
+def test_plan_without_traffic_flags_needs_rate_isl_osl(router):
+    running, _, _ = router
+    err = io.StringIO()
+    code = admin_cli.main(["--router", f"127.0.0.1:{running.port}", "plan", "--ttft-p90", "500", "--itl-p90",
+                           "18", "--rate", "1"], out=io.StringIO(), err=err)
+    assert code == 2 and "--rate, --isl and --osl, or --from-traffic" in err.getvalue()

@@ -1,0 +1,45 @@
+"""The worker's KV data-plane flags reach its config and its transport settings (what it pulls with)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefill_node.main import parser, worker_config
+from prefill_node.node import transport_config
+
+
+def config(role: str, *flags: str):
+    return worker_config(role, parser(role).parse_args(["--redis-url", "redis://127.0.0.1:1/0", *flags]))
+
+
+def test_defaults_advertise_what_is_served_and_pull_without_checksums():
+    c = config("decode")
+    assert c.kv_advertise_uri is None and c.kv_checksum is False and c.kv_io_timeout_s == 10.0
+    pull = transport_config(c)
+    assert pull.checksum is False and pull.io_timeout_s == 10.0
+
+
+def test_flags_set_the_advertised_uri_checksums_and_the_pull_timeout():
+    c = config("decode", "--kv-advertise-uri", "tcp://10.0.0.7:6000", "--kv-checksum", "--kv-io-timeout-s", "2")
+    assert c.kv_advertise_uri == "tcp://10.0.0.7:6000"
+    pull = transport_config(c)
+    assert pull.checksum is True and pull.io_timeout_s == 2.0
+    assert config("prefill", "--kv-advertise-uri", "tcp://proxy:1").kv_advertise_uri == "tcp://proxy:1"
+
+
+def test_kv_transport_list_and_secret_reach_the_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("BATON_KV_SECRET", raising=False)
+    assert config("decode").kv_transport == "tcp" and config("decode").kv_secret is None
+    assert config("decode", "--kv-transport", "nccl,tcp").kv_transport == "nccl,tcp"
+    secret = tmp_path / "kv.secret"
+    secret.write_text("0123456789abcdef0123\n")
+    c = config("decode", "--kv-secret-file", str(secret))
+    assert c.kv_secret == b"0123456789abcdef0123" and "0123456789abcdef" not in repr(c)
+    assert transport_config(c).secret == c.kv_secret
+    monkeypatch.setenv("BATON_KV_SECRET", "from-the-environment-0123")
+    assert config("prefill").kv_secret == b"from-the-environment-0123"
+    with pytest.raises(ValueError, match="carrier-pigeon"):
+        config("decode", "--kv-transport", "tcp,carrier-pigeon")
+    secret.write_text("short")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        config("decode", "--kv-secret-file", str(secret))
