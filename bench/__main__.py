@@ -1,4 +1,4 @@
-"""``baton bench <name>``: run one benchmark (``throughput``; more land with later issues)."""
+"""``baton bench <name>``: run one benchmark (throughput, kv-transfer, ..., serve, compare, faults, soak)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ _BENCHMARKS = {
     "decision-latency": "bench.decision_latency",
     "routing": "bench.routing",
     "serve": "bench.serve",
+    "compare": "bench.compare",
+    "faults": "bench.faults",
+    "soak": "bench.soak",
+    "layerwise": "bench.layerwise",
+    "planner": "bench.planner",
 }
 
 

@@ -9,7 +9,9 @@ the worker reports them (``WorkerLoad.prefill_tokens_per_s`` / ``decode_step_s``
   chunk budget that is the chunked rate, which is what local prefill on a decode worker gets):
   ``prompt tokens / step seconds`` (decodes riding along make it a slight under-estimate, as they should:
   the rate is what a new prompt will get);
-- any other step with running decodes is a decode sample: its seconds, at the batch size it ran.
+- any other step with running decodes is a decode sample: its seconds, at the batch size it ran; the
+  engine also fits ``step = base + per_seq x batch`` over those samples (EWMA moments), so the router
+  learns how much one more sequence slows this worker's steps -- on a CPU that slope is most of the step.
 
 One ``perf_counter`` pair and a pass over the step's sequences per step (the same pass the scheduler
 already makes); nothing per token.
@@ -29,6 +31,9 @@ class StepRates:
     prefill_tokens_per_s: float | None = None
     decode_step_s: float | None = None
     decode_batch_size: float | None = None  # the mean batch the decode step time was measured at
+    decode_step_per_seq_s: float | None = None  # fitted slope of step time over batch size (None: too little spread)
+    _bb: float | None = None  # EWMA of batch^2 ...
+    _by: float | None = None  # ... and of batch x step seconds
 
     def observe(self, output: SchedulerOutput, seconds: float) -> None:
         if seconds <= 0:
@@ -40,6 +45,12 @@ class StepRates:
         elif decodes and not prompt_tokens:
             self.decode_step_s = self._ewma(self.decode_step_s, seconds)
             self.decode_batch_size = self._ewma(self.decode_batch_size, float(decodes))
+            self._bb = self._ewma(self._bb, float(decodes * decodes))
+            self._by = self._ewma(self._by, decodes * seconds)
+            var = self._bb - self.decode_batch_size ** 2
+            if var > 0.25:  # batch sizes varied enough to tell the slope
+                slope = (self._by - self.decode_batch_size * self.decode_step_s) / var
+                self.decode_step_per_seq_s = max(slope, 0.0)
 
     def _ewma(self, value: float | None, sample: float) -> float:
         return sample if value is None else value + self.alpha * (sample - value)

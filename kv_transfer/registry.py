@@ -82,6 +82,7 @@ class WorkerLoad:
     prefill_tokens_per_s: float | None = None
     decode_step_s: float | None = None  # the engine's measured decode step ...
     decode_batch_size: float | None = None  # ... at this mean batch size
+    decode_step_per_seq_s: float | None = None  # ... and what one more sequence adds to it
     reported_unix_ms: int | None = None  # set by the heartbeat when left None
 
     def to_fields(self) -> dict[str, str]:
@@ -97,6 +98,7 @@ class WorkerLoad:
             free_blocks=int(fields["free_blocks"]), queued_prefill_tokens=int(fields["queued_prefill_tokens"]),
             prefill_tokens_per_s=opt("prefill_tokens_per_s", float), decode_step_s=opt("decode_step_s", float),
             decode_batch_size=opt("decode_batch_size", float),
+            decode_step_per_seq_s=opt("decode_step_per_seq_s", float),
             reported_unix_ms=opt("reported_unix_ms", int),
         )
 

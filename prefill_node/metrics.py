@@ -18,6 +18,7 @@ TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 class WorkerMetrics:
     def __init__(self, worker_id: str, registry: CollectorRegistry | None = None) -> None:
         self.worker_id = worker_id
+        self.transfer_bytes_total, self.transfer_seconds_total = 0, 0.0  # for Stats (admin status)
         self.registry = registry if registry is not None else CollectorRegistry()
         r, w = self.registry, ["worker_id"]
         self._running = Gauge("baton:num_requests_running", "Requests in the engine's running batch", w, registry=r)
@@ -59,6 +60,8 @@ class WorkerMetrics:
         self._last = stats
 
     def kv_transfer(self, num_bytes: int, seconds: float, transport: str = "tcp") -> None:
+        self.transfer_bytes_total += num_bytes
+        self.transfer_seconds_total += seconds
         self._transfer_bytes.labels(self.worker_id).inc(num_bytes)
         self._transfer_s.labels(self.worker_id).observe(seconds)
         self._transfers.labels(worker_id=self.worker_id, transport=transport).inc()

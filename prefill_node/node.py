@@ -228,7 +228,8 @@ def _load(engine: Engine, stats: SchedulerStats) -> WorkerLoad:
     rates = engine.step_rates
     return WorkerLoad(running=stats.num_running, waiting=stats.num_waiting, free_blocks=stats.num_free_blocks,
                       queued_prefill_tokens=max(queued, 0), prefill_tokens_per_s=rates.prefill_tokens_per_s,
-                      decode_step_s=rates.decode_step_s, decode_batch_size=rates.decode_batch_size)
+                      decode_step_s=rates.decode_step_s, decode_batch_size=rates.decode_batch_size,
+                      decode_step_per_seq_s=rates.decode_step_per_seq_s)
 
 
 def _layout(engine: Engine) -> KVLayout:

@@ -124,7 +124,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             num_total_blocks=stats.num_total_blocks, num_open_leases=len(self.node.leases),
             queued_prefill_tokens=load.queued_prefill_tokens, kv_cache_usage=stats.kv_cache_usage,
             prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
-            num_preemptions=stats.num_preemptions,
+            num_preemptions=stats.num_preemptions, kv_transfer_bytes=self.node.metrics.transfer_bytes_total,
+            kv_transfer_seconds=self.node.metrics.transfer_seconds_total,
         )
 
 

@@ -26,7 +26,7 @@ from engine.errors import InvalidRequest
 from kv_transfer.registry import ROLES, Registry
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router import planner, traffic as traffic_mod
-from router.admin_convert import (curve_dict, plan_to_proto, prefix_hit_rates, traffic_terms, window_to_proto,
+from router.admin_convert import (curve_dict, plan_to_proto, traffic_terms, worker_rates, window_to_proto,
                                   worker_to_proto)
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         await self._authorize(context)
         draining, now_ms = await self._registry.list_draining(), int(time.time() * 1000)
         listed = await self._registry.list_workers()
-        rates = await prefix_hit_rates([info for info, _ in listed], self._stats_timeout_s)
-        workers = [worker_to_proto(info, load, info.worker_id in draining, now_ms, rates.get(info.worker_id))
+        rates = await worker_rates([info for info, _ in listed], self._stats_timeout_s)
+        workers = [worker_to_proto(info, load, info.worker_id in draining, now_ms,
+                                   *rates.get(info.worker_id, (None, None)))
                    for info, load in listed]
         return pb.ListWorkersResponse(workers=workers)
 

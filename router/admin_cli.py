@@ -121,8 +121,8 @@ class Printer:
                traffic: pb.TrafficWindow | None) -> None:
         rows = [self._worker_row(w) for w in workers.workers]
         headers = ["WORKER", "ROLE", "ADDRESS", "STATE", "RUN", "WAIT", "KV USED", "FREE/TOTAL", "LOAD AGE",
-                   "PREFIX HIT"]
-        self.lines(table(headers, rows, right=(4, 5, 6, 7, 8, 9)) if rows else ["no workers registered"])
+                   "PREFIX HIT", "KV GB/S"]
+        self.lines(table(headers, rows, right=(4, 5, 6, 7, 8, 9, 10)) if rows else ["no workers registered"])
         self.out.write("\n")
         pool_rows = [[p.role, str(p.desired) if p.HasField("desired") else "-", str(p.actual), str(p.draining)]
                      for p in pools.pools]
@@ -146,7 +146,8 @@ class Printer:
         if not w.has_load:
             load = ["-", "-", "-", f"-/{w.num_total_blocks}", "-"]
         hit = f"{w.prefix_cache_hit_rate:.0%}" if w.HasField("prefix_cache_hit_rate") else "-"
-        return [w.worker_id, w.role, w.grpc_address, self.paint(state, code), *load, hit]
+        gbps = f"{w.transfer_gbps:.2f}" if w.HasField("transfer_gbps") else "-"
+        return [w.worker_id, w.role, w.grpc_address, self.paint(state, code), *load, hit, gbps]
 
 
 def traffic_lines(t: pb.TrafficWindow) -> list[str]:

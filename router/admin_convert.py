@@ -25,7 +25,7 @@ def curve_dict(curve: pb.PrefillCurve | pb.DecodeCurve) -> dict[str, Any]:
 
 
 def worker_to_proto(info: WorkerInfo, load: WorkerLoad | None, draining: bool, now_ms: int,
-                    prefix_hit_rate: float | None = None) -> pb.AdminWorker:
+                    prefix_hit_rate: float | None = None, transfer_gbps: float | None = None) -> pb.AdminWorker:
     worker = pb.AdminWorker(
         worker_id=info.worker_id, role=info.role, grpc_address=info.grpc_address, kv_uri=info.kv_uri,
         state=pb.WORKER_STATE_DRAINING if draining else pb.WORKER_STATE_UP, num_total_blocks=info.total_blocks,
@@ -39,26 +39,28 @@ def worker_to_proto(info: WorkerInfo, load: WorkerLoad | None, draining: bool, n
             worker.load_age_ms = max(0, now_ms - load.reported_unix_ms)
     if prefix_hit_rate is not None:
         worker.prefix_cache_hit_rate = prefix_hit_rate
+    if transfer_gbps is not None:
+        worker.transfer_gbps = transfer_gbps
     return worker
 
 
-async def prefix_hit_rates(workers: list[WorkerInfo], timeout_s: float) -> dict[str, float]:
-    """Each worker's prefix-cache hit rate since it started, from its ``Stats`` (concurrent, short deadline).
-
-    A worker that does not answer in time (or serves TLS only) is left out: its row shows no rate.
-    """
-    async def one(info: WorkerInfo) -> tuple[str, float | None]:
+async def worker_rates(workers: list[WorkerInfo], timeout_s: float) -> dict[str, tuple[float | None, float | None]]:
+    """Each worker's (prefix-cache hit rate, KV pull GB/s) since it started, from its ``Stats`` (concurrent,
+    short deadline). A worker that does not answer in time (or serves TLS only) is left out."""
+    async def one(info: WorkerInfo) -> tuple[str, tuple[float | None, float | None] | None]:
         try:
             async with grpc.aio.insecure_channel(info.grpc_address) as channel:
                 stats = await pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
             log.debug("Stats of worker_id=%s failed: %r", info.worker_id, exc)
             return info.worker_id, None
-        queries = stats.prefix_cache_queries
-        return info.worker_id, (stats.prefix_cache_hits / queries if queries > 0 else None)
+        queries, seconds = stats.prefix_cache_queries, stats.kv_transfer_seconds
+        hit = stats.prefix_cache_hits / queries if queries > 0 else None
+        gbps = stats.kv_transfer_bytes / seconds / 1e9 if seconds > 0 else None
+        return info.worker_id, (hit, gbps)
 
     pairs = await asyncio.gather(*(one(info) for info in workers))
-    return {worker_id: rate for worker_id, rate in pairs if rate is not None}
+    return {worker_id: rates for worker_id, rates in pairs if rates is not None}
 
 
 def window_to_proto(window: Window) -> pb.TrafficWindow:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from router.planner import PlannerConfig
 from router.policy import PolicyConfig
 
 DEFAULT_PORT = 50051
@@ -29,6 +30,7 @@ class RouterConfig:
     worker_list_ttl_s: float = 0.5  # how long a listing of the registry is reused
     control_rpc_timeout_s: float = 2.0  # Abort / ReleaseLease
     decode_retries: int = 1  # another decode worker when one fails before producing a token
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # `baton admin plan` limits and cool-downs
     max_inflight_requests: int | None = None  # admission limit: more in flight get RESOURCE_EXHAUSTED (None: none)
     shutdown_grace_s: float = 5.0
     index_mirror: bool = False  # mirror the KV index in memory from {ns}:events: lookups with no round trip

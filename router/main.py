@@ -15,6 +15,7 @@ from kv_transfer.registry import check_credentials, connect, redact_url, with_ca
 from proto import tls
 from router.config import DEFAULT_PORT, RouterConfig
 from router.cost_model import CostConfig
+from router.planner import PlannerConfig
 from router.policy import POLICIES, PolicyConfig
 from router.server import start_router
 
@@ -50,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prefill workers queueing more tokens count as saturated (default: no limit)")
     parser.add_argument("--policy", choices=POLICIES, default=PolicyConfig().policy,
                         help="routing policy: the cost model, or a baseline for benchmarks (default: %(default)s)")
+    parser.add_argument("--planner-max-workers", type=int, default=PlannerConfig().max_workers,
+                        help="the most workers per pool `baton admin plan` may ask for (default: %(default)s)")
+    parser.add_argument("--planner-down-cooldown-s", type=float, default=PlannerConfig().down_cooldown_s,
+                        help="after any pool change, wait this long before the planner shrinks a pool "
+                             "(default: %(default)s)")
     parser.add_argument("--index-mirror", action="store_true",
                         help="mirror the KV block index in memory from the {ns}:events stream: routing reads no "
                              "Redis per request, and every router replaying the stream agrees")
@@ -97,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ns=args.ns, host=args.host, port=args.port, model_name=args.model_name, max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror,
         max_inflight_requests=args.max_inflight_requests,
+        planner=PlannerConfig(max_workers=args.planner_max_workers, down_cooldown_s=args.planner_down_cooldown_s),
         policy=PolicyConfig(disagg_threshold_tokens=args.disagg_threshold_tokens,
                             max_queued_prefill_tokens=args.max_queued_prefill_tokens, policy=args.policy,
                             cost=CostConfig(temperature_s=args.router_temperature,

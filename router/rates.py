@@ -118,6 +118,7 @@ class Rates:
         self._kv_bytes_per_token = Ewma(self.config.alpha)
         self._overhead: dict[str, Ewma] = {}
         self._reported_base: dict[str, tuple[float, float]] = {}  # worker -> (its reported step base, when)
+        self._reported_slope: dict[str, tuple[float, float]] = {}  # worker -> (its reported per-seq slope, when)
 
     # ---- updates, from measured timings -------------------------------------------------------
     def observe_prefill(self, worker_id: str, num_tokens: int, prefill_ms: float) -> None:
@@ -187,12 +188,17 @@ class Rates:
         if fitted:
             _, per_seq_s, per_block_s = fit.line()
         if load is not None and load.decode_step_s:
+            if load.decode_step_per_seq_s is not None:  # the engine's own fit of its batch slope
+                per_seq_s = load.decode_step_per_seq_s
+                self._reported_slope[worker_id] = (per_seq_s, self._clock())
             measured_at = load.running if load.decode_batch_size is None else load.decode_batch_size
             used = max(total_blocks - load.free_blocks, 0) if total_blocks is not None else 0
             base_s = max(load.decode_step_s - per_seq_s * measured_at - per_block_s * used, 0.0)
             self._reported_base[worker_id] = (base_s, self._clock())
         elif reported := [b for b, at in self._reported_base.values() if self._fresh(at)]:
             base_s = sum(reported) / len(reported)
+            if slopes := [k for k, at in self._reported_slope.values() if self._fresh(at)]:
+                per_seq_s = sum(slopes) / len(slopes)
         elif fitted:
             base_s = fit.line()[0]
         elif peers := [f.line() for f in self._steps.values() if self._fresh(f.updated_s)]:

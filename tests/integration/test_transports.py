@@ -73,6 +73,9 @@ def test_the_pair_uses_the_pullers_first_transport_the_server_offers(cluster, ex
         assert (timings.route_kind, timings.decode_worker, timings.prefill_worker) == ("remote", decode_id, "p0")
         assert timings.transport == transport and timings.transfer_bytes > 0, timings
     assert_pools_full(cluster)
+    admin = pb_grpc.AdminStub(grpc.insecure_channel(cluster.router.address))
+    rows = {w.worker_id: w for w in admin.ListWorkers(pb.ListWorkersRequest(), timeout=10).workers}
+    assert rows[decode_id].HasField("transfer_gbps") and rows[decode_id].transfer_gbps > 0  # `baton admin status`
 
 
 def test_a_decode_worker_without_the_secret_reads_nothing_and_recomputes(cluster, expected):  # noqa: F811

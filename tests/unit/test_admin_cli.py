@@ -65,8 +65,8 @@ def test_status_prints_aligned_tables_without_colors_off_a_tty(router, redis, lo
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["WORKER", "ROLE", "ADDRESS", "STATE", "RUN", "WAIT", "KV", "USED", "FREE/TOTAL",
-                                "LOAD", "AGE", "PREFIX", "HIT"]
-    assert lines[1].split()[-1] == "-"  # no worker answers Stats at these addresses: no hit rate
+                                "LOAD", "AGE", "PREFIX", "HIT", "KV", "GB/S"]
+    assert lines[1].split()[-2:] == ["-", "-"]  # no worker answers Stats at these addresses: no hit rate, no GB/s
     assert lines[1].split()[:7] == ["d1", "decode", "127.0.0.1:9002", "draining", "-", "-", "-"]
     assert lines[2].split()[:8] == ["prefill-0", "prefill", "127.0.0.1:9009", "up", "2", "0", "10%", "90/100"]
     assert lines[0].index("ROLE") == lines[1].index("decode") == lines[2].index("prefill ")

@@ -160,3 +160,24 @@ def test_the_flag_reaches_the_config(model_dir):  # noqa: F811
     assert config_from_args(build_parser().parse_args(["--model", str(model_dir)])).max_inflight_requests is None
     with pytest.raises(ValueError):
         config_from_args(build_parser().parse_args(["--model", str(model_dir), "--max-inflight-requests", "0"]))
+
+
+def test_planner_flags_reach_the_admin_service(model_dir, loop, redis_server):  # noqa: F811
+    args = build_parser().parse_args(["--model", str(model_dir), "--planner-max-workers", "2",
+                                      "--planner-down-cooldown-s", "30"])
+    config = config_from_args(args)
+    assert (config.planner.max_workers, config.planner.down_cooldown_s) == (2, 30.0)
+    running = loop.run(start_router(router_config(model_dir, redis_server.url, planner=config.planner)))
+    try:
+        from proto import baton_pb2 as pb
+        from proto import baton_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            request = pb.PlanRequest(
+                ttft_p90_ms=100.0, itl_p90_ms=15.0, rate=1000.0, isl=2000, osl=500,  # needs far more than 2 each
+                prefill_curve=pb.PrefillCurve(prompt_lens=[128, 4096], tokens_per_s=[10_000, 10_000]),
+                decode_curve=pb.DecodeCurve(batch_sizes=[1, 8, 32, 64], itl_ms=[10, 12, 20, 36]))
+            plan = pb_grpc.AdminStub(channel).Plan(request, timeout=10)
+        assert (plan.prefill, plan.decode) == (2, 2)  # capped where the router was told to stop
+    finally:
+        loop.run(running.stop(0.5))

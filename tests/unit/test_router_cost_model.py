@@ -337,3 +337,16 @@ def test_an_unlearned_route_kind_borrows_the_learned_one_shifted_by_the_defaults
     rates.observe_ttft("local", measured_s=0.030, prefill_s=0.018)  # 12 ms measured beside the prefill
     assert rates.overhead_s("local") == pytest.approx(0.012)
     assert rates.overhead_s("remote") == pytest.approx(0.015)  # not 5 ms: local's 12 + the 3 ms difference
+
+
+def test_a_reported_batch_slope_balances_decode_workers():
+    # Both idle-measured at 20 ms (batch 1), 8 ms per extra sequence; d0 runs 3 more sequences than d1.
+    load = dict(waiting=0, free_blocks=100, queued_prefill_tokens=0, decode_step_s=0.020, decode_batch_size=1.0,
+                decode_step_per_seq_s=0.008)
+    rates = Rates(BASE)
+    d0 = Candidate(info=worker("d0").info, load=WorkerLoad(running=4, **load), cached_blocks=2)
+    d1 = Candidate(info=worker("d1").info, load=WorkerLoad(running=1, **load))
+    assert rates.decode_step_s("d0", d0.load, 5) == pytest.approx(0.020 + 4 * 0.008)
+    decision = route(req(30), [d0, d1], COST, state=state(rates=rates))
+    assert decision.decode_id == "d1"  # the holder of 2 cached blocks is 3 x 8 ms slower per token
+    assert rates.decode_step_s("d9", None, 3) == pytest.approx(0.012 + 3 * 0.008)  # a new peer: reported line

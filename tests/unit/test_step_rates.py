@@ -49,3 +49,16 @@ def test_a_real_engine_reports_what_its_steps_took(tmp_path):
         engine.step()
     assert engine.step_rates.prefill_tokens_per_s > 100  # 100 tokens in one step, far faster than 1 s
     assert 0 < engine.step_rates.decode_step_s < 1 and engine.step_rates.decode_batch_size == 1.0
+
+
+def test_the_engine_fits_its_decode_step_slope_over_batch_size():
+    rates = StepRates(alpha=0.2)
+    reqs = [request(f"r{i}", 10, outputs=2) for i in range(8)]
+    for _ in range(6):
+        for batch in (1, 4, 8, 2, 6):  # 10 ms + 5 ms per sequence
+            rates.observe(step(*[(r, 12, 1) for r in reqs[:batch]]), 0.010 + 0.005 * batch)
+    assert rates.decode_step_per_seq_s == pytest.approx(0.005, rel=1e-6)
+    assert rates.decode_step_s == pytest.approx(0.010 + 0.005 * rates.decode_batch_size, rel=1e-6)
+    flat = StepRates()
+    flat.observe(step((reqs[0], 12, 1)), 0.01)
+    assert flat.decode_step_per_seq_s is None  # one batch size: no slope to tell
