@@ -52,6 +52,7 @@ from kv_transfer.errors import KVTransferError, LayoutMismatch, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.progress import LayerProgress, ProgressLookup
 from kv_transfer.tcp_wire import (  # noqa: F401 - re-exported: the protocol's names live with it
+    SocketServer,
     DATA,
     HEADER,
     DONE,
@@ -81,63 +82,18 @@ from kv_transfer.transport import Resolver, TransferStats, TransportConfig, chec
 
 logger = logging.getLogger(__name__)
 
-class TcpServer:
+class TcpServer(SocketServer):
     """Serves reads of leased blocks of ``buffer``; ``resolve`` maps a lease id to its block ids."""
+
+    scheme = "tcp"
 
     def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
                  progress: ProgressLookup | None = None) -> None:
         self.buffer = buffer
         self.resolve = resolve
         self.progress = progress  # lease id -> LayerProgress while its prompt computes: streamed reads
-        self.config = config or TransportConfig()
-        self.uri: str | None = None
+        self._init_listener(config or TransportConfig())
         self.auth = auth.ReadAuth(self.config.secret) if self.config.secret else None
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task | None = None
-        self._connections: set[asyncio.Task] = set()
-
-    async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
-        """Listen on ``host:port`` (0: a free port); the URI names ``advertise_host`` or else ``host``."""
-        if self.uri is not None:
-            return self.uri
-        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            _tune(listener, self.config)
-            listener.bind(addr)
-            listener.listen(128)
-        except OSError:
-            listener.close()
-            raise
-        self._listener = listener
-        self._accept_task = asyncio.create_task(self._accept_loop(listener))
-        shown = advertise_host or host
-        self.uri = f"tcp://{f'[{shown}]' if ':' in shown else shown}:{listener.getsockname()[1]}"
-        logger.info("KV data plane serving %s", self.uri)
-        return self.uri
-
-    async def stop(self) -> None:
-        tasks = [t for t in (self._accept_task, *self._connections) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
-        self._listener, self._accept_task, self.uri = None, None, None
-
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(listener)
-            except OSError as exc:  # e.g. out of file descriptors: back off instead of spinning
-                logger.warning("KV data plane accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            task = asyncio.create_task(self._serve_connection(sock))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
 
     async def _serve_connection(self, sock: socket.socket) -> None:
         with sock:

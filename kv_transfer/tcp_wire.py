@@ -4,6 +4,7 @@ bounded by timeouts. The protocol itself is described in ``kv_transfer/tcp.py``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import struct
@@ -12,6 +13,8 @@ from typing import NamedTuple
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.transport import TransportConfig
+
+logger = logging.getLogger("kv_transfer")
 
 MAGIC, VERSION = b"BTKV", 1
 HEADER = struct.Struct("<4sBBHI")
@@ -146,3 +149,68 @@ def _tune(sock: socket.socket, config: TransportConfig) -> None:
 # --- server ---------------------------------------------------------------------------------------
 
 
+
+
+class SocketServer:
+    """The listening side every socket-based transport shares: listen, accept, one task per connection,
+    stop. Subclasses set ``scheme``, implement ``_serve_connection(sock)``, and may add to the URI
+    (``_uri_query``)."""
+
+    scheme = ""
+
+    def _init_listener(self, config: TransportConfig) -> None:
+        self.config = config
+        self.uri: str | None = None
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
+        """Listen on ``host:port`` (0: a free port); the URI names ``advertise_host`` or else ``host``."""
+        if self.uri is not None:
+            return self.uri
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            _tune(listener, self.config)
+            listener.bind(addr)
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        self._accept_task = asyncio.create_task(self._accept_loop(listener))
+        shown = advertise_host or host
+        self.uri = f"{self.scheme}://{f'[{shown}]' if ':' in shown else shown}:{listener.getsockname()[1]}"
+        self.uri += self._uri_query()
+        logger.info("KV data plane serving %s", self.uri)
+        return self.uri
+
+    def _uri_query(self) -> str:
+        return ""
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._accept_task, *self._connections) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        self._listener, self._accept_task, self.uri = None, None, None
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # e.g. out of file descriptors: back off instead of spinning
+                logger.warning("KV data plane accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve_connection(sock))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve_connection(self, sock: socket.socket) -> None:
+        raise NotImplementedError

@@ -19,7 +19,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
@@ -31,13 +31,15 @@ _IMPLEMENTATIONS: dict[str, tuple[str, str, str]] = {
     "local": ("kv_transfer.local", "LocalServer", "LocalClient"),
     "ucx": ("kv_transfer.ucx", "UcxServer", "UcxClient"),
     "nccl": ("kv_transfer.nccl", "NcclServer", "NcclClient"),
+    "cma": ("kv_transfer.cma", "CmaServer", "CmaClient"),
 }
 TRANSPORT_KINDS = tuple(_IMPLEMENTATIONS)
 # What a worker serves and a decode worker prefers, in order, for ``--kv-transport auto``: on a host
-# buffer, TCP first (measured fastest here for one-shot pulls), then UCX (shared memory / RDMA when the
+# buffer, CMA first (process_vm_readv: same-host peers only; a cma:// server on another host is refused
+# before any byte moves), then TCP (measured fastest here for one-shot pulls over a network), then UCX (shared memory / RDMA when the
 # fabric has it), then NCCL (gloo on CPU: real, slower); on a CUDA cache, the GPU-native paths first.
 # ``local`` is in-process only (tests, benchmarks), never served by a worker.
-AUTO_PREFERENCE = {"cpu": ("tcp", "ucx", "nccl"), "cuda": ("nccl", "ucx", "tcp")}
+AUTO_PREFERENCE = {"cpu": ("cma", "tcp", "ucx", "nccl"), "cuda": ("nccl", "ucx", "tcp")}
 
 # lease id -> the block ids it pins; raises LeaseNotFound (or returns None) when not live.
 Resolver = Callable[[str], Sequence[int] | None]
@@ -134,6 +136,10 @@ def kind_available(kind: str) -> str | None:
         import torch.distributed as dist
 
         return None if dist.is_available() else "this torch build has no torch.distributed"
+    if kind == "cma":
+        from kv_transfer.cma import unavailable_reason
+
+        return unavailable_reason()
     return None
 
 
@@ -160,12 +166,26 @@ def choose_uri(offered: str, preferred: Sequence[str]) -> str:
     (the pulling worker's order) that it offers wins."""
     by_kind: dict[str, str] = {}
     for uri in offered.split():
-        by_kind.setdefault(urlsplit(uri).scheme, uri)
+        if _reachable(uri):
+            by_kind.setdefault(urlsplit(uri).scheme, uri)
     for kind in preferred:
         if kind in by_kind:
             return by_kind[kind]
     raise KVTransferError(f"no KV transport in common: the peer serves {sorted(by_kind) or 'nothing'}, "
                           f"this worker pulls with {list(preferred)}")
+
+
+def _reachable(uri: str) -> bool:
+    """False for a same-host-only URI (``cma://...?boot=<id>``) of another host: skipped, not failed on."""
+    parts = urlsplit(uri)
+    if parts.scheme != "cma":
+        return True
+    boot = parse_qs(parts.query).get("boot")
+    if not boot:
+        return True
+    from kv_transfer.cma import boot_id
+
+    return boot[0] == boot_id().hex()
 
 
 def uri_kind(uri: str) -> str:

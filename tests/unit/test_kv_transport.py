@@ -36,7 +36,14 @@ def _ucx_kind():
     return pytest.param("ucx", marks=pytest.mark.skipif(not ucxx_available(), reason=INSTALL_HINT))
 
 
-KINDS = ("tcp", "local", "nccl", _ucx_kind())
+def _cma_kind():
+    from kv_transfer.transport import kind_available
+
+    why = kind_available("cma")
+    return pytest.param("cma", marks=pytest.mark.skipif(why is not None, reason=why or ""))
+
+
+KINDS = ("tcp", "local", "nccl", _ucx_kind(), _cma_kind())
 
 
 def run(coro, timeout_s: float = 15.0):
@@ -416,6 +423,7 @@ def test_a_serving_process_killed_mid_pull_raises_within_the_timeout(kind: str) 
             with pytest.raises(KVTransferError):
                 await pulling
             assert time.monotonic() - killed_at < CONFIG.io_timeout_s + 1.0
+            # (cma reads in batches of cma.BATCH_BYTES, so the kill lands mid-read too: process_vm_readv ESRCH)
             assert not (dst.array[-1, -1] == 1).all(), "the pull had finished before the kill"
         finally:
             await kill(proc)
@@ -485,7 +493,7 @@ def test_parse_kinds_and_auto_preference():
 
     assert parse_kinds("tcp") == ("tcp",) and parse_kinds("nccl, tcp,nccl") == ("nccl", "tcp")
     auto = parse_kinds("auto")
-    assert auto[0] == "tcp" and set(auto) <= set(AUTO_PREFERENCE["cpu"])
+    assert auto[0] == ("cma" if kind_available("cma") is None else "tcp") and set(auto) <= set(AUTO_PREFERENCE["cpu"])
     assert list(auto) == [k for k in AUTO_PREFERENCE["cpu"] if kind_available(k) is None]
     assert parse_kinds("auto", device="cuda:0")[-1] == "tcp"
     for bad, message in (("", "at least one"), ("local", "in-process only"), ("carrier-pigeon", "unknown")):
@@ -579,3 +587,14 @@ def test_read_auth_rules() -> None:
     assert load_secret(None, {"BATON_KV_SECRET": " " + SECRET.decode() + "\n"}) == SECRET
     with pytest.raises(ValueError, match="at least 16 bytes"):
         load_secret(None, {"BATON_KV_SECRET": "short"})
+
+
+def test_choose_uri_skips_a_same_host_transport_of_another_host():
+    from kv_transfer.cma import boot_id
+    from kv_transfer.transport import choose_uri
+
+    here, elsewhere = boot_id().hex(), "0" * 32
+    offered = f"cma://10.0.0.1:7002?boot={elsewhere} tcp://10.0.0.1:7000"
+    assert choose_uri(offered, ("cma", "tcp")) == "tcp://10.0.0.1:7000"  # another host: cma is skipped
+    local = f"cma://127.0.0.1:7002?boot={here} tcp://127.0.0.1:7000"
+    assert choose_uri(local, ("cma", "tcp")) == f"cma://127.0.0.1:7002?boot={here}"
