@@ -43,7 +43,6 @@ anyway: on one host, cma's access control is the kernel's (same user, ptrace_sco
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import errno
 import functools
@@ -55,14 +54,13 @@ import struct
 import sys
 import time
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 import numpy as np
 
 from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError, LayoutMismatch
 from kv_transfer.layout import KVBuffer, KVLayout, block_runs, paired_runs
-from kv_transfer.tcp import _refuse, _remote_error, refuse_layout, refuse_read, refuse_unauthenticated, sign_read, \
+from kv_transfer.tcp import _refuse, connect_socket, _remote_error, refuse_layout, refuse_read, refuse_unauthenticated, sign_read, \
     verify_done
 from kv_transfer.tcp_wire import (
     SocketServer,
@@ -347,37 +345,7 @@ class CmaClient:
             i = j
 
     async def _connect(self, uri: str) -> socket.socket:
-        family, addr = await _resolve(uri, self.config.connect_timeout_s)
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            _tune(sock, self.config)
-            err = sock.connect_ex(addr)
-            if err not in (0, errno.EINPROGRESS):
-                raise KVTransferError(f"cannot connect to KV server {uri}: {os.strerror(err)}")
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-
-async def _resolve(uri: str, timeout_s: float) -> tuple[int, tuple]:
-    parts = urlsplit(uri)
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as exc:
-        raise KVTransferError(f"bad KV data-plane URI {uri!r}: {exc}") from exc
-    if parts.scheme != "cma" or not host or port is None:
-        raise KVTransferError(f"bad KV data-plane URI {uri!r} (want cma://host:port)")
-    for family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            socket.inet_pton(family, host)
-            return family, (host, port)
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s)
-    except OSError as exc:
-        raise KVTransferError(f"cannot resolve KV server {uri}: {exc!r}") from exc
-    return infos[0][0], infos[0][4]
+        return await connect_socket(uri, self.config, "cma")
 
 
 def _check_hello_ok(uri: str, layout: KVLayout, frame: Frame) -> None:

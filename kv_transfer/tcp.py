@@ -300,28 +300,33 @@ class TcpClient:
         return TransferStats(num_blocks=len(src_block_ids), num_bytes=num_bytes, seconds=seconds)
 
     async def _connect(self, uri: str) -> socket.socket:
-        family, addr = await _resolve(uri, self.config.connect_timeout_s)
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            _tune(sock, self.config)
-            err = sock.connect_ex(addr)  # completes (or fails) while the request is written
-            if err not in (0, errno.EINPROGRESS):
-                raise KVTransferError(f"cannot connect to KV server {uri}: {os.strerror(err)}")
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        return await connect_socket(uri, self.config)
 
 
-async def _resolve(uri: str, timeout_s: float) -> tuple[int, tuple]:
-    """``tcp://host:port`` -> (address family, socket address); numeric hosts skip the resolver thread."""
+async def connect_socket(uri: str, config: TransportConfig, scheme: str = "tcp") -> socket.socket:
+    """A non-blocking socket connecting to ``scheme://host:port`` (completes while the first write waits)."""
+    family, addr = await _resolve(uri, config.connect_timeout_s, scheme)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        _tune(sock, config)
+        err = sock.connect_ex(addr)  # completes (or fails) while the request is written
+        if err not in (0, errno.EINPROGRESS):
+            raise KVTransferError(f"cannot connect to KV server {uri}: {os.strerror(err)}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _resolve(uri: str, timeout_s: float, scheme: str = "tcp") -> tuple[int, tuple]:
+    """``scheme://host:port`` -> (address family, socket address); numeric hosts skip the resolver thread."""
     parts = urlsplit(uri)
     try:
         host, port = parts.hostname, parts.port
     except ValueError as exc:
         raise KVTransferError(f"bad KV data-plane URI {uri!r}: {exc}") from exc
-    if parts.scheme != "tcp" or not host or port is None:
-        raise KVTransferError(f"bad KV data-plane URI {uri!r} (want tcp://host:port)")
+    if parts.scheme != scheme or not host or port is None:
+        raise KVTransferError(f"bad KV data-plane URI {uri!r} (want {scheme}://host:port)")
     for family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             socket.inet_pton(family, host)
