@@ -7,7 +7,8 @@ scattered at random (what a decode worker's free queue hands out after churn). S
 
 - ``raw``: the baseline, a plain ``sendall`` / ``recv_into`` of the same bytes into one contiguous buffer;
 - every Baton transport in ``kv_transfer.transport.TRANSPORT_KINDS`` but ``local`` (``make_server`` /
-  ``connect``): a full pull, connect to last byte;
+  ``connect``, one client per system): a full pull, request to last byte; tcp and cma keep their connection
+  alive between pulls (``kv_transfer/conn_pool.py``), so the warm-up pull opens it;
 - the peers NVIDIA NIXL (UCX backend, READ) and the Mooncake Transfer Engine (TCP, P2PHANDSHAKE), in
   ``bench/kv_peers.py``: per-transfer READ descriptors of the same blocks, connected once at setup.
 
@@ -258,7 +259,7 @@ def _client(name: str, endpoint: dict, args: argparse.Namespace, dst: KVBuffer, 
         stats = loop.run_until_complete(pull)
         return stats.seconds, stats.num_bytes
 
-    return baton_pull, lambda: None
+    return baton_pull, getattr(client, "close", lambda: None)  # pooled connections (tcp, cma, nccl)
 
 
 def raw_pull(port: int, dst: np.ndarray) -> tuple[float, int]:
@@ -364,7 +365,7 @@ def describe(servers: Servers, args: argparse.Namespace) -> dict[str, str]:
         elif name == "mooncake":
             out[name] = f"mooncake-transfer-engine-non-cuda {kv_peers.peer_version(name)}, tcp, P2PHANDSHAKE, READ"
         elif name != BASELINE:
-            out[name] = f"Baton {name} transport: make_server / connect(uri).pull, connect to last byte"
+            out[name] = f"Baton {name} transport: make_server / connect(uri).pull, request to last byte (kept-alive)"
     return out
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import grpc
 
 from engine.core.outputs import RequestDelta
+from decode_node.first_tokens import RECOMPUTE
+from engine.errors import InvalidRequest
 from kv_transfer.errors import KVTransferError
 from kv_transfer.transport import choose_uri, uri_kind
 from prefill_node.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
@@ -45,6 +47,12 @@ class DecodeServicer(WorkerServicer):
                 decode_spans(self.tracer, tracing.extract(context.invocation_metadata()), marks,
                              request_id=request.request_id, worker_id=self.node.worker_id)
 
+    async def FirstToken(self, request: pb.FirstTokenRequest, context) -> pb.FirstTokenResponse:
+        mailbox = self.node.first_tokens
+        mailbox.expire()
+        token = RECOMPUTE if request.recompute else request.token_id
+        return pb.FirstTokenResponse(found=mailbox.deliver(request.request_id, token))
+
     async def _decode(self, request: pb.DecodeRequest, marks: _Marks):
         node, rid = self.node, request.request_id
         params = sampling_from_pb(request.sampling)
@@ -56,6 +64,8 @@ class DecodeServicer(WorkerServicer):
         start = lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs, **kwargs)  # noqa: E731
         if request.HasField("handle"):
             start = await self._import_kv(request, prompt, outputs, params, kwargs, timings, marks) or start
+        elif request.first_token_pending:
+            raise InvalidRequest("first_token_pending needs a KV handle")
         marks.timings, marks.started_s = timings, time.perf_counter()
         first = True
         async for delta in node.async_engine.stream(rid, start):
@@ -75,28 +85,45 @@ class DecodeServicer(WorkerServicer):
             lambda e: e.add_remote_request(rid, prompt, outputs, params, **kwargs))
         if reserved is None:
             timings.route_reason = "no free blocks for the pulled KV; prefilled locally"
-            return None
+            if not request.first_token_pending:
+                return None
+            first = await self._first_token(request)  # P's first token is the client's already: keep it
+            known = outputs if first == RECOMPUTE else [*outputs, first]
+            return lambda e: e.add_request(rid, prompt, params, output_token_ids=known, **kwargs)
         _, num_hit, dst_blocks = reserved
         src = list(handle.block_ids[num_hit:])
         dst = dst_blocks[num_hit : num_hit + len(src)]
         marks.pull_s = time.perf_counter()
         try:
-            uri = choose_uri(handle.data_plane_uri, node.kv_kinds)  # the pair's transport
-            client = node.kv_client(uri_kind(uri))
-            stats = await client.pull(uri, layout_from_pb(handle.layout), handle.lease_id, src, node.kv_buffer, dst)
-        except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
-            logger.warning("request_id=%s worker_id=%s KV pull failed (%s); recomputing locally", rid,
-                           node.worker_id, exc)
-            timings.route_reason = f"KV pull failed ({exc}); prefilled locally"
-            return lambda e: e.fallback_remote(rid)
+            try:
+                uri = choose_uri(handle.data_plane_uri, node.kv_kinds)  # the pair's transport
+                client = node.kv_client(uri_kind(uri))
+                stats = await client.pull(uri, layout_from_pb(handle.layout), handle.lease_id, src, node.kv_buffer,
+                                          dst)
+            except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
+                logger.warning("request_id=%s worker_id=%s KV pull failed (%s); recomputing locally", rid,
+                               node.worker_id, exc)
+                timings.route_reason = f"KV pull failed ({exc}); prefilled locally"
+                first = await self._first_token(request) if request.first_token_pending else None
+                return lambda e: e.fallback_remote(rid, None if first == RECOMPUTE else first)
+            first = await self._first_token(request) if request.first_token_pending else None
         except BaseException:
-            node.async_engine.abort(rid)  # cancelled mid-pull: free the reservation
+            node.async_engine.abort(rid)  # cancelled mid-pull or while waiting: free the reservation
             raise
+        timings.kv_layerwise = request.first_token_pending
+        if first == RECOMPUTE:  # P failed after the pull: its first token never came
+            timings.route_reason = "prefill worker failed; prefilled locally"
+            return lambda e: e.fallback_remote(rid)
         timings.transfer_bytes, timings.transfer_ms = stats.num_bytes, stats.seconds * 1e3
         timings.transport = uri_kind(uri)
         node.metrics.kv_transfer(stats.num_bytes, stats.seconds, timings.transport)
         timings.transfer_gbps, timings.transfer_blocks = stats.gbps, stats.num_blocks
-        return lambda e: e.activate_remote(rid)
+        return lambda e: e.activate_remote(rid, first)
+
+    async def _first_token(self, request: pb.DecodeRequest) -> int:
+        """Layer-wise: wait for P's first token (the router's FirstToken), at most the lease's lifetime."""
+        left_s = request.handle.lease_expires_unix_ms / 1e3 - time.time()
+        return await self.node.first_tokens.wait(request.request_id, max(left_s, 1.0))
 
 
 def _response(delta: RequestDelta, timings: pb.Timings | None) -> pb.DecodeResponse:

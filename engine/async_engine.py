@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine.core.outputs import RequestDelta
 from engine.engine import Engine
@@ -22,6 +22,16 @@ from engine.errors import BatonError
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
+
+
+class StepHooks(Protocol):
+    """Per-step hooks (``prefill_node.layerwise.LayerwiseHooks``), all called on the engine thread."""
+
+    @property
+    def watching(self) -> bool: ...
+    def on_scheduled(self, output: Any) -> None: ...
+    def on_layer(self, layer: int) -> None: ...
+    def step_ended(self, error: BaseException | None = None) -> None: ...
 
 
 class EngineDead(BatonError):
@@ -35,11 +45,14 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, *, on_held: Callable[[RequestDelta], None] | None = None) -> None:
+    def __init__(self, engine: Engine, *, on_held: Callable[[RequestDelta], None] | None = None,
+                 step_hooks: StepHooks | None = None) -> None:
         """``on_held`` runs on the engine thread for every delta that hands blocks over (a prefill
-        request with ``hold_blocks``), whether or not anyone still listens, so no block is orphaned."""
+        request with ``hold_blocks``), whether or not anyone still listens, so no block is orphaned.
+        ``step_hooks`` (layer-wise KV streaming) go to each step while they are ``watching``."""
         self.engine = engine
         self._on_held = on_held
+        self._hooks = step_hooks
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -120,7 +133,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
+                    self._dispatch(self._step())
                 else:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
@@ -128,6 +141,18 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._error = exc
             self._fail_all(EngineDead(f"engine loop failed: {exc!r}"))
+
+    def _step(self) -> list[RequestDelta]:
+        hooks = self._hooks
+        if hooks is None or not hooks.watching:
+            return self.engine.step()
+        try:
+            deltas = self.engine.step(on_scheduled=hooks.on_scheduled, on_layer=hooks.on_layer)
+        except BaseException as exc:
+            hooks.step_ended(exc)
+            raise
+        hooks.step_ended()
+        return deltas
 
     def _drain_inbox(self) -> None:
         while True:

@@ -107,11 +107,17 @@ class Engine:
         reserved = self.scheduler.add_remote(request, len(prompt_token_ids))
         return None if reserved is None else (request, *reserved)
 
-    def activate_remote(self, request_id: str) -> None:
+    def activate_remote(self, request_id: str, first_token: int | None = None) -> None:
+        """The pulled KV is in place; ``first_token``: the prefill worker's, when it came after the
+        reservation (layer-wise streaming)."""
         request = self.scheduler._requests[request_id]
+        if first_token is not None:
+            request.append_output_token(first_token)
         self.scheduler.activate_remote(request_id, request.num_prompt_tokens)
 
-    def fallback_remote(self, request_id: str) -> None:
+    def fallback_remote(self, request_id: str, first_token: int | None = None) -> None:
+        if first_token is not None:
+            self.scheduler._requests[request_id].append_output_token(first_token)
         self.scheduler.fallback_remote(request_id)
 
     def release_blocks(self, block_ids: list[int]) -> None:

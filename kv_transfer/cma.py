@@ -4,7 +4,8 @@ The pulling process copies the leased blocks straight out of the serving process
 ``process_vm_readv(2)`` (what UCX's CMA transport, and so NIXL, uses on one host): one kernel copy, no
 socket buffers, no loopback TCP. Control runs over a TCP connection with ``tcp_wire``'s framing, in frame
 kinds of its own (``C_*``), so a ``tcp://`` peer and a ``cma://`` peer refuse each other cleanly.
-One pull is one connection and two round trips:
+One pull is one exchange, two round trips, on a kept-alive connection (as tcp's: the server serves
+exchanges one after another and closes after an ERROR; clients pool idle connections, ``conn_pool``):
 
     client -> C_HELLO     the client's KVLayout JSON
               C_READ      ``encode_read`` (u16 len | lease id | u32 count | count x u32 source block ids),
@@ -60,8 +61,8 @@ import numpy as np
 from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError, LayoutMismatch
 from kv_transfer.layout import KVBuffer, KVLayout, block_runs, paired_runs
-from kv_transfer.tcp import _refuse, connect_socket, _remote_error, refuse_layout, refuse_read, refuse_unauthenticated, sign_read, \
-    verify_done
+from kv_transfer.conn_pool import ConnectionPool, connect_socket, send_request
+from kv_transfer.tcp import _remote_error, refuse_layout, refuse_read, refuse_unauthenticated, sign_read, verify_done
 from kv_transfer.tcp_wire import (
     SocketServer,
     DONE,
@@ -73,8 +74,6 @@ from kv_transfer.tcp_wire import (
     READ_AUTH,
     READ_CHECKSUM,
     Frame,
-    _transfer,
-    _tune,
     decode_read,
     encode_frame,
     encode_read,
@@ -210,22 +209,9 @@ class CmaServer(SocketServer):
         # the boot id lets a puller on another host skip this URI (transport.choose_uri) instead of failing
         return f"?boot={self.boot_id.hex()}"
 
-    async def _serve_connection(self, sock: socket.socket) -> None:
-        with sock:
-            try:
-                _tune(sock, self.config)
-                refusal = await self._serve(sock)
-            except KVTransferError as exc:  # malformed, silent or vanished client
-                logger.info("KV data plane (cma): dropped a client: %s", exc)
-                refusal = encode_frame(ERROR, str(exc).encode(), ERR_PROTOCOL)
-            except OSError as exc:
-                logger.info("KV data plane (cma): dropped a client: %s", exc)
-                return
-            if refusal is not None:
-                await _refuse(sock, refusal)
-
     async def _serve(self, sock: socket.socket) -> bytes | None:
-        """Serve one C_HELLO + C_READ + C_READ_DONE; returns the ERROR frame to close with, None when all went well."""
+        """Serve one C_HELLO + C_READ + C_READ_DONE; returns the ERROR frame to close with, None after a DONE
+        (the connection then serves the client's next request)."""
         io_s, what = self.config.io_timeout_s, "KV client"
         hello = await recv_frame(sock, io_s, what)
         if hello.kind != C_HELLO:
@@ -261,9 +247,10 @@ class CmaServer(SocketServer):
         if done.kind != C_READ_DONE:
             return encode_frame(ERROR, b"expected C_READ_DONE", ERR_PROTOCOL)
         # DONE only if the lease held for the whole read: its blocks cannot have been freed and reused.
-        ok = encode_frame(DONE, b"" if sums is None else sums.tobytes())
-        await send_frame(sock, refuse_read(self.buffer, self.resolve, self.config, lease_id, block_ids) or ok,
-                         io_s, what)
+        refusal = refuse_read(self.buffer, self.resolve, self.config, lease_id, block_ids)
+        if refusal is not None:
+            return refusal  # the lease ended during the read: ERROR, then the connection closes
+        await send_frame(sock, encode_frame(DONE, b"" if sums is None else sums.tobytes()), io_s, what)
         return None
 
     def _iovecs(self, block_ids: list[int]) -> np.ndarray:
@@ -282,10 +269,15 @@ class CmaServer(SocketServer):
 
 
 class CmaClient:
-    """Pulls leased blocks from ``cma://`` servers on this host; one control connection per pull."""
+    """Pulls leased blocks from ``cma://`` servers on this host over pooled control connections
+    (``conn_pool``); ``close()`` closes the idle ones."""
 
-    def __init__(self, config: TransportConfig | None = None) -> None:
+    def __init__(self, config: TransportConfig | None = None, *, pool: ConnectionPool | None = None) -> None:
         self.config = config or TransportConfig()
+        self.pool = pool or ConnectionPool()
+
+    def close(self) -> None:
+        self.pool.close()
 
     async def pull(
         self,
@@ -299,28 +291,32 @@ class CmaClient:
         start = time.perf_counter()
         check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
         src_ids, dst_ids = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
-        hello = layout.to_json().encode()
-        read, flags = sign_read(self.config, C_READ, hello, encode_read(lease_id, src_ids))
-        flags |= READ_CHECKSUM if self.config.checksum else 0
-        request = [memoryview(encode_frame(C_HELLO, hello)), memoryview(encode_frame(C_READ, read, flags))]
         num_bytes = len(src_ids) * layout.bytes_per_block
         io_s, what = self.config.io_timeout_s, f"KV server {uri}"
-        with await self._connect(uri) as sock:
-            try:
-                await _transfer(sock, request, write=True, timeout_s=self.config.connect_timeout_s, what=what)
-                _check_hello_ok(uri, layout, await recv_frame(sock, io_s, what))
-                pid, remote = _check_iovecs(uri, await recv_frame(sock, io_s, what))
-                local, remote = _pair(dst_buffer, src_ids, dst_ids, remote, uri)
-                if num_bytes <= INLINE_BYTES:
-                    _readv(pid, local, remote, uri)
-                else:
-                    await self._read_in_thread(pid, local, remote, uri, dst_buffer)
-                await send_frame(sock, encode_frame(C_READ_DONE), io_s, what)
-                done = await recv_frame(sock, io_s, what)
-            except OSError as exc:
-                raise KVTransferError(f"KV pull from {uri} failed: {exc!r}") from exc
-        if done.kind != DONE:
-            raise _remote_error(uri, done)
+
+        async def exchange(sock: socket.socket) -> Frame:
+            hello = layout.to_json().encode()  # signed per attempt: a retry carries a fresh nonce
+            read, flags = sign_read(self.config, C_READ, hello, encode_read(lease_id, src_ids))
+            flags |= READ_CHECKSUM if self.config.checksum else 0
+            await send_request(sock, [encode_frame(C_HELLO, hello), encode_frame(C_READ, read, flags)], self.config,
+                               what)
+            _check_hello_ok(uri, layout, await recv_frame(sock, io_s, what))
+            pid, remote = _check_iovecs(uri, await recv_frame(sock, io_s, what))
+            local, remote = _pair(dst_buffer, src_ids, dst_ids, remote, uri)
+            if num_bytes <= INLINE_BYTES:
+                _readv(pid, local, remote, uri)
+            else:
+                await self._read_in_thread(pid, local, remote, uri, dst_buffer)
+            await send_frame(sock, encode_frame(C_READ_DONE), io_s, what)
+            done = await recv_frame(sock, io_s, what)
+            if done.kind != DONE:
+                raise _remote_error(uri, done)
+            return done
+
+        try:
+            done = await self.pool.run(uri, lambda: connect_socket(uri, self.config, "cma"), exchange)
+        except OSError as exc:
+            raise KVTransferError(f"KV pull from {uri} failed: {exc!r}") from exc
         if self.config.checksum:
             verify_done(uri, dst_buffer, dst_ids, done.payload)
         return TransferStats(num_blocks=len(src_ids), num_bytes=num_bytes, seconds=time.perf_counter() - start)
@@ -344,8 +340,6 @@ class CmaClient:
                                       f"for {int(ends[j - 1] - (ends[i - 1] if i else 0))} bytes") from None
             i = j
 
-    async def _connect(self, uri: str) -> socket.socket:
-        return await connect_socket(uri, self.config, "cma")
 
 
 def _check_hello_ok(uri: str, layout: KVLayout, frame: Frame) -> None:

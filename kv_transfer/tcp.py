@@ -2,7 +2,7 @@
 
 Wire protocol (little-endian; no pickle, no object deserialization). Every control message is a frame,
 a 12-byte header ``magic b"BTKV" | version u8 | kind u8 | code u16 | payload_len u32`` and a payload.
-One pull is one connection and one round trip:
+One pull is one exchange, one round trip:
 
     client -> HELLO     the client's KVLayout JSON
               READ      u16 len | lease id | u32 count | count x u32 source block ids   (pipelined);
@@ -28,6 +28,12 @@ streaming: once the last layer is computed) and verified by the client once DONE
 (``ChecksumMismatch`` names the bad destination blocks); with the flag off neither side touches the bytes.
 Flags extend version 1 compatibly (see ``tcp_wire.READ_CHECKSUM``).
 
+Connections are kept alive (the frames of one exchange are unchanged): the server serves exchanges one after
+another on a connection until the client closes it, it sits idle for ``tcp_wire.SERVER_IDLE_S``, or an
+exchange ends in ERROR (the server then closes it). Each READ is authenticated on its own. A client keeps a
+few idle connections per server (``kv_transfer/conn_pool.py``) and reuses one only after a clean DONE; a
+server that predates keep-alive closes after each exchange, which its clients notice and reconnect.
+
 Zero copy: the server hands the leased blocks' memoryviews (one per layer per run of consecutive
 block ids) to ``sendmsg`` (gather), and the client ``recvmsg_into``s the stream straight into the
 destination blocks' memoryviews (scatter), up to IOV_MAX views per system call, on non-blocking
@@ -36,47 +42,21 @@ sockets driven by the event loop. Every wait on the peer is bounded by ``Transpo
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import errno
 import logging
-import os
 import socket
 import struct
 import time
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 from kv_transfer import auth, checksum
+from kv_transfer.conn_pool import ConnectionPool, connect_socket, send_request
 from kv_transfer.errors import KVTransferError, LayoutMismatch, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.progress import LayerProgress, ProgressLookup
 from kv_transfer.tcp_wire import (  # noqa: F401 - re-exported: the protocol's names live with it
-    SocketServer,
-    DATA,
-    HEADER,
-    DONE,
-    ERROR,
-    ERR_AUTH,
-    ERR_INTERNAL,
-    ERR_LAYOUT,
-    ERR_LEASE,
-    ERR_PROTOCOL,
-    ERR_REFUSED,
-    Frame,
-    HELLO,
-    HELLO_OK,
-    READ,
-    READ_AUTH,
-    READ_CHECKSUM,
-    _transfer,
-    _tune,
-    _wait_ready,
-    decode_read,
-    encode_frame,
-    encode_read,
-    recv_frame,
-    send_frame,
+    DATA, DONE, ERR_AUTH, ERR_INTERNAL, ERR_LAYOUT, ERR_LEASE, ERR_PROTOCOL, ERR_REFUSED, ERROR, HEADER, HELLO,
+    HELLO_OK, READ, READ_AUTH, READ_CHECKSUM, Frame, SocketServer, _refuse, _transfer, decode_read, encode_frame,
+    encode_read, recv_frame, send_frame,
 )
 from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args, check_read
 
@@ -95,22 +75,9 @@ class TcpServer(SocketServer):
         self._init_listener(config or TransportConfig())
         self.auth = auth.ReadAuth(self.config.secret) if self.config.secret else None
 
-    async def _serve_connection(self, sock: socket.socket) -> None:
-        with sock:
-            try:
-                _tune(sock, self.config)
-                refusal = await self._serve(sock)
-            except KVTransferError as exc:  # malformed, silent or vanished client
-                logger.info("KV data plane: dropped a client: %s", exc)
-                refusal = encode_frame(ERROR, str(exc).encode(), ERR_PROTOCOL)
-            except OSError as exc:
-                logger.info("KV data plane: dropped a client: %s", exc)
-                return
-            if refusal is not None:
-                await _refuse(sock, refusal)
-
     async def _serve(self, sock: socket.socket) -> bytes | None:
-        """Serve one HELLO + READ; returns the ERROR frame to close with, None when all went well."""
+        """Serve one HELLO + READ; returns the ERROR frame to close with, None after a DONE (the connection
+        then serves the client's next request)."""
         io_s, what = self.config.io_timeout_s, "KV client"
         hello = await recv_frame(sock, io_s, what)
         refusal = self._check_hello(hello)
@@ -133,13 +100,14 @@ class TcpServer(SocketServer):
         progress = self.progress(lease_id) if self.progress is not None else None
         if progress is not None and not progress.is_ready:
             done = await self._stream(sock, header, lease_id, block_ids, progress, bool(read.code & READ_CHECKSUM))
-            await send_frame(sock, done, io_s, what)
-            return None
-        sums = checksum.block_checksums(self.buffer, block_ids) if read.code & READ_CHECKSUM else None
-        await _transfer(sock, [header, *self.buffer.segments(block_ids)], write=True, timeout_s=io_s, what=what)
-        # DONE only if the lease held for the whole read: its blocks cannot have been freed and reused.
-        done = encode_frame(DONE, b"" if sums is None else sums.tobytes())
-        await send_frame(sock, self._check_read(lease_id, block_ids) or done, io_s, what)
+        else:
+            sums = checksum.block_checksums(self.buffer, block_ids) if read.code & READ_CHECKSUM else None
+            await _transfer(sock, [header, *self.buffer.segments(block_ids)], write=True, timeout_s=io_s, what=what)
+            # DONE only if the lease held for the whole read: its blocks cannot have been freed and reused.
+            done = self._check_read(lease_id, block_ids) or encode_frame(DONE, b"" if sums is None else sums.tobytes())
+        if HEADER.unpack_from(done)[2] != DONE:
+            return done  # an ERROR after the bytes: sent, then the connection closes
+        await send_frame(sock, done, io_s, what)
         return None
 
     async def _stream(self, sock: socket.socket, header: memoryview, lease_id: str, block_ids: list[int],
@@ -240,30 +208,19 @@ def _zeros(num_bytes: int, chunk_bytes: int = 1 << 20) -> list[memoryview]:
     return [chunk] * full + ([chunk[:rest]] if rest else [])
 
 
-async def _refuse(sock: socket.socket, frame: bytes, linger_s: float = 1.0) -> None:
-    """Send an ERROR and close gracefully: drain what the client already sent (its pipelined READ)
-    until it closes, so the close is a FIN after the ERROR rather than a reset that could destroy it."""
-    scratch = memoryview(bytearray(1 << 16))
-    with contextlib.suppress(KVTransferError, OSError):
-        await send_frame(sock, frame, linger_s, "KV client")
-        sock.shutdown(socket.SHUT_WR)
-        deadline = time.monotonic() + linger_s
-        while (left_s := deadline - time.monotonic()) > 0:
-            try:
-                if sock.recv_into(scratch) == 0:
-                    return
-            except (BlockingIOError, InterruptedError):
-                await _wait_ready(sock, write=False, timeout_s=left_s, what="KV client")
-
-
 # --- client ---------------------------------------------------------------------------------------
 
 
 class TcpClient:
-    """Pulls leased blocks from ``tcp://`` servers; one connection per pull, HELLO and READ pipelined."""
+    """Pulls leased blocks from ``tcp://`` servers: one exchange per pull (HELLO and READ pipelined) on a
+    pooled connection (``conn_pool``); ``close()`` closes the idle ones."""
 
-    def __init__(self, config: TransportConfig | None = None) -> None:
+    def __init__(self, config: TransportConfig | None = None, *, pool: ConnectionPool | None = None) -> None:
         self.config = config or TransportConfig()
+        self.pool = pool or ConnectionPool()
+
+    def close(self) -> None:
+        self.pool.close()
 
     async def pull(
         self,
@@ -276,67 +233,32 @@ class TcpClient:
     ) -> TransferStats:
         start = time.perf_counter()
         check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
-        hello = layout.to_json().encode()
-        read, flags = sign_read(self.config, READ, hello, encode_read(lease_id, [int(b) for b in src_block_ids]))
-        flags |= READ_CHECKSUM if self.config.checksum else 0
-        request = [memoryview(encode_frame(HELLO, hello)), memoryview(encode_frame(READ, read, flags))]
-        views = dst_buffer.segments(dst_block_ids)  # [num_layers x runs of dst ids], views into dst
-        num_bytes = len(src_block_ids) * layout.bytes_per_block
+        src_ids = [int(b) for b in src_block_ids]
+        num_bytes = len(src_ids) * layout.bytes_per_block
         io_s, what = self.config.io_timeout_s, f"KV server {uri}"
-        with await self._connect(uri) as sock:
-            try:  # the first write also waits for the connection to complete
-                await _transfer(sock, request, write=True, timeout_s=self.config.connect_timeout_s, what=what)
-                _check_hello_ok(uri, layout, await recv_frame(sock, io_s, what))
-                _check_data(uri, num_bytes, await recv_frame(sock, io_s, what))
-                await _transfer(sock, views, write=False, timeout_s=io_s, what=what)
-                done = await recv_frame(sock, io_s, what)
-            except OSError as exc:
-                raise KVTransferError(f"KV pull from {uri} failed: {exc!r}") from exc
-        if done.kind != DONE:
-            raise _remote_error(uri, done)
-        if self.config.checksum:
-            verify_done(uri, dst_buffer, dst_block_ids, done.payload)
+
+        async def exchange(sock: socket.socket) -> Frame:
+            hello = layout.to_json().encode()  # signed per attempt: a retry carries a fresh nonce
+            read, flags = sign_read(self.config, READ, hello, encode_read(lease_id, src_ids))
+            flags |= READ_CHECKSUM if self.config.checksum else 0
+            await send_request(sock, [encode_frame(HELLO, hello), encode_frame(READ, read, flags)], self.config, what)
+            _check_hello_ok(uri, layout, await recv_frame(sock, io_s, what))
+            _check_data(uri, num_bytes, await recv_frame(sock, io_s, what))
+            views = dst_buffer.segments(dst_block_ids)  # [num_layers x runs of dst ids], views into dst
+            await _transfer(sock, views, write=False, timeout_s=io_s, what=what)
+            done = await recv_frame(sock, io_s, what)
+            if done.kind != DONE:
+                raise _remote_error(uri, done)
+            if self.config.checksum:  # inside the exchange: a link that corrupted bytes is not reused
+                verify_done(uri, dst_buffer, dst_block_ids, done.payload)
+            return done
+
+        try:
+            await self.pool.run(uri, lambda: connect_socket(uri, self.config), exchange)
+        except OSError as exc:
+            raise KVTransferError(f"KV pull from {uri} failed: {exc!r}") from exc
         seconds = time.perf_counter() - start
-        return TransferStats(num_blocks=len(src_block_ids), num_bytes=num_bytes, seconds=seconds)
-
-    async def _connect(self, uri: str) -> socket.socket:
-        return await connect_socket(uri, self.config)
-
-
-async def connect_socket(uri: str, config: TransportConfig, scheme: str = "tcp") -> socket.socket:
-    """A non-blocking socket connecting to ``scheme://host:port`` (completes while the first write waits)."""
-    family, addr = await _resolve(uri, config.connect_timeout_s, scheme)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        _tune(sock, config)
-        err = sock.connect_ex(addr)  # completes (or fails) while the request is written
-        if err not in (0, errno.EINPROGRESS):
-            raise KVTransferError(f"cannot connect to KV server {uri}: {os.strerror(err)}")
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-async def _resolve(uri: str, timeout_s: float, scheme: str = "tcp") -> tuple[int, tuple]:
-    """``scheme://host:port`` -> (address family, socket address); numeric hosts skip the resolver thread."""
-    parts = urlsplit(uri)
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as exc:
-        raise KVTransferError(f"bad KV data-plane URI {uri!r}: {exc}") from exc
-    if parts.scheme != scheme or not host or port is None:
-        raise KVTransferError(f"bad KV data-plane URI {uri!r} (want {scheme}://host:port)")
-    for family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            socket.inet_pton(family, host)
-            return family, (host, port)
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s)
-    except OSError as exc:
-        raise KVTransferError(f"cannot resolve KV server {uri}: {exc!r}") from exc
-    return infos[0][0], infos[0][4]
+        return TransferStats(num_blocks=len(src_ids), num_bytes=num_bytes, seconds=seconds)
 
 
 def _check_hello_ok(uri: str, layout: KVLayout, frame: Frame) -> None:

@@ -1,13 +1,16 @@
-"""The ``tcp://`` transport's wire format and socket plumbing: frames, and non-blocking socket waits
-bounded by timeouts. The protocol itself is described in ``kv_transfer/tcp.py``."""
+"""The ``tcp://`` transport's wire format and socket plumbing: frames, non-blocking socket waits bounded
+by timeouts, and the listening side ``tcp://`` and ``cma://`` share. The protocol itself is described in
+``kv_transfer/tcp.py``."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -28,6 +31,7 @@ MAX_PAYLOAD_BYTES = 8 << 20  # control frames only; KV bytes are not framed
 MAX_LEASE_ID_BYTES = 1024
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 YIELD_EVERY = 16  # successive non-blocking socket calls before yielding to other tasks
+SERVER_IDLE_S = 60.0  # a server closes a connection idle this long between requests (clients: conn_pool)
 
 
 class Frame(NamedTuple):
@@ -137,6 +141,16 @@ async def recv_frame(sock: socket.socket, timeout_s: float, what: str) -> Frame:
     return Frame(kind, code, bytes(payload))
 
 
+async def peek_byte(sock: socket.socket, timeout_s: float, what: str) -> bool:
+    """Wait until ``sock`` has a byte to read (True, the byte stays unread) or its peer closed it (False);
+    OSError on a reset, KVTransferError after ``timeout_s`` of silence."""
+    while True:
+        try:
+            return bool(sock.recv(1, socket.MSG_PEEK))
+        except (BlockingIOError, InterruptedError):
+            await _wait_ready(sock, write=False, timeout_s=timeout_s, what=what)
+
+
 def _tune(sock: socket.socket, config: TransportConfig) -> None:
     if config.socket_buffer_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.socket_buffer_bytes)
@@ -149,12 +163,10 @@ def _tune(sock: socket.socket, config: TransportConfig) -> None:
 # --- server ---------------------------------------------------------------------------------------
 
 
-
-
 class SocketServer:
-    """The listening side every socket-based transport shares: listen, accept, one task per connection,
-    stop. Subclasses set ``scheme``, implement ``_serve_connection(sock)``, and may add to the URI
-    (``_uri_query``)."""
+    """The listening side every socket-based transport shares: listen, accept, one task per connection
+    serving its requests one after another, stop. Subclasses set ``scheme``, implement ``_serve(sock)``
+    (one request), and may add to the URI (``_uri_query``)."""
 
     scheme = ""
 
@@ -164,6 +176,8 @@ class SocketServer:
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
+        self.num_accepted = 0  # connections accepted so far (pooled clients reuse theirs)
+        self.idle_timeout_s = SERVER_IDLE_S
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
         """Listen on ``host:port`` (0: a free port); the URI names ``advertise_host`` or else ``host``."""
@@ -208,9 +222,53 @@ class SocketServer:
                 logger.warning("KV data plane accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
+            self.num_accepted += 1
             task = asyncio.create_task(self._serve_connection(sock))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
 
     async def _serve_connection(self, sock: socket.socket) -> None:
+        """Serve requests one after another until the client closes the connection, leaves it idle for
+        ``idle_timeout_s`` (closed without a word: an ERROR could be taken for the answer to a later
+        request) or a request ends in an ERROR (sent, then the connection closes)."""
+        with sock:
+            try:
+                _tune(sock, self.config)
+                refusal = await self._serve(sock)  # a new connection's request follows at once: io_timeout_s
+                while refusal is None and await self._next_request(sock):
+                    refusal = await self._serve(sock)
+            except KVTransferError as exc:  # malformed, silent or vanished client
+                logger.info("KV data plane (%s): dropped a client: %s", self.scheme, exc)
+                refusal = encode_frame(ERROR, str(exc).encode(), ERR_PROTOCOL)
+            except OSError as exc:
+                logger.info("KV data plane (%s): dropped a client: %s", self.scheme, exc)
+                return
+            if refusal is not None:
+                await _refuse(sock, refusal)
+
+    async def _next_request(self, sock: socket.socket) -> bool:
+        """True once the client starts its next request on this connection."""
+        try:
+            return await peek_byte(sock, self.idle_timeout_s, "idle KV client")
+        except (KVTransferError, OSError):
+            return False
+
+    async def _serve(self, sock: socket.socket) -> bytes | None:
+        """Serve one request; returns the ERROR frame to close with, None when the connection may go on."""
         raise NotImplementedError
+
+
+async def _refuse(sock: socket.socket, frame: bytes, linger_s: float = 1.0) -> None:
+    """Send an ERROR and close gracefully: drain what the client already sent (its pipelined READ)
+    until it closes, so the close is a FIN after the ERROR rather than a reset that could destroy it."""
+    scratch = memoryview(bytearray(1 << 16))
+    with contextlib.suppress(KVTransferError, OSError):
+        await send_frame(sock, frame, linger_s, "KV client")
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + linger_s
+        while (left_s := deadline - time.monotonic()) > 0:
+            try:
+                if sock.recv_into(scratch) == 0:
+                    return
+            except (BlockingIOError, InterruptedError):
+                await _wait_ready(sock, write=False, timeout_s=left_s, what="KV client")

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.progress import ProgressLookup
 
 # kind (the URI scheme) -> (module, server class, client class). A transport is one module; adding one
 # is one line here plus passing tests/unit/test_kv_transport.py.
@@ -40,6 +41,10 @@ TRANSPORT_KINDS = tuple(_IMPLEMENTATIONS)
 # fabric has it), then NCCL (gloo on CPU: real, slower); on a CUDA cache, the GPU-native paths first.
 # ``local`` is in-process only (tests, benchmarks), never served by a worker.
 AUTO_PREFERENCE = {"cpu": ("cma", "tcp", "ucx", "nccl"), "cuda": ("nccl", "ucx", "tcp")}
+
+# The kinds whose server streams a lease's KV layer by layer while the prompt computes (a ``progress``
+# lookup, kv_transfer/progress.py); the others serve a lease only once every layer is written.
+STREAMING_KINDS = frozenset({"tcp"})
 
 # lease id -> the block ids it pins; raises LeaseNotFound (or returns None) when not live.
 Resolver = Callable[[str], Sequence[int] | None]
@@ -64,7 +69,7 @@ class TransportConfig:
 class TransferStats:
     num_blocks: int
     num_bytes: int
-    seconds: float  # connect to last byte, as the decode side sees it
+    seconds: float  # request (or connect, without a kept-alive connection) to last byte, as the decode side sees it
 
     @property
     def gbps(self) -> float:
@@ -203,13 +208,30 @@ def _implementation(kind: str, which: int):
     return getattr(importlib.import_module(module), classes[which])
 
 
-def make_server(kind: str, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None) -> KVServer:
-    """A server of transport ``kind`` over ``buffer``; ``resolve`` validates lease ids (see LeaseTable.resolver)."""
-    return _implementation(kind, 0)(buffer=buffer, resolve=resolve, config=config or TransportConfig())
+def make_server(kind: str, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
+                progress: ProgressLookup | None = None) -> KVServer:
+    """A server of transport ``kind`` over ``buffer``; ``resolve`` validates lease ids (see LeaseTable.resolver).
+    ``progress`` (lease id -> its LayerProgress while the prompt computes) is for the ``STREAMING_KINDS``;
+    any other kind refuses such a lease until its progress is ready, so it never sends unwritten KV."""
+    if progress is not None and kind not in STREAMING_KINDS:
+        resolve, progress = _when_computed(resolve, progress), None
+    extra = {"progress": progress} if progress is not None else {}
+    return _implementation(kind, 0)(buffer=buffer, resolve=resolve, config=config or TransportConfig(), **extra)
+
+
+def _when_computed(resolve: Resolver, progress: ProgressLookup) -> Resolver:
+    def resolve_computed(lease_id: str) -> Sequence[int] | None:
+        lease_progress = progress(lease_id)
+        if lease_progress is not None and not lease_progress.is_ready:
+            raise LeaseNotFound("the lease's KV is still being computed (this transport does not stream layers)")
+        return resolve(lease_id)
+
+    return resolve_computed
 
 
 def connect(uri: str, config: TransportConfig | None = None) -> KVClient:
-    """The client that pulls from ``uri`` (clients hold no connection between pulls)."""
+    """The client that pulls from ``uri``; keep it: tcp and cma clients keep connections alive between
+    pulls (``kv_transfer/conn_pool.py``), nccl its channels. ``close()`` it when done, if it has one."""
     return _implementation(uri_kind(uri), 1)(config or TransportConfig())
 
 
@@ -223,6 +245,10 @@ async def pull(
     *,
     config: TransportConfig | None = None,
 ) -> TransferStats:
-    """``connect(uri).pull(...)``."""
+    """``connect(uri).pull(...)`` with a client of its own, closed afterwards (one-off pulls: no reuse)."""
     client = connect(uri, config)
-    return await client.pull(uri, layout, lease_id, src_block_ids, dst_buffer, dst_block_ids)
+    try:
+        return await client.pull(uri, layout, lease_id, src_block_ids, dst_buffer, dst_block_ids)
+    finally:
+        if callable(close := getattr(client, "close", None)):
+            close()

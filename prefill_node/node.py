@@ -25,8 +25,12 @@ from engine.engine import Engine
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import Lease, LeaseTable
 from kv_transfer.registry import HeartbeatTask, Registry, WorkerInfo, WorkerLoad, connect
-from kv_transfer.transport import KVClient, TransportConfig, connect as kv_connect, make_server, parse_kinds
+from kv_transfer.progress import LayerProgress
+from kv_transfer.transport import (
+    STREAMING_KINDS, KVClient, TransportConfig, connect as kv_connect, make_server, parse_kinds, uri_kind,
+)
 from prefill_node.drain import DrainGate, InFlightCounter
+from prefill_node.layerwise import LayerwiseHooks
 from prefill_node.metrics import WorkerMetrics
 from prefill_node.publisher import IndexPublisher
 from prefill_node.servicer import WorkerServicer
@@ -69,9 +73,13 @@ class WorkerNode:
         self.config = config
         self.leases = LeaseTable(default_ttl_s=config.lease_ttl_s)
         self.lease_of_request: dict[str, Lease] = {}
+        # layer-wise (PrefillStream): the leases pinned at admission, and their progress while computing
+        self.early_leases: dict[str, Lease] = {}  # request id -> lease, until the request hands its blocks over
+        self.progress_of_lease: dict[str, LayerProgress] = {}
+        self.admitted_waiters: dict[str, asyncio.Future] = {}  # request id -> its early lease, for PrefillStream
         self.load = WorkerLoad(running=0, waiting=0, free_blocks=0, queued_prefill_tokens=0)
         self._tasks: list[asyncio.Task] = []
-        self.in_flight = InFlightCounter(frozenset(f"/{WORKER_SERVICE}/{m}" for m in ("Prefill", "Decode")))
+        self.in_flight = InFlightCounter(frozenset(f"/{WORKER_SERVICE}/{m}" for m in ("Prefill", "PrefillStream", "Decode")))
         self.drained = asyncio.Event()  # set when drained and idle with on_drain="exit": the process may exit
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -79,9 +87,10 @@ class WorkerNode:
         loop = asyncio.get_running_loop()
         self.loop = loop
         self.engine: Engine = await asyncio.to_thread(Engine, self.config.engine)
-        self.async_engine = AsyncEngine(self.engine, on_held=self._on_held)
-        self.async_engine.start()
         self.layout = _layout(self.engine)
+        self.layerwise = LayerwiseHooks(loop, self.layout.num_layers, self._on_admitted, self._ready_probe)
+        self.async_engine = AsyncEngine(self.engine, on_held=self._on_held, step_hooks=self.layerwise)
+        self.async_engine.start()
         # a byte view: numpy has no bfloat16, and the data plane moves bytes (CPU caches; CUDA needs staging)
         self.kv_buffer = KVBuffer(self.layout, self.engine.runner.kv_cache.view(torch.uint8).numpy())
         # Every transport of --kv-transport is served (kv_uri lists their URIs, space-separated) and tried
@@ -90,15 +99,18 @@ class WorkerNode:
         self.transport_config = transport_config(self.config)
         self._kv_clients: dict[str, KVClient] = {}
         resolve = self.leases.resolver(time.monotonic)
-        self.kv_servers = [make_server(kind, buffer=self.kv_buffer, resolve=resolve, config=self.transport_config)
-                           for kind in self.kv_kinds]
+        self.kv_servers = [make_server(kind, buffer=self.kv_buffer, resolve=resolve, config=self.transport_config,
+                                       progress=self.progress_of_lease.get) for kind in self.kv_kinds]
         served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0)
                   for i, server in enumerate(self.kv_servers)]
         self.kv_uri = self.config.kv_advertise_uri or " ".join(served)
+        # what an early (kv_pending) handle offers: the URIs whose server streams layers
+        self.streaming_kv_uri = " ".join(u for u in self.kv_uri.split() if uri_kind(u) in STREAMING_KINDS)
         self.grpc_address = await self._start_grpc()
         self.worker_id = self.config.worker_id or f"{self.config.role}-{socket.gethostname()}-{self.grpc_port}"
         self.metrics = WorkerMetrics(self.worker_id)
-        self.metrics_server = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port)
+        self.metrics_server = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port,
+                                            self.config.tls)
         self.redis = connect(self.config.redis_url)
         self.registry = Registry(self.redis, self.config.namespace, self.config.heartbeat_ttl_s)
         self.publisher = IndexPublisher(self)
@@ -163,12 +175,37 @@ class WorkerNode:
         self.loop.call_soon_threadsafe(self._create_lease, delta.request_id, delta.held_block_ids)
 
     def _create_lease(self, request_id: str, block_ids: tuple[int, ...]) -> None:
-        self.lease_of_request[request_id] = self.leases.create(block_ids, now=time.monotonic())
+        early = self.early_leases.pop(request_id, None)
+        if early is None:
+            self.lease_of_request[request_id] = self.leases.create(block_ids, now=time.monotonic())
+            return
+        # pinned at admission (layer-wise): the lease holds already, or was released / expired meanwhile,
+        # which freed its blocks; free only what the request holds beyond them
+        self.progress_of_lease.pop(early.lease_id, None)
+        extra = sorted(set(block_ids) - set(early.block_ids))
+        if extra:
+            self.async_engine.submit(lambda e: e.release_blocks(extra))
+
+    def _on_admitted(self, request_id: str, block_ids: tuple[int, ...], progress: LayerProgress) -> None:
+        """Event loop, layer-wise: the step computing ``request_id``'s last prompt chunk started; pin its
+        blocks now so a pull can stream each layer as it is written (``prefill_node/layerwise.py``)."""
+        lease = self.leases.create(block_ids, now=time.monotonic())
+        self.early_leases[request_id] = self.lease_of_request[request_id] = lease
+        self.progress_of_lease[lease.lease_id] = progress
+        waiter = self.admitted_waiters.pop(request_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(lease)
+
+    def _ready_probe(self, layer: int):
+        """On CUDA, layer ``layer``'s event of the running step (its kernels finish after the hook)."""
+        events = self.engine.runner.layer_events
+        return events[layer].query if layer < len(events) else None
 
     def release_lease(self, lease_id: str) -> bool:
         lease = self.leases.release(lease_id)
         if lease is not None:
             self._free(lease)
+            self.progress_of_lease.pop(lease_id, None)
         return lease is not None
 
     def _free(self, lease: Lease) -> None:
@@ -181,6 +218,7 @@ class WorkerNode:
             for lease in expired:
                 logger.info("transfer lease expired; freeing %d blocks", len(lease.block_ids))
                 self._free(lease)
+                self.progress_of_lease.pop(lease.lease_id, None)
             expired_ids = {lease.lease_id for lease in expired}
             for request_id, lease in list(self.lease_of_request.items()):
                 if lease.lease_id in expired_ids:

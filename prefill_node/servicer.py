@@ -7,6 +7,7 @@ the whole call (queue + compute). With tracing on (``proto.tracing``), a prefill
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import replace
@@ -93,11 +94,34 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             response.handle.CopyFrom(self._handle(lease, len(request.token_ids)))
         return response
 
-    def _handle(self, lease, num_tokens: int) -> pb.KVHandle:
+    async def PrefillStream(self, request: pb.PrefillRequest, context):
+        """``Prefill`` whose first message is the handle (``kv_pending``) once the step computing the prompt's
+        last chunk starts: a decode worker pulling it gets each layer as soon as it is written. A worker
+        serving no streaming transport answers with the one final message, as ``Prefill``."""
+        node, rid = self.node, request.request_id
+        if not node.streaming_kv_uri:
+            yield await self.Prefill(request, context)
+            return
+        admitted = node.admitted_waiters[rid] = asyncio.get_running_loop().create_future()
+        node.layerwise.watch(rid)
+        prefill = asyncio.ensure_future(self.Prefill(request, context))
+        try:
+            await asyncio.wait((admitted, prefill), return_when=asyncio.FIRST_COMPLETED)
+            if admitted.done() and not prefill.done():
+                lease = admitted.result()
+                yield pb.PrefillResponse(kv_pending=True, handle=self._handle(lease, len(request.token_ids),
+                                                                              node.streaming_kv_uri))
+            yield await prefill
+        finally:
+            node.layerwise.forget(rid)
+            node.admitted_waiters.pop(rid, None)
+            prefill.cancel()
+
+    def _handle(self, lease, num_tokens: int, uri: str | None = None) -> pb.KVHandle:
         node = self.node
         wall_expiry_ms = int((time.time() + lease.expires_at - time.monotonic()) * 1e3)
         return pb.KVHandle(
-            worker_id=node.worker_id, data_plane_uri=node.kv_uri, lease_id=lease.lease_id,
+            worker_id=node.worker_id, data_plane_uri=uri or node.kv_uri, lease_id=lease.lease_id,
             block_ids=list(lease.block_ids), num_tokens=num_tokens, layout=layout_to_pb(node.layout),
             lease_expires_unix_ms=wall_expiry_ms,
         )

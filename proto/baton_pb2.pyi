@@ -90,7 +90,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_bytes", "transfer_ms", "transfer_gbps", "transfer_blocks", "prefill_worker", "decode_worker", "route_kind", "route_reason", "decode_tokens_per_s", "e2e_ms", "predicted_ttft_ms", "transport")
+    __slots__ = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_bytes", "transfer_ms", "transfer_gbps", "transfer_blocks", "prefill_worker", "decode_worker", "route_kind", "route_reason", "decode_tokens_per_s", "e2e_ms", "predicted_ttft_ms", "transport", "kv_layerwise")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Timings(_message.Message):
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYERWISE_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     queue_ms: float
     prefill_ms: float
@@ -121,7 +122,8 @@ class Timings(_message.Message):
     e2e_ms: float
     predicted_ttft_ms: float
     transport: str
-    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transfer_gbps: _Optional[float] = ..., transfer_blocks: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., route_kind: _Optional[str] = ..., route_reason: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
+    kv_layerwise: bool
+    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transfer_gbps: _Optional[float] = ..., transfer_blocks: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., route_kind: _Optional[str] = ..., route_reason: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., transport: _Optional[str] = ..., kv_layerwise: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -264,23 +266,25 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "logprobs", "handle", "timings", "finish_reason", "num_cached_tokens")
+    __slots__ = ("first_token", "logprobs", "handle", "timings", "finish_reason", "num_cached_tokens", "kv_pending")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_PENDING_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logprobs: Logprobs
     handle: KVHandle
     timings: Timings
     finish_reason: FinishReason
     num_cached_tokens: int
-    def __init__(self, first_token: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    kv_pending: bool
+    def __init__(self, first_token: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., kv_pending: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "handle", "num_output_tokens_so_far", "priority", "prompt_len")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "handle", "num_output_tokens_so_far", "priority", "prompt_len", "first_token_pending")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +293,7 @@ class DecodeRequest(_message.Message):
     NUM_OUTPUT_TOKENS_SO_FAR_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_PENDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -297,7 +302,24 @@ class DecodeRequest(_message.Message):
     num_output_tokens_so_far: int
     priority: int
     prompt_len: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_output_tokens_so_far: _Optional[int] = ..., priority: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    first_token_pending: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_output_tokens_so_far: _Optional[int] = ..., priority: _Optional[int] = ..., prompt_len: _Optional[int] = ..., first_token_pending: _Optional[bool] = ...) -> None: ...
+
+class FirstTokenRequest(_message.Message):
+    __slots__ = ("request_id", "token_id", "recompute")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_id: int
+    recompute: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., recompute: _Optional[bool] = ...) -> None: ...
+
+class FirstTokenResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "timings", "logprobs", "num_cached_tokens")

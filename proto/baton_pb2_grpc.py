@@ -197,6 +197,16 @@ class WorkerStub:
                 request_serializer=proto_dot_baton__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_baton__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/baton.v1.Worker/PrefillStream',
+                request_serializer=proto_dot_baton__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.FirstToken = channel.unary_unary(
+                '/baton.v1.Worker/FirstToken',
+                request_serializer=proto_dot_baton__pb2.FirstTokenRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.FirstTokenResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/baton.v1.Worker/Decode',
                 request_serializer=proto_dot_baton__pb2.DecodeRequest.SerializeToString,
@@ -223,6 +233,19 @@ class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request, context):
+        """Prefill whose first message is the KV handle (kv_pending) as soon as the prompt is scheduled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FirstToken(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -259,6 +282,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_baton__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_baton__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=proto_dot_baton__pb2.PrefillRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.PrefillResponse.SerializeToString,
+            ),
+            'FirstToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.FirstToken,
+                    request_deserializer=proto_dot_baton__pb2.FirstTokenRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.FirstTokenResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -308,6 +341,60 @@ class Worker:
             '/baton.v1.Worker/Prefill',
             proto_dot_baton__pb2.PrefillRequest.SerializeToString,
             proto_dot_baton__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.Worker/PrefillStream',
+            proto_dot_baton__pb2.PrefillRequest.SerializeToString,
+            proto_dot_baton__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FirstToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Worker/FirstToken',
+            proto_dot_baton__pb2.FirstTokenRequest.SerializeToString,
+            proto_dot_baton__pb2.FirstTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

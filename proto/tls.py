@@ -1,4 +1,9 @@
-"""Optional TLS and mutual TLS for every gRPC server and client: one frozen config, one set of flags.
+"""Optional TLS and mutual TLS for every server and client of a process: one frozen config, one set of flags.
+
+gRPC takes ``server_credentials``/``channel_credentials`` (or ``add_port``/``channel``/``aio_channel``); the
+router's OpenAI HTTP front, every ``/metrics`` endpoint and plain sockets take ``ssl_server_context`` /
+``ssl_client_context``, built here from the same files with the same rule: a CA set -> client certificates
+required (mTLS).
 
     --tls-cert PEM   this process's certificate (chain); a server presents it, a client presents it for mTLS
     --tls-key PEM    its private key (with --tls-cert, never alone)
@@ -161,7 +166,7 @@ def aio_channel(address: str, config: TlsConfig | None, options: ChannelOptions 
     return grpc.aio.secure_channel(address, channel_credentials(config), options=_options(config, options))
 
 
-# ---- the same files for plain sockets (e.g. a KV data plane over asyncio streams) -------------------
+# ---- the same files for HTTP (OpenAI front, /metrics) and plain sockets -----------------------------
 
 def ssl_server_context(config: TlsConfig) -> ssl.SSLContext:
     """A stdlib server context with the same semantics: ``ca`` set -> client certificates required."""
@@ -188,7 +193,8 @@ def ssl_client_context(config: TlsConfig) -> ssl.SSLContext:
 # ---- flags (called from the CLIs' main only) ------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
-    group = parser.add_argument_group("TLS (off unless set; see docs/operations.md, Security)")
+    group = parser.add_argument_group("TLS for gRPC, the HTTP front and /metrics (off unless set; see "
+                                      "docs/operations.md, Security)")
     group.add_argument("--tls-cert", default=env.get(ENV_CERT) or None, metavar="PEM",
                        help=f"certificate chain this process presents (default: ${ENV_CERT})")
     group.add_argument("--tls-key", default=env.get(ENV_KEY) or None, metavar="PEM",

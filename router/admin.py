@@ -25,6 +25,7 @@ import grpc
 from engine.errors import InvalidRequest
 from kv_transfer.registry import ROLES, Registry
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from proto.tls import TlsConfig
 from router import planner, traffic as traffic_mod
 from router.admin_convert import (curve_dict, plan_to_proto, traffic_terms, worker_rates, window_to_proto,
                                   worker_to_proto)
@@ -38,8 +39,9 @@ DEFAULT_WINDOW_S = 300.0
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, registry: Registry, redis: Any, *, token: str | None = None,
                  planner_config: planner.PlannerConfig = planner.PlannerConfig(), metrics_registry: Any = None,
-                 stats_timeout_s: float = 0.5) -> None:
+                 stats_timeout_s: float = 0.5, tls: TlsConfig | None = None) -> None:
         self._registry, self._redis = registry, redis
+        self._tls = tls  # how the router calls the workers (their Stats for ListWorkers)
         self._token = token or None
         self._planner_config = planner_config
         self._last_change_s: float | None = None  # monotonic; the planner's cool-down clock
@@ -51,7 +53,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         await self._authorize(context)
         draining, now_ms = await self._registry.list_draining(), int(time.time() * 1000)
         listed = await self._registry.list_workers()
-        rates = await worker_rates([info for info, _ in listed], self._stats_timeout_s)
+        rates = await worker_rates([info for info, _ in listed], self._stats_timeout_s, self._tls)
         workers = [worker_to_proto(info, load, info.worker_id in draining, now_ms,
                                    *rates.get(info.worker_id, (None, None)))
                    for info, load in listed]

@@ -10,6 +10,7 @@ import grpc
 
 from kv_transfer.registry import WorkerInfo, WorkerLoad
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from proto.tls import TlsConfig, aio_channel
 from router import planner
 from router.traffic import Percentiles, Window
 
@@ -44,12 +45,14 @@ def worker_to_proto(info: WorkerInfo, load: WorkerLoad | None, draining: bool, n
     return worker
 
 
-async def worker_rates(workers: list[WorkerInfo], timeout_s: float) -> dict[str, tuple[float | None, float | None]]:
+async def worker_rates(workers: list[WorkerInfo], timeout_s: float,
+                       tls: TlsConfig | None = None) -> dict[str, tuple[float | None, float | None]]:
     """Each worker's (prefix-cache hit rate, KV pull GB/s) since it started, from its ``Stats`` (concurrent,
-    short deadline). A worker that does not answer in time (or serves TLS only) is left out."""
+    short deadline), called over TLS with ``tls`` as the router calls the workers. A worker that does not
+    answer in time (or refuses the connection) is left out."""
     async def one(info: WorkerInfo) -> tuple[str, tuple[float | None, float | None] | None]:
         try:
-            async with grpc.aio.insecure_channel(info.grpc_address) as channel:
+            async with aio_channel(info.grpc_address, tls) as channel:
                 stats = await pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
             log.debug("Stats of worker_id=%s failed: %r", info.worker_id, exc)

@@ -1,4 +1,4 @@
-"""Fire-and-forget control calls to workers (Abort, ReleaseLease) that outlive the request asking for them.
+"""Fire-and-forget control calls to workers (Abort, ReleaseLease, FirstToken) that outlive the request asking for them.
 
 A request being cancelled cannot await anything reliably, so its cleanup queues these as background tasks;
 each is bounded by a short timeout, failures are logged (a dead worker has nothing left to free), and
@@ -39,6 +39,19 @@ class WorkerControl:
     def release_lease(self, worker: WorkerInfo, lease_id: str) -> None:
         """The prefill worker unpins a handle's blocks that no decode worker will pull."""
         self._spawn(self._release(worker, lease_id), f"ReleaseLease-{worker.worker_id}")
+
+    def first_token(self, worker: WorkerInfo, request_id: str, token: int | None) -> None:
+        """Layer-wise: hand P's first token to the decode worker already pulling (None: P failed, D
+        prefills itself). A decode worker that does not get it fails the Decode call, which the request
+        sees and handles (retry elsewhere), so a lost delivery costs nothing else."""
+        request = pb.FirstTokenRequest(request_id=request_id, token_id=token or 0, recompute=token is None)
+        self._spawn(self._first_token(worker, request), f"FirstToken-{worker.worker_id}")
+
+    async def _first_token(self, worker: WorkerInfo, request: pb.FirstTokenRequest) -> None:
+        try:
+            await self._directory.stub(worker).FirstToken(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("FirstToken on worker_id=%s failed: %s %s", worker.worker_id, exc.code().name, exc.details())
 
     async def drain(self, timeout_s: float) -> None:
         if self._tasks:

@@ -5,12 +5,31 @@ For a decode worker D, the prompt is computed either
     remote on P:  overhead(remote) + queue_wait(P) + uncached(P) / rate(P) + kv_bytes(uncached on D) / link(P, D)
     local on D:   overhead(local) + queued(D) / rate(D) + uncached(D) / rate(D) + chunks * decode_step(D)
 
-and the lower predicted TTFT wins, unless local prefill would push D's running decodes past the ITL target
+and the lower ``ttft + stall`` wins, unless local prefill would push D's running decodes past the ITL target
 (each of D's steps then carries a prefill chunk). Under ``floor_tokens`` uncached tokens, always local.
-D itself is priced ``ttft + expected_output_tokens * itl(D with this request added)``, where a decode
-step grows with D's batch and with the KV it holds (its used blocks plus this request's); the caller only
-offers decode workers whose free blocks hold the request. ``overhead`` is each route kind's fixed cost
-(RPC hops, the pull's setup), learned from measured TTFTs (``Rates.overhead_s``). Pure logic: no I/O, no clock, the RNG is passed in.
+
+``stall`` is what a local prefill costs D's *other* sequences: while D computes the prompt's ``uncached``
+tokens its steps carry the chunks, so each of its ``running`` sequences is delayed by about
+``uncached / rate(D)`` seconds in all: ``stall = interference_weight * running * uncached / rate(D)``.
+The weight defaults to 1, a second of another request's delay priced like a second of this one's. The
+cost prices this request's decode as ``steps * itl``, its whole decode time, not a per-token figure; a
+victim's stall amortised over its remaining tokens raises its ITL by ``stall / remaining``, and priced
+the same way (``remaining`` times that) is the whole stall again. A weight of ``1 / expected_output_tokens``
+would set one victim's per-token rise against this request's total: 64 times too weak to stop a decode
+worker holding a shared prefix from taking most requests and prefilling them on top of its running
+decodes (the benchmark in docs/benchmarks.md: 40 of 48). A remote plan stalls nobody (D only pulls KV),
+so a busy prefix holder is moved to a remote prefill, or the request to another decode worker. Not
+priced: the ``per_seq_s`` one more sequence adds to each running one's steps (only this request's own
+``itl`` with the batch grown by one is).
+
+D itself is priced ``ttft + stall + steps * itl(D with this request added)``, where a decode step grows
+with D's batch and with the KV it holds (its used blocks plus this request's), so a prefix holder's own
+queue counts against it. ``steps`` is the request's ``max_tokens - 1`` (the first token comes from the
+prefill) capped at ``expected_output_tokens``, which also prices a request that states no limit: a
+short request is priced as short, a long limit (often never reached) as the cap. The caller only offers
+decode workers whose free blocks hold the request. ``overhead`` is each route kind's fixed cost (RPC
+hops, the pull's setup), learned from measured TTFTs (``Rates.overhead_s``). Pure logic: no I/O, no
+clock, the RNG is passed in.
 """
 
 from __future__ import annotations
@@ -33,7 +52,8 @@ if TYPE_CHECKING:
 class CostConfig:
     itl_target_s: float = 0.100  # local prefill may not push D's running decodes' step time past this
     prefill_chunk_tokens: int = 512  # prompt tokens D adds to one step when it prefills locally
-    expected_output_tokens: int = 64  # decode steps a request is priced for on D
+    expected_output_tokens: int = 64  # decode steps priced on D: with no max_tokens, and at most with one
+    interference_weight: float = 1.0  # cost per second a local prefill stalls each of D's running sequences
     kv_bytes_per_token: float = 131_072.0  # when neither the layout nor a measurement says (8B-class, bf16)
     temperature_s: float = 0.0  # softmax temperature over costs (0: argmin, deterministic)
     power_of_two_above: int = 8  # more fitting decode workers than this: price only two of them
@@ -45,8 +65,9 @@ class CostConfig:
         if not self.itl_target_s > 0 or self.prefill_chunk_tokens < 1 or self.kv_bytes_per_token <= 0:
             raise ValueError(f"CostConfig: itl_target_s, prefill_chunk_tokens, kv_bytes_per_token must be > 0: {self}")
         if self.expected_output_tokens < 0 or self.temperature_s < 0 or self.power_of_two_above < 2 \
-                or self.affinity_tolerance < 0:
-            raise ValueError(f"CostConfig: expected_output_tokens, temperature_s >= 0; power_of_two_above >= 2: {self}")
+                or self.affinity_tolerance < 0 or self.interference_weight < 0:
+            raise ValueError(f"CostConfig: expected_output_tokens, temperature_s, affinity_tolerance, "
+                             f"interference_weight >= 0; power_of_two_above >= 2: {self}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,17 +83,24 @@ class PrefillPlan:
     interference_s: float = 0.0  # local: D's decode steps interleaved with the prompt's chunks
     itl_s: float = 0.0  # local: D's step time while a chunk rides along (0 when D runs no decodes)
     overhead_s: float = 0.0  # the route kind's fixed cost
+    stall_s: float = 0.0  # local: D's running sequences' delay x interference_weight (not in this ttft)
 
     @property
     def ttft_s(self) -> float:
         return self.overhead_s + self.queue_s + self.compute_s + self.transfer_s + self.interference_s
+
+    @property
+    def cost_s(self) -> float:
+        """What the plan costs: this request's TTFT and the stall it inflicts on D's running sequences."""
+        return self.ttft_s + self.stall_s
 
     def describe(self) -> str:
         terms = f"overhead {self.overhead_s:.4f} + queue {self.queue_s:.4f} + prefill {self.compute_s:.4f}"
         if self.kind == "remote":
             terms += f" + transfer {self.transfer_s:.4f}"
             return f"remote on {self.prefill_id} {self.ttft_s:.4f} s = {terms}"
-        return f"local {self.ttft_s:.4f} s = {terms} + interference {self.interference_s:.4f} (itl {self.itl_s:.4f})"
+        return (f"local {self.ttft_s:.4f} s = {terms} + interference {self.interference_s:.4f} "
+                f"(itl {self.itl_s:.4f}, stall of running {self.stall_s:.4f})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,19 +118,28 @@ class PricedDecode:
     decode: Candidate
     plan: PrefillPlan
     itl_s: float  # D's predicted decode step with this request added
+    decode_steps: int  # decode steps the request is priced for (``decode_steps``)
     cost_s: float
     verdict: str  # why this plan
     alternative: PrefillPlan | None = None  # the plan it was compared with
 
-    def describe(self, config: CostConfig) -> str:
+    def describe(self) -> str:
         """The decision's terms and values (built only for the chosen worker)."""
         plans = self.plan.describe()
         if self.alternative is not None:
             pair = (self.plan, self.alternative)
             remote, local = pair if self.plan.kind == "remote" else pair[::-1]
             plans = f"{remote.describe()} vs {local.describe()}"
-        return (f"{self.decode.worker_id}: cost {self.cost_s:.4f} s = ttft {self.plan.ttft_s:.4f} + "
-                f"{config.expected_output_tokens} x itl {self.itl_s:.4f}; {plans}; {self.verdict}")
+        return (f"{self.decode.worker_id}: cost {self.cost_s:.4f} s = ttft {self.plan.ttft_s:.4f} + stall "
+                f"{self.plan.stall_s:.4f} + {self.decode_steps} x itl {self.itl_s:.4f}; {plans}; {self.verdict}")
+
+
+def decode_steps(request: RouteRequest, config: CostConfig) -> int:
+    """Decode steps D runs for the request: ``max_tokens - 1`` (the prefill samples the first token),
+    capped at ``expected_output_tokens``, which also stands in when the request states no limit."""
+    if request.max_tokens is None:
+        return config.expected_output_tokens
+    return min(max(request.max_tokens - 1, 0), config.expected_output_tokens)
 
 
 def kv_bytes_per_token(decode: Candidate, rates: Rates, config: CostConfig) -> float:
@@ -144,7 +181,8 @@ def remote_plan(
 
 
 def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: CostConfig) -> PrefillPlan:
-    """D prefills itself: its queued prompts, this one's chunks, and a decode step of its batch per chunk."""
+    """D prefills itself: its queued prompts, this one's chunks, and a decode step of its batch per chunk;
+    its ``running`` sequences each wait ``uncached / rate`` in all for those chunks (the stall)."""
     rate = rates.prefill_tokens_per_s(decode.worker_id, decode.load, on_decode=True)
     uncached = request.uncached_tokens(decode)
     running = decode.num_active
@@ -156,6 +194,7 @@ def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: C
     return PrefillPlan(
         kind="local", prefill_id=None, uncached_tokens=uncached, queue_s=decode.queued_prefill_tokens / rate,
         compute_s=uncached / rate, interference_s=interference_s, itl_s=itl_s, overhead_s=rates.overhead_s("local"),
+        stall_s=config.interference_weight * running * uncached / rate,
     )
 
 
@@ -179,16 +218,16 @@ def price_decode(
     plan, alternative, verdict = _choose_plan(
         request, decode, local, quotes, rates, config, floor_tokens=floor_tokens, no_remote_reason=no_remote_reason
     )
-    cost_s = plan.ttft_s + config.expected_output_tokens * itl_s
-    return PricedDecode(decode=decode, plan=plan, itl_s=itl_s, cost_s=cost_s, verdict=verdict,
-                        alternative=alternative)
+    steps = decode_steps(request, config)
+    return PricedDecode(decode=decode, plan=plan, itl_s=itl_s, decode_steps=steps,
+                        cost_s=plan.cost_s + steps * itl_s, verdict=verdict, alternative=alternative)
 
 
 def _choose_plan(
     request: RouteRequest, decode: Candidate, local: PrefillPlan, quotes: Sequence[PrefillQuote], rates: Rates,
     config: CostConfig, *, floor_tokens: int, no_remote_reason: str,
 ) -> tuple[PrefillPlan, PrefillPlan | None, str]:
-    """(chosen, the other, verdict): lower TTFT wins unless local breaks D's ITL target; a floor first."""
+    """(chosen, the other, verdict): lower ttft + stall wins unless local breaks D's ITL target; a floor first."""
     uncached = local.uncached_tokens
     if uncached <= floor_tokens:
         return local, None, f"{uncached} uncached prompt tokens <= threshold {floor_tokens}"
@@ -198,9 +237,9 @@ def _choose_plan(
     above = f"{uncached} uncached prompt tokens > threshold {floor_tokens}"
     if local.itl_s > config.itl_target_s:
         return remote, local, f"local would push itl past target {config.itl_target_s:.4f}; {above}"
-    if local.ttft_s < remote.ttft_s:
-        return local, remote, "local predicts the lower ttft"
-    return remote, local, f"remote predicts the lower ttft; {above}"
+    if local.cost_s < remote.cost_s:
+        return local, remote, "local predicts the lower ttft + stall"
+    return remote, local, f"remote predicts the lower ttft + stall; {above}"
 
 
 def sample_decodes(decodes: Sequence[Candidate], config: CostConfig, rng: random.Random) -> list[Candidate]:

@@ -59,7 +59,7 @@ def format_timings(final: pb.GenerateResponse) -> str:
              f"decode {t.decode_worker or '?'}",
              f"route {t.route_kind or '?'} ({t.route_reason})" if t.route_reason else f"route {t.route_kind or '?'}"]
     if t.transfer_blocks or t.transfer_bytes:
-        via = f", {t.transport}" if t.transport else ""
+        via = (f", {t.transport}" if t.transport else "") + (", streamed by layer" if t.kv_layerwise else "")
         parts.append(f"KV {t.transfer_blocks} blocks {_bytes(t.transfer_bytes)} in {t.transfer_ms:.2f} ms "
                      f"({t.transfer_gbps:.2f} GB/s{via})")
     else:

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--planner-down-cooldown-s", type=float, default=PlannerConfig().down_cooldown_s,
                         help="after any pool change, wait this long before the planner shrinks a pool "
                              "(default: %(default)s)")
+    parser.add_argument("--kv-layerwise", action="store_true",
+                        help="remote prefills stream the KV to the decode worker layer by layer while the prefill "
+                             "worker computes it (tcp data plane), instead of after the prefill")
     parser.add_argument("--index-mirror", action="store_true",
                         help="mirror the KV block index in memory from the {ns}:events stream: routing reads no "
                              "Redis per request, and every router replaying the stream agrees")
@@ -65,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--itl-target-ms", type=float, default=CostConfig().itl_target_s * 1e3,
                         help="the cost policy prefills remotely rather than push a decode worker's step time "
                         "past this (default: %(default)s)")
+    parser.add_argument("--expected-output-tokens", type=int, default=CostConfig().expected_output_tokens,
+                        help="decode steps the cost policy prices a request for: its max_tokens - 1, at most "
+                        "this, and this when it sets none (default: %(default)s)")
+    parser.add_argument("--interference-weight", type=float, default=CostConfig().interference_weight,
+                        help="cost per second a local prefill stalls each of the decode worker's running "
+                        "sequences; 1 weighs their delay like the request's own (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     parser.add_argument("--max-inflight-requests", type=int, default=None,
@@ -101,13 +110,15 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         model_dir=args.model if args.model is not None else _default_model_dir(),
         redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
         ns=args.ns, host=args.host, port=args.port, model_name=args.model_name, max_model_len=args.max_model_len,
-        request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror,
+        request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror, kv_layerwise=args.kv_layerwise,
         max_inflight_requests=args.max_inflight_requests,
         planner=PlannerConfig(max_workers=args.planner_max_workers, down_cooldown_s=args.planner_down_cooldown_s),
         policy=PolicyConfig(disagg_threshold_tokens=args.disagg_threshold_tokens,
                             max_queued_prefill_tokens=args.max_queued_prefill_tokens, policy=args.policy,
                             cost=CostConfig(temperature_s=args.router_temperature,
-                                            itl_target_s=args.itl_target_ms / 1e3)),
+                                            itl_target_s=args.itl_target_ms / 1e3,
+                                            expected_output_tokens=args.expected_output_tokens,
+                                            interference_weight=args.interference_weight)),
     )
 
 

@@ -33,6 +33,7 @@ from aiohttp import web
 from engine.errors import CapacityExceeded, InvalidRequest
 from proto import baton_pb2 as pb
 from proto import tracing
+from proto.tls import TlsConfig, describe, ssl_server_context
 from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, status_for
 from router.frontend import Frontend, Job
 from router.openai_logprobs import LogprobsBuilder
@@ -268,15 +269,18 @@ class HttpServer:
         await self.runner.cleanup()
 
 
-async def serve_openai(handlers: OpenAIHandlers, host: str, port: int | None) -> HttpServer | None:
-    """Start the OpenAI front on ``host:port`` (None: not at all; 0: any free port)."""
+async def serve_openai(handlers: OpenAIHandlers, host: str, port: int | None,
+                       tls: TlsConfig | None = None) -> HttpServer | None:
+    """Start the OpenAI front on ``host:port`` (None: not at all; 0: any free port); HTTPS with ``tls``, and
+    with its CA every client must present a certificate that CA signed (mTLS)."""
     if port is None:
         return None
     # handler_cancellation: a client that hangs up cancels its handler, so the relay aborts the workers
     runner = web.AppRunner(build_app(handlers), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=None if tls is None else ssl_server_context(tls))
     await site.start()
     bound = runner.addresses[0][1]
-    log.info("OpenAI-compatible HTTP front on %s:%d", host, bound)
+    log.info("OpenAI-compatible HTTP front on %s://%s:%d (%s)", "http" if tls is None else "https", host, bound,
+             describe(tls))
     return HttpServer(runner, bound)

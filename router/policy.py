@@ -87,6 +87,7 @@ class Candidate:
 class RouteRequest:
     num_prompt_tokens: int
     block_size: int
+    max_tokens: int | None = None  # the request's output limit; None: unknown (the cost model prices its default)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -187,13 +188,13 @@ def route_by_cost(
     runner_up = ""
     if others:  # what the choice was weighed against
         r = others[0]
-        runner_up = (f" (next: {r.decode.worker_id} cost {r.cost_s:.4f} s = ttft {r.plan.ttft_s:.4f} + itl "
-                     f"{r.itl_s:.4f}, {request.cached_tokens(r.decode)} cached)")
+        runner_up = (f" (next: {r.decode.worker_id} cost {r.cost_s:.4f} s = ttft {r.plan.ttft_s:.4f} + stall "
+                     f"{r.plan.stall_s:.4f} + itl {r.itl_s:.4f}, {request.cached_tokens(r.decode)} cached)")
     kind = RouteKind.REMOTE if best.plan.kind == "remote" else RouteKind.LOCAL
     return RouteDecision(
         kind=kind, decode_id=best.decode.worker_id, prefill_id=best.plan.prefill_id,
         reason=f"cost{sampled_note}: {request.cached_tokens(best.decode)} of {request.num_prompt_tokens} prompt "
-               f"tokens cached on {best.decode.worker_id}{runner_up}; {best.describe(config.cost)}{note}",
+               f"tokens cached on {best.decode.worker_id}{runner_up}; {best.describe()}{note}",
         decode_cached_tokens=request.cached_tokens(best.decode), predicted_ttft_s=best.plan.ttft_s,
     )
 

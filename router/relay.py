@@ -30,6 +30,7 @@ from engine.errors import CapacityExceeded
 from engine.tokenizer import Tokenizer
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.registry import WorkerInfo
+from kv_transfer.transport import STREAMING_KINDS, uri_kind
 from proto import baton_pb2 as pb
 from proto.tracing import current_tracer
 from router.admission import AdmissionGate
@@ -58,9 +59,10 @@ class Relay:
     def __init__(
         self, directory: WorkerDirectory, tokenizer: Tokenizer, policy: PolicyConfig, *,
         decode_retries: int = 1, control_rpc_timeout_s: float = 2.0, metrics: RouterMetrics | None = None,
-        tracer: Any | None = None, max_inflight_requests: int | None = None,
+        tracer: Any | None = None, max_inflight_requests: int | None = None, kv_layerwise: bool = False,
     ) -> None:
         self.directory, self.tokenizer, self.policy = directory, tokenizer, policy
+        self.kv_layerwise = kv_layerwise  # remote prefills by PrefillStream, D pulling while P computes
         # the router-wide admission limit, shared by both fronts (None: no limit)
         self.admission = AdmissionGate(max_inflight_requests)
         self.metrics = metrics if metrics is not None else RouterMetrics()
@@ -124,6 +126,7 @@ class _Flow:
         self._decode_call: Any = None
         self._decode_active = False
         self._decode_has_handle = False
+        self._early_decode: Any = None  # layer-wise: D's Decode call, started on P's handle, not yet read
         self._done = False  # the final message was built
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
         self._decision: RouteDecision | None = None
@@ -173,7 +176,8 @@ class _Flow:
         cached = await self._relay.directory.lookup(hash_blocks(prompt, scheme.block_size, root))
         self._candidates = build_candidates(self._snapshot, scheme, cached, self._relay.inflight,
                                             self._relay.inflight_prefill_tokens)
-        self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size)
+        self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size,
+                                           max_tokens=self._job.params.max_tokens)
         decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
@@ -204,13 +208,19 @@ class _Flow:
         num_tokens = len(job.prompt_token_ids)
         pending[worker.worker_id] += num_tokens
         metadata = self._spans.call("prefill", worker.worker_id)
+        decode = self._info(decision.decode_id)
         try:
-            response = await self._relay.directory.stub(worker).Prefill(request, timeout=self._remaining_s(),
-                                                                        metadata=metadata)
+            if streams_layers(worker, decode) and self._relay.kv_layerwise:
+                response = await self._prefill_streamed(worker, decode, request, metadata)
+            else:
+                response = await self._relay.directory.stub(worker).Prefill(request, timeout=self._remaining_s(),
+                                                                            metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             self._prefill_pending = False
             self._spans.end("prefill", error=exc.code().name)
             self._prefill_failed(worker, exc)
+            if self._early_decode is not None:  # D holds the handle and waits: it prefills itself instead
+                self._relay.control.first_token(decode, job.worker_request_id, None)
             return None
         finally:
             pending[worker.worker_id] -= num_tokens
@@ -218,10 +228,27 @@ class _Flow:
                 del pending[worker.worker_id]
         self._prefill_pending = False
         self._spans.end("prefill")
-        if response.HasField("handle") and response.handle.lease_id:
+        if self._early_decode is not None and not response.finish_reason:
+            self._relay.control.first_token(decode, job.worker_request_id, response.first_token)
+        elif response.HasField("handle") and response.handle.lease_id:
             self._handle = response.handle
             self._spans.open("kv.lease", **{"baton.lease_id": response.handle.lease_id})
         return response
+
+    async def _prefill_streamed(self, worker: WorkerInfo, decode: WorkerInfo, request: pb.PrefillRequest,
+                                metadata: Any) -> pb.PrefillResponse:
+        """Layer-wise: P's first message is the handle of KV still being computed; Decode starts on D at
+        once (D pulls each layer as P writes it), and P's first token follows it there by FirstToken."""
+        call = self._relay.directory.stub(worker).PrefillStream(request, timeout=self._remaining_s(),
+                                                                metadata=metadata)
+        async for response in call:
+            if not response.kv_pending:
+                return response
+            self._handle = response.handle
+            self._spans.open("kv.lease", **{"baton.lease_id": response.handle.lease_id})
+            self._early_decode = self._start_decode(decode, pending=True)
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details="PrefillStream ended without a first token")
 
     def _prefill_failed(self, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> None:
         self._relay.control.abort(worker, self._job.worker_request_id)  # P may be alive and still hold the request
@@ -277,13 +304,21 @@ class _Flow:
                     candidate.worker_id)
         return candidate.info
 
-    async def _decode_on(self, worker: WorkerInfo) -> AsyncIterator[pb.GenerateResponse]:
-        with_handle = self._handle is not None
+    def _start_decode(self, worker: WorkerInfo, *, pending: bool = False) -> Any:
         metadata = self._spans.call("decode", worker.worker_id)
-        call = self._relay.directory.stub(worker).Decode(self._decode_request(), timeout=self._remaining_s(),
+        call = self._relay.directory.stub(worker).Decode(self._decode_request(pending), timeout=self._remaining_s(),
                                                          metadata=metadata)
         self._decode_worker, self._decode_call, self._decode_active = worker, call, True
-        self._decode_has_handle = with_handle
+        self._decode_has_handle = self._handle is not None
+        return call
+
+    async def _decode_on(self, worker: WorkerInfo) -> AsyncIterator[pb.GenerateResponse]:
+        with_handle = self._handle is not None
+        if self._early_decode is not None and self._decode_worker is not None \
+                and worker.worker_id == self._decode_worker.worker_id:
+            call, self._early_decode = self._early_decode, None
+        else:
+            call = self._start_decode(worker)
         num_tokens = 0
         try:
             async for response in call:
@@ -309,12 +344,12 @@ class _Flow:
         self._decode_active = False
         raise _DecodeFailed(worker, grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason", num_tokens)
 
-    def _decode_request(self) -> pb.DecodeRequest:
+    def _decode_request(self, first_token_pending: bool = False) -> pb.DecodeRequest:
         job = self._job
         request = pb.DecodeRequest(
             request_id=job.worker_request_id, token_ids=[*job.prompt_token_ids, *self._output_ids],
             sampling=self._sampling, cache_salt=job.cache_salt, num_output_tokens_so_far=len(self._output_ids),
-            priority=job.priority, prompt_len=len(job.prompt_token_ids),
+            priority=job.priority, prompt_len=len(job.prompt_token_ids), first_token_pending=first_token_pending,
         )
         if self._handle is not None:
             request.handle.CopyFrom(self._handle)
@@ -325,7 +360,8 @@ class _Flow:
         timings = response.timings
         if timings.route_reason:  # D fell back to prefilling itself (pull failed, no blocks)
             self._relay.metrics.decision(RouteKind.LOCAL.value, timings.route_reason)
-        if timings.transfer_bytes and self._prefill_worker is not None and self._decode_worker is not None:
+        if (timings.transfer_bytes and not timings.kv_layerwise  # a streamed pull also waited on P's layers
+                and self._prefill_worker is not None and self._decode_worker is not None):
             self._relay.routing.rates.observe_transfer(  # learn the P -> D link
                 self._prefill_worker.worker_id, self._decode_worker.worker_id, timings.transfer_bytes,
                 timings.transfer_ms, num_tokens=timings.transfer_blocks * self._route_request.block_size)
@@ -428,3 +464,9 @@ class _Flow:
         self._stop_decode()
         if (lease := self._unconsumed_lease()) is not None:
             self._relay.control.release_lease(*lease)
+
+
+def streams_layers(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
+    """P serves a transport that streams layers (``STREAMING_KINDS``) and D pulls over it too."""
+    served = {uri_kind(uri) for uri in prefill.kv_uri.split()} & STREAMING_KINDS
+    return bool(served & {uri_kind(uri) for uri in decode.kv_uri.split()})

@@ -181,8 +181,8 @@ async def start_router(
     ``metrics_port``: serve Prometheus ``/metrics`` there on ``config.host`` (None or 0: not at all).
     ``http_port``: serve the OpenAI-compatible HTTP front there on ``config.host`` (None: not at all; 0: any
     free port, see ``RunningRouter.http_server.port``).
-    ``tls``: serve gRPC over TLS (mTLS when it has a CA) and call the workers over TLS with the same
-    certificate (None: plaintext both ways).
+    ``tls``: serve gRPC, the HTTP front and ``/metrics`` over TLS (mTLS when it has a CA) and call the workers
+    over TLS with the same certificate (None: plaintext everywhere).
     """
     card = ModelCard.from_folder(config.model_dir)
     tokenizer = tokenizer or Tokenizer.from_pretrained(config.model_dir)
@@ -198,14 +198,14 @@ async def start_router(
     metrics = RouterMetrics()
     relay = Relay(directory, tokenizer, config.policy, decode_retries=config.decode_retries,
                   control_rpc_timeout_s=config.control_rpc_timeout_s, metrics=metrics,
-                  max_inflight_requests=config.max_inflight_requests)
+                  max_inflight_requests=config.max_inflight_requests, kv_layerwise=config.kv_layerwise)
     frontend = Frontend(tokenizer, limits)
     servicer = GenerationServicer(frontend, relay, directory, card, request_timeout_s=config.request_timeout_s)
     server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), ErrorInterceptor(metrics)])
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(Registry(redis, config.ns), redis, token=admin_token,
                                                     planner_config=config.planner,
-                                                    metrics_registry=metrics.registry), server)
+                                                    metrics_registry=metrics.registry, tls=tls), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -216,7 +216,7 @@ async def start_router(
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("router serving %s on %s:%d (%s, max_model_len %d)", limits.name, config.host, port,
              describe(tls), limits.max_model_len)
-    metrics_server = serve_metrics(metrics.registry, config.host, metrics_port)
+    metrics_server = serve_metrics(metrics.registry, config.host, metrics_port, tls)
     http_server = await serve_openai(OpenAIHandlers(frontend, relay, request_timeout_s=config.request_timeout_s),
-                                     config.host, http_port)
+                                     config.host, http_port, tls)
     return RunningRouter(server, port, health_servicer, relay, directory, redis, metrics_server, http_server)

@@ -7,6 +7,10 @@
              and close (longer than the puller's I/O timeout: the pull fails)
     corrupt  flip one byte in the middle of the raw KV bytes (a checksumming puller catches it)
 
+A connection is served in the mode set when it was accepted; since KV clients keep connections alive
+between pulls (``kv_transfer/conn_pool.py``), setting ``mode`` drops every open connection, so the next pull
+reconnects and meets the new mode.
+
 It knows just enough of ``kv_transfer/tcp.py``'s framing (12-byte header ``<4sBBHI``: magic, version, kind,
 code, payload length; DATA's payload is the u64 byte count of the raw KV that follows) to find the raw
 bytes. Plain threads and blocking sockets with timeouts; ``stop`` closes every socket it opened.
@@ -29,7 +33,7 @@ STALL_AFTER_BYTES = 1024  # raw KV bytes forwarded before a stall
 class KVProxy:
     def __init__(self, target_port: int, *, listen_port: int = 0, delay_s: float = 0.5, stall_s: float = 4.0) -> None:
         self.target = ("127.0.0.1", target_port)
-        self.mode = "pass"
+        self._mode = "pass"
         self.delay_s, self.stall_s = delay_s, stall_s
         self.pulls: Counter[str] = Counter()  # connections served, by the mode they were served in
         self._listener = socket.create_server(("127.0.0.1", listen_port))
@@ -40,6 +44,20 @@ class KVProxy:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="kv-proxy", daemon=True)
         self._thread.start()
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        self._mode = mode
+        with self._lock:  # pooled client connections were accepted in the old mode
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     @property
     def uri(self) -> str:

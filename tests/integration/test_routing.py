@@ -31,7 +31,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     cluster, redis = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=1, decode=3, policy="cost")
-    cluster.mirror_router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "cost",
+    # Prompts of this router's test prefill locally (threshold 200), so the choice turns on where the prefix
+    # is cached (a 122-token local prefill elsewhere) and not on learned ITLs of a busy machine: P holds the
+    # prefix too, so a remote prefill for the empty worker would cost almost nothing.
+    cluster.mirror_router = cluster.start_router("--disagg-threshold-tokens", "200", "--policy", "cost",
                                                  "--index-mirror")
     _wait_serving(cluster.mirror_router.address)
     yield cluster
@@ -90,6 +93,8 @@ def test_another_tenant_salt_never_reuses_the_prefix(cluster):
 # --- a saturated prefill pool -----------------------------------------------------------------------
 
 REMOTE_QUEUE = re.compile(r"remote on p0 [0-9.]+ s = overhead [0-9.]+ \+ queue ([0-9.]+)")
+REMOTE_PLAN = re.compile(r"remote on p0 ([0-9.]+) s")
+LOCAL_PLAN = re.compile(r"local ([0-9.]+) s")
 RANDOM = random.Random(11)
 
 
@@ -155,8 +160,18 @@ def test_a_saturated_prefill_pool_makes_prompts_go_local(chunked):
 
     with ThreadPoolExecutor(max_workers=60) as pool:
         futures = [pool.submit(prefill_and_release, i) for i in range(60)]
+        # Probe only once the router can see P's queue (P's heartbeat, then the router's listing, 0.5 s each):
+        # a probe routed before that waits behind the whole queue, which is gone by the time it returns.
+        deadline = time.monotonic() + 30
+        while p0.Stats(pb.StatsRequest(), timeout=10).queued_prefill_tokens < 10_000:
+            assert time.monotonic() < deadline, "P's queue never built up"
+            time.sleep(0.05)
+        time.sleep(1.2)
         queue_s, reason = wait_for_route(chunked, "local")
-        assert queue_s is not None and queue_s >= 0.2, reason  # P's queue was priced, and it flipped the choice
+        remote = REMOTE_PLAN.search(reason)
+        assert queue_s is not None and queue_s > 0 and remote is not None, reason  # P's queue was priced ...
+        local_s = float(LOCAL_PLAN.search(reason).group(1))
+        assert float(remote.group(1)) - queue_s < local_s, reason  # ... and it is what made remote the dearer
         for future in futures:
             future.result(timeout=120)
     wait_for_route(chunked, "remote")  # P idle again: back to remote

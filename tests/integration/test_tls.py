@@ -2,12 +2,15 @@
 mTLS with certificates of one test CA. Generate works end to end (token-exact with the offline engine);
 clients with no TLS, no certificate or a certificate of another CA are refused with UNAVAILABLE; the
 router -> worker hop is TLS too: a plaintext router, or one whose certificate another CA signed, cannot
-reach the worker."""
+reach the worker. The worker's ``/metrics`` is HTTPS under the same mTLS, and the router's admin API reads the
+worker's Stats over TLS too."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -15,11 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.tiny import build_model
+from kv_transfer.registry import WorkerInfo
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto import tls
 from proto.tls import TlsConfig
 from router import generate_cli
-from tests.integration.cluster import Cluster, Proc
+from router.admin_convert import worker_rates
+from tests.integration.cluster import Cluster, Proc, free_port
 from tests.redis_server import RedisServer, require_redis_server
 from tests.tls_certs import KeyPair, Pki, make_pki
 
@@ -81,7 +86,9 @@ def platform(model_dir, tmp_path_factory):
     redis = RedisServer.start(password=PASSWORD)
     cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("logs"))
     try:
-        cluster.worker = cluster.start_worker("decode", *_flags(pki.node_a, pki.ca_a), worker_id="d0")
+        cluster.metrics_port = free_port()
+        cluster.worker = cluster.start_worker("decode", *_flags(pki.node_a, pki.ca_a),
+                                              "--metrics-port", str(cluster.metrics_port), worker_id="d0")
         cluster.wait_for_workers({"d0"})
         cluster.router = cluster.start_router(*_flags(pki.node_a, pki.ca_a), "--policy", "least_loaded")
         _wait_serving(cluster.router, _client(pki))
@@ -176,3 +183,30 @@ def test_the_router_to_worker_hop_is_tls(platform):
         for router in (plain, other):
             router.kill()
             platform.procs.remove(router)
+
+
+def test_the_workers_metrics_are_https_under_mtls(platform):
+    url = f"https://127.0.0.1:{platform.metrics_port}/metrics"
+    context = tls.ssl_client_context(_client(platform.pki))
+    with urllib.request.urlopen(url, timeout=10, context=context) as response:
+        body = response.read().decode()
+    assert 'baton:num_requests_running{worker_id="d0"}' in body
+    no_certificate = tls.ssl_client_context(TlsConfig(ca=platform.pki.ca_a))
+    for url, context in ((url.replace("https", "http"), None), (url, no_certificate)):
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url, timeout=10, context=context).read()
+
+
+def test_the_admin_api_reads_the_tls_workers_stats(platform):
+    """``ListWorkers`` asks each worker for its Stats as the router calls it: over mTLS with its certificate."""
+    pki, client = platform.pki, _client(platform.pki)
+    _generate(platform.router.address, client)  # the worker has looked up its prefix cache
+    with tls.channel(platform.router.address, client) as channel:
+        workers = pb_grpc.AdminStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=10).workers
+    d0 = {worker.worker_id: worker for worker in workers}["d0"]
+    assert d0.HasField("prefix_cache_hit_rate"), d0
+    info = WorkerInfo(worker_id="d0", role="decode", grpc_address=d0.grpc_address, kv_uri=d0.kv_uri,
+                      model_fingerprint="", layout_json="", total_blocks=d0.num_total_blocks)
+    router_tls = TlsConfig(cert=pki.node_a.cert, key=pki.node_a.key, ca=pki.ca_a)
+    assert set(asyncio.run(worker_rates([info], 5.0, router_tls))) == {"d0"}
+    assert asyncio.run(worker_rates([info], 5.0, None)) == {}  # a plaintext caller is refused: left out

@@ -598,3 +598,259 @@ def test_choose_uri_skips_a_same_host_transport_of_another_host():
     assert choose_uri(offered, ("cma", "tcp")) == "tcp://10.0.0.1:7000"  # another host: cma is skipped
     local = f"cma://127.0.0.1:7002?boot={here} tcp://127.0.0.1:7000"
     assert choose_uri(local, ("cma", "tcp")) == f"cma://127.0.0.1:7002?boot={here}"
+
+
+# ---- kept-alive connections (tcp, cma: kv_transfer/conn_pool.py) ---------------------------------
+
+POOLED_KINDS = ("tcp", _cma_kind())
+
+
+def pooled_client(uri: str, config: TransportConfig = CONFIG, **pool_options):
+    from kv_transfer.conn_pool import ConnectionPool
+
+    return type(connect(uri, config))(config, pool=ConnectionPool(**pool_options))
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["open", "authenticated"])
+@pytest.mark.parametrize("kind", POOLED_KINDS)
+def test_sequential_pulls_reuse_one_connection(kind: str, secret: bytes | None) -> None:
+    config = dataclasses.replace(CONFIG, secret=secret)
+
+    async def scenario() -> None:
+        async with Prefill(kind, config=config) as p:
+            client = pooled_client(p.uri, config)
+            for i in range(12):
+                src_ids, dst_ids = [i, 39 - i, 20], [2 * i, 2 * i + 1, 35]
+                dst = destination()
+                await client.pull(p.uri, LAYOUT, p.lease(src_ids), src_ids, dst, dst_ids)
+                assert_copied(p, src_ids, dst, dst_ids)
+            with pytest.raises(LeaseNotFound):  # a refusal ends that connection ...
+                await client.pull(p.uri, LAYOUT, "0" * 32, [1], destination(), [1])
+            assert client.pool.num_idle() == 0
+            dst = destination()  # ... and the next pull opens another
+            await client.pull(p.uri, LAYOUT, p.lease([5]), [5], dst, [6])
+            assert_copied(p, [5], dst, [6])
+            assert p.server.num_accepted == 2 and client.pool.num_idle(p.uri) == 1
+            client.close()
+            assert client.pool.num_idle() == 0
+            await wait_until(lambda: not p.server._connections, 2.0)  # the server saw it close
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", POOLED_KINDS)
+def test_a_server_restarted_between_pulls_is_reconnected(kind: str) -> None:
+    async def scenario() -> None:
+        src, table = source(), LeaseTable()
+        first = make_server(kind, buffer=src, resolve=table.resolver(lambda: 0.0), config=CONFIG)
+        uri = await first.start()
+        client = pooled_client(uri)
+        dst = destination()
+        await client.pull(uri, LAYOUT, table.create([1, 2], now=0.0).lease_id, [1, 2], dst, [1, 2])
+        await first.stop()  # the client's pooled connection is now stale
+        port = int(uri.split("?")[0].rsplit(":", 1)[1])
+        second = make_server(kind, buffer=src, resolve=table.resolver(lambda: 0.0), config=CONFIG)
+        assert await second.start("127.0.0.1", port) == uri
+        try:
+            dst = destination()
+            await client.pull(uri, LAYOUT, table.create([3, 9], now=0.0).lease_id, [3, 9], dst, [0, 4])
+            assert np.array_equal(dst.array[:, [0, 4]], src.array[:, [3, 9]])
+            assert second.num_accepted == 1
+        finally:
+            client.close()
+            await second.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", POOLED_KINDS)
+def test_idle_connections_expire_on_both_sides(kind: str) -> None:
+    now = [0.0]
+
+    async def scenario() -> None:
+        async with Prefill(kind) as p:
+            client = pooled_client(p.uri, idle_timeout_s=30.0, clock=lambda: now[0])
+            for step_s in (0.0, 31.0):  # the client drops a connection idle for longer than its timeout
+                now[0] += step_s
+                await client.pull(p.uri, LAYOUT, p.lease([1]), [1], destination(), [1])
+            assert p.server.num_accepted == 2
+            p.server.idle_timeout_s = 0.05  # the server closes one idle for longer than its own
+            await client.pull(p.uri, LAYOUT, p.lease([1]), [1], destination(), [1])  # (still reuses the 2nd)
+            await wait_until(lambda: not p.server._connections, 2.0)
+            dst = destination()
+            await client.pull(p.uri, LAYOUT, p.lease([7]), [7], dst, [7])
+            assert_copied(p, [7], dst, [7])
+            assert p.server.num_accepted == 3
+            client.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", POOLED_KINDS)
+def test_concurrent_pulls_use_separate_connections_and_keep_a_bounded_few(kind: str) -> None:
+    async def scenario() -> None:
+        async with Prefill(kind) as p:
+            client = pooled_client(p.uri, max_idle_per_peer=4)
+            for rounds, accepted in ((1, 8), (2, 12)):  # then 4 idle ones are reused, 4 more opened
+                dst = destination()
+                jobs = [([(7 * i + j) % 40 for j in range(5)], list(range(5 * i, 5 * i + 5))[::-1]) for i in range(8)]
+                await asyncio.gather(*(client.pull(p.uri, LAYOUT, p.lease(s), s, dst, d) for s, d in jobs))
+                assert_copied(p, [b for s, _ in jobs for b in s], dst, [b for _, d in jobs for b in d])
+                assert (p.server.num_accepted, client.pool.num_idle()) == (accepted, 4), rounds
+            client.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", POOLED_KINDS)
+def test_a_pull_cancelled_while_awaiting_its_answer_closes_its_connection(kind: str) -> None:
+    pulling: list[asyncio.Task] = []
+
+    async def scenario() -> None:
+        src, table = source(), LeaseTable()
+        resolver = table.resolver(lambda: 0.0)
+
+        def resolve(lease_id: str):
+            if pulling and not pulling[0].done():
+                pulling[0].cancel()  # the server is between the request and its answer
+            return resolver(lease_id)
+
+        server = make_server(kind, buffer=src, resolve=resolve, config=CONFIG)
+        uri = await server.start()
+        client = pooled_client(uri)
+        try:
+            ids = list(range(10))
+            pulling.append(asyncio.create_task(
+                client.pull(uri, LAYOUT, table.create(ids, now=0.0).lease_id, ids, destination(), ids)))
+            with pytest.raises(asyncio.CancelledError):
+                await pulling[0]
+            assert client.pool.num_idle() == 0  # the answer is still on its way: never pooled
+            dst = destination()
+            await client.pull(uri, LAYOUT, table.create([4, 5], now=0.0).lease_id, [4, 5], dst, [0, 1])
+            assert np.array_equal(dst.array[:, [0, 1]], src.array[:, [4, 5]])
+            assert server.num_accepted == 2
+        finally:
+            client.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+def test_a_tcp_pull_stopped_mid_read_closes_its_connection(how: str) -> None:
+    """A streamed read delivers layer 0 and stalls: the pull is cancelled (or times out) with part of
+    DATA read; its connection must not be reused, or the next pull would read the rest of that answer."""
+    from kv_transfer.progress import LayerProgress
+
+    progress: dict[str, LayerProgress] = {}
+    client_config = dataclasses.replace(CONFIG, io_timeout_s=0.3)
+
+    async def scenario() -> None:
+        src, table = source(), LeaseTable()
+        server = tcp.TcpServer(buffer=src, resolve=table.resolver(lambda: 0.0), config=CONFIG, progress=progress.get)
+        uri = await server.start()
+        client = pooled_client(uri, client_config)
+        try:
+            stalled = table.create([1, 2], now=0.0).lease_id
+            progress[stalled] = LayerProgress(LAYOUT.num_layers)
+            progress[stalled].complete(0)
+            dst = destination()
+            task = asyncio.create_task(client.pull(uri, LAYOUT, stalled, [1, 2], dst, [1, 2]))
+            await wait_until(lambda: np.array_equal(dst.array[0, [1, 2]], src.array[0, [1, 2]]), 5.0)
+            if how == "cancelled":
+                task.cancel()
+            with pytest.raises(asyncio.CancelledError if how == "cancelled" else KVTransferError):
+                await task
+            assert client.pool.num_idle() == 0
+            dst = destination()
+            await client.pull(uri, LAYOUT, table.create([6, 7], now=0.0).lease_id, [6, 7], dst, [1, 2])
+            assert np.array_equal(dst.array[:, [1, 2]], src.array[:, [6, 7]])
+            assert server.num_accepted == 2
+        finally:
+            client.close()
+            await server.stop()
+
+    run(scenario())
+
+
+async def keepalive_fake_server(second: str) -> tuple[asyncio.AbstractServer, str, list[int]]:
+    """A tcp server that answers a connection's first exchange (ones as the KV bytes) and, on its second,
+    reads the request and closes (``second="silent"``) or answers HELLO_OK and closes (``"partial"``)."""
+    accepted = [0]
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, whole: bool) -> None:
+        for _ in range(2):  # HELLO, READ
+            header = await reader.readexactly(tcp.HEADER.size)
+            payload = await reader.readexactly(tcp.HEADER.unpack(header)[4])
+        if whole or second == "partial":
+            writer.write(tcp.encode_frame(tcp.HELLO_OK, LAYOUT.to_json().encode()))
+        if whole:
+            num_bytes = len(tcp.decode_read(payload)[1]) * LAYOUT.bytes_per_block
+            writer.write(tcp.encode_frame(tcp.DATA, struct.pack("<Q", num_bytes)) + b"\x01" * num_bytes)
+            writer.write(tcp.encode_frame(tcp.DONE))
+        await writer.drain()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted[0] += 1
+        try:
+            await answer(reader, writer, whole=True)
+            await answer(reader, writer, whole=False)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}", accepted
+
+
+@pytest.mark.parametrize("second", ["silent", "partial"])
+def test_a_pooled_connection_is_retried_once_only_when_nothing_was_answered(second: str) -> None:
+    async def scenario() -> None:
+        server, uri, accepted = await keepalive_fake_server(second)
+        client = pooled_client(uri)
+        try:
+            await client.pull(uri, LAYOUT, "lease", [1, 2], destination(), [1, 2])
+            dst = destination()
+            if second == "silent":  # closed before a byte of the answer: retried on a new connection
+                await client.pull(uri, LAYOUT, "lease", [3], dst, [3])
+                assert (dst.array[:, 3] == 1).all() and accepted[0] == 2
+            else:  # part of an answer came: the pull fails, never read twice
+                with pytest.raises(KVTransferError, match="closed the connection"):
+                    await client.pull(uri, LAYOUT, "lease", [3], dst, [3])
+                assert accepted[0] == 1
+            assert client.pool.num_idle() == (1 if second == "silent" else 0)
+        finally:
+            client.close()
+            server.close()
+
+    run(scenario())
+
+
+def test_each_read_on_a_kept_alive_connection_is_authenticated() -> None:
+    """The same signed request twice on one connection: served, then refused as a replay (and closed)."""
+    from kv_transfer.tcp import sign_read
+    from kv_transfer.tcp_wire import DATA, DONE, ERR_AUTH, ERROR, HELLO, HELLO_OK, READ, encode_frame, encode_read
+
+    with_secret = dataclasses.replace(CONFIG, secret=SECRET)
+
+    async def frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+        _, _, kind, code, length = tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER.size))
+        return kind, code, await reader.readexactly(length)
+
+    async def scenario() -> None:
+        async with Prefill("tcp", config=with_secret) as p:
+            hello = LAYOUT.to_json().encode()
+            read, flags = sign_read(with_secret, READ, hello, encode_read(p.lease([1, 2]), [1, 2]))
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(p.uri.rsplit(":", 1)[1]))
+            writer.write(encode_frame(HELLO, hello) + encode_frame(READ, read, flags))
+            assert (await frame(reader))[0] == HELLO_OK
+            assert (await frame(reader))[0] == DATA
+            await reader.readexactly(2 * LAYOUT.bytes_per_block)
+            assert (await frame(reader))[0] == DONE
+            writer.write(encode_frame(HELLO, hello) + encode_frame(READ, read, flags))  # the same bytes again
+            assert (await frame(reader))[0] == HELLO_OK
+            assert (await frame(reader))[:2] == (ERROR, ERR_AUTH)
+            assert await reader.read() == b""  # closed after the ERROR
+            writer.close()
+            assert p.server.num_accepted == 1
+
+    run(scenario())

@@ -2,7 +2,8 @@
 
 Defaults priced with (RatesConfig / CostConfig): prefill 10,000 tok/s on P and 5,000 tok/s on D, decode step
 0.010 s + 0.0005 s per sequence, link 10 GB/s, 131,072 KV bytes per token (the test layouts carry only the
-block size), 64 expected output tokens, ITL target 0.100 s, 512-token prefill chunks. The hand-computed
+block size), 64 decode steps (a request without max_tokens), ITL target 0.100 s, 512-token prefill chunks, a local
+prefill's stall of D's running sequences weighted 1 (``running x uncached / 5,000``). The hand-computed
 figures leave out the fixed per-route overhead and the KV-usage term of a decode step (``BASE`` zeroes
 them); their own tests below price them.
 """
@@ -15,7 +16,7 @@ import random
 import pytest
 
 from kv_transfer.registry import WorkerLoad
-from router.cost_model import CostConfig, sample_decodes
+from router.cost_model import CostConfig, decode_steps, local_plan, sample_decodes
 from router.policy import Candidate, PolicyConfig, RouteKind, RoutingState, route
 from router.rates import Rates, RatesConfig
 from tests.unit.test_router_policy import req, worker
@@ -40,18 +41,25 @@ def test_cost_is_the_default_policy():
 
 def test_long_shared_prefix_wins_despite_slightly_higher_load():
     # 2,000 tokens; d0 holds 100 blocks (1,600 tokens) and runs one more sequence than d1.
-    # d0: local 400/5000 + 1 chunk x 0.011 = 0.091 s (itl 0.091 < 0.1); cost 0.091 + 64 x 0.0115 = 0.827
-    # d1: local would push itl to 0.1129 > 0.1, remote 0.2 + 2000 x 131072 / 1e10 = 0.2262; cost 0.9302
+    # d0 local: 400/5000 + 1 chunk x 0.011 = 0.091 s (itl 0.091 < 0.1), but it stalls d0's 2 running
+    #   sequences 400/5000 s each: 0.091 + 0.16 = 0.251; d0 remote: 0.2 + 400 x 131072 / 1e10 = 0.20524 wins.
+    #   cost 0.20524 + 64 x 0.0115 = 0.94124
+    # d1: local would push itl to 0.1129 > 0.1, remote 0.2 + 2000 x 131072 / 1e10 = 0.2262; cost 0.9302,
+    #   1.2% below d0's: a near tie, won by the cached prefix (d0 pulls only the 400 uncached tokens' KV).
     cands = [worker("d0", running=2, cached=100, total=300, free=200), worker("d1", running=1, total=300, free=200),
              worker("p0", "prefill", total=300, free=300)]
     decision = route(req(2000), cands, COST, state=state())
-    assert (decision.kind, decision.decode_id, decision.prefill_id) == (RouteKind.LOCAL, "d0", None)
-    assert decision.predicted_ttft_s == pytest.approx(0.091)
+    assert (decision.kind, decision.decode_id, decision.prefill_id) == (RouteKind.REMOTE, "d0", "p0")
+    assert decision.predicted_ttft_s == pytest.approx(0.2 + 400 * 131072 / 1e10)
     assert decision.decode_cached_tokens == 1600
     assert decision.reason.startswith("cost: 1600 of 2000 prompt tokens cached on d0 (next: d1 cost 0.9302 s = "
-                                      "ttft 0.2262 + itl 0.0110, 0 cached); d0: cost 0.8270 s = ttft 0.0910 + "
-                                      "64 x itl 0.0115; ")
-    assert decision.reason.endswith("local predicts the lower ttft")
+                                      "ttft 0.2262 + stall 0.0000 + itl 0.0110, 0 cached); d0: cost 0.9412 s = "
+                                      "ttft 0.2052 + stall 0.0000 + 64 x itl 0.0115; ")
+    assert "local 0.0910 s = " in decision.reason and "(itl 0.0910, stall of running 0.1600)" in decision.reason
+    assert decision.reason.endswith(
+        "remote predicts the lower ttft + stall; 400 uncached prompt tokens > threshold 64")
+    blind = route(req(2000), cands, with_cost(interference_weight=0.0), state=state())  # the stall unpriced
+    assert (blind.kind, blind.decode_id, blind.predicted_ttft_s) == (RouteKind.LOCAL, "d0", pytest.approx(0.091))
     least_loaded = dataclasses.replace(COST, policy="least_loaded")
     assert route(req(2000), cands, least_loaded).decode_id == "d1"  # the simple policy ignores the prefix
 
@@ -74,13 +82,15 @@ def test_saturated_prefill_pool_sends_short_and_medium_prompts_local():
     # remote 300/10000 + 300 x 131072 / 1e10 = 0.0339 s beats local 300/5000 = 0.06 s
     assert (decision.kind, decision.prefill_id) == (RouteKind.REMOTE, "p0")
     assert decision.predicted_ttft_s == pytest.approx(0.03 + 300 * 131072 / 1e10)
-    assert decision.reason.endswith("remote predicts the lower ttft; 300 uncached prompt tokens > threshold 64")
+    assert decision.reason.endswith(
+        "remote predicts the lower ttft + stall; 300 uncached prompt tokens > threshold 64")
     saturated = [worker("d0"), worker("p0", "prefill", queued=1_000_000)]  # 100 s of queue
     for num_tokens in (100, 300, 1000):
         decision = route(req(num_tokens), saturated, COST, state=state())
         assert decision.kind is RouteKind.LOCAL, num_tokens
         assert decision.predicted_ttft_s == pytest.approx(num_tokens / 5000)
-        assert "queue 100.0000" in decision.reason and decision.reason.endswith("local predicts the lower ttft")
+        assert "queue 100.0000" in decision.reason
+        assert decision.reason.endswith("local predicts the lower ttft + stall")
 
 
 def test_least_queued_prefill_worker_is_the_remote_choice():
@@ -350,3 +360,112 @@ def test_a_reported_batch_slope_balances_decode_workers():
     decision = route(req(30), [d0, d1], COST, state=state(rates=rates))
     assert decision.decode_id == "d1"  # the holder of 2 cached blocks is 3 x 8 ms slower per token
     assert rates.decode_step_s("d9", None, 3) == pytest.approx(0.012 + 3 * 0.008)  # a new peer: reported line
+
+
+# ---- output length, local-prefill stall, load against the cached prefix ----------------------------------
+
+
+def test_decode_steps_are_the_requests_max_tokens_capped_by_the_default():
+    config = COST.cost  # expected_output_tokens 64
+    steps = {m: decode_steps(dataclasses.replace(req(100), max_tokens=m), config) for m in (1, 5, 65, 66, 10_000)}
+    assert steps == {1: 0, 5: 4, 65: 64, 66: 64, 10_000: 64}  # the prefill samples the first token
+    assert decode_steps(req(100), config) == 64  # no limit stated: the default
+    assert decode_steps(dataclasses.replace(req(100), max_tokens=50), CostConfig(expected_output_tokens=16)) == 16
+
+
+def test_a_short_request_is_priced_as_short():
+    # 1,024 tokens; d0 holds 60 blocks (960 tokens) and runs 6, d1 is idle. 64 uncached on d0: local (the floor).
+    # d0: ttft 64/5000 + 1 chunk x step(6) 0.013 = 0.0258, stall 6 x 64/5000 = 0.0768, itl step(7) = 0.0135
+    # d1: remote 1024/10000 + 1024 x 131072 / 1e10 = 0.11582 (local 0.2048), itl step(1) = 0.0105
+    cands = [worker("d0", running=6, cached=60), worker("d1"), worker("p0", "prefill")]
+    short = route(dataclasses.replace(req(1024), max_tokens=5), cands, COST, state=state())
+    # 4 steps: d0 0.1026 + 4 x 0.0135 = 0.1566 < d1 0.11582 + 4 x 0.0105 = 0.15782
+    assert (short.decode_id, short.kind) == ("d0", RouteKind.LOCAL)
+    assert "d0: cost 0.1566 s = ttft 0.0258 + stall 0.0768 + 4 x itl 0.0135; " in short.reason
+    assert "(next: d1 cost 0.1578 s = ttft 0.1158 + stall 0.0000 + itl 0.0105, 0 cached)" in short.reason
+    for max_tokens in (None, 10_000):  # 64 steps: d0 0.9666, 1.23 x d1's 0.7878
+        decision = route(dataclasses.replace(req(1024), max_tokens=max_tokens), cands, COST, state=state())
+        assert (decision.decode_id, decision.prefill_id) == ("d1", "p0")
+        assert "d1: cost 0.7878 s = ttft 0.1158 + stall 0.0000 + 64 x itl 0.0105; " in decision.reason
+
+
+def test_a_local_prefill_pays_for_stalling_the_running_sequences():
+    # 300 tokens; p0 queues 5,000 tokens: remote 0.5 + 0.03 + 300 x 131072 / 1e10 = 0.53393 s.
+    # Local on d0 running n: ttft 0.06 + step(n) = 0.07 + 0.0005 n, stall n x 0.06 (each sequence waits 300/5000).
+    # Local while 0.07 + 0.0605 n < 0.53393: n <= 7.
+    def pool(running: int) -> list[Candidate]:
+        return [worker("d0", running=running), worker("p0", "prefill", queued=5000)]
+
+    local = route(req(300), pool(7), COST, state=state())
+    assert local.kind is RouteKind.LOCAL and local.predicted_ttft_s == pytest.approx(0.0735)  # the stall is no TTFT
+    assert "(itl 0.0735, stall of running 0.4200)" in local.reason
+    assert local.reason.endswith("local predicts the lower ttft + stall")
+    remote = route(req(300), pool(8), COST, state=state())  # 0.074 + 0.48 = 0.554 > 0.53393, itl 0.074 < target
+    assert (remote.kind, remote.prefill_id) == (RouteKind.REMOTE, "p0")
+    assert remote.predicted_ttft_s == pytest.approx(0.53 + 300 * 131072 / 1e10)
+    assert remote.reason.endswith("remote predicts the lower ttft + stall; 300 uncached prompt tokens > threshold 64")
+    half = with_cost(interference_weight=0.5)  # 0.074 + 0.24 = 0.314: local again
+    assert route(req(300), pool(8), half, state=state()).kind is RouteKind.LOCAL
+    plan = local_plan(req(300), pool(8)[0], Rates(BASE), half.cost)
+    assert (plan.stall_s, plan.ttft_s, plan.cost_s) == pytest.approx((0.24, 0.074, 0.314))
+    with pytest.raises(ValueError, match="interference_weight"):
+        CostConfig(interference_weight=-1.0)
+
+
+def test_unmeasured_batch_slope_still_prefers_the_less_loaded_of_equal_prefixes():
+    # 320 tokens, both hold the same 10 blocks; nothing measured or reported: default 0.0005 s per sequence.
+    # Both remote: 320/10000 + 160 x 131072 / 1e10 = 0.0341. d0 runs 3: cost 0.0341 + 64 x 0.012 = 0.8021;
+    # d1 runs 1: 0.0341 + 64 x 0.011 = 0.7381 -- within the 10% tolerance, but the prefixes are equal: cost decides.
+    cands = [worker("d0", running=3, cached=10), worker("d1", running=1, cached=10), worker("p0", "prefill")]
+    decision = route(req(320), cands, COST, state=state())
+    assert (decision.decode_id, decision.prefill_id) == ("d1", "p0")
+    assert "(next: d0 cost 0.8021 s = ttft 0.0341 + stall 0.0000 + itl 0.0120, 160 cached)" in decision.reason
+
+
+def test_a_busy_prefix_holder_loses_past_the_computed_crossover():
+    # 1,024 tokens; d0 holds 60 blocks (64 tokens uncached: local by the floor) and runs n; d1 is idle.
+    # d0: 64/5000 + step(n) + n x 64/5000 (stall) + 64 x step(n + 1) = 0.6948 + 0.0453 n
+    # d1: remote 0.1024 + 1024 x 131072 / 1e10 + 64 x step(1) = 0.78782
+    # d0 keeps it while within the 10% affinity tolerance of d1: n <= (1.1 x 0.78782 - 0.6948) / 0.0453.
+    d1_cost = 0.1024 + 1024 * 131072 / 1e10 + 64 * 0.0105
+    crossover = int((1.1 * d1_cost - 0.6948) / 0.0453)
+    assert crossover == 3
+
+    def decide(running: int, config: PolicyConfig = COST):
+        cands = [worker("d0", running=running, cached=60), worker("d1"), worker("p0", "prefill")]
+        return route(req(1024), cands, config, state=state())
+
+    kept = decide(crossover)
+    assert (kept.decode_id, kept.kind) == ("d0", RouteKind.LOCAL)
+    assert f"d0: cost {0.6948 + 0.0453 * crossover:.4f} s = " in kept.reason
+    moved = decide(crossover + 1)
+    assert (moved.decode_id, moved.kind, moved.prefill_id) == ("d1", RouteKind.REMOTE, "p0")
+    assert f"d1: cost {d1_cost:.4f} s = " in moved.reason
+    strict = with_cost(affinity_tolerance=0.0)  # without the tolerance: n <= (0.78782 - 0.6948) / 0.0453 = 2.05
+    assert (decide(2, strict).decode_id, decide(3, strict).decode_id) == ("d0", "d1")
+
+
+def test_a_prefix_holder_with_a_flat_measured_slope_is_still_bounded_by_the_stall():
+    # Both engines report 10 ms steps and no slope (0 s per sequence): d0's ITL does not grow with its batch,
+    # but each local prefill stalls its n sequences 64/5000 s: d0 costs 0.0128 + 0.010 + 0.0128 n + 64 x 0.010,
+    # d1 0.11582 + 64 x 0.010 = 0.75582; d0 keeps it while n <= (1.1 x 0.75582 - 0.6628) / 0.0128 = 13.2.
+    def decide(running: int) -> str:
+        flat = dict(waiting=0, free_blocks=100, queued_prefill_tokens=0, decode_step_s=0.010, decode_batch_size=1.0,
+                    decode_step_per_seq_s=0.0)
+        d0 = Candidate(info=worker("d0").info, load=WorkerLoad(running=running, **flat), cached_blocks=60)
+        d1 = Candidate(info=worker("d1").info, load=WorkerLoad(running=0, **flat))
+        return route(req(1024), [d0, d1, worker("p0", "prefill")], COST, state=state()).decode_id
+
+    assert int((1.1 * (0.1024 + 1024 * 131072 / 1e10 + 0.64) - 0.6628) / 0.0128) == 13
+    assert (decide(13), decide(14)) == ("d0", "d1")
+
+
+def test_router_flags_set_the_output_cap_and_the_interference_weight(tmp_path):
+    from router.main import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--model", str(tmp_path), "--expected-output-tokens", "16",
+                                      "--interference-weight", "0.25"])
+    cost = config_from_args(args).policy.cost
+    assert (cost.expected_output_tokens, cost.interference_weight) == (16, 0.25)
+    defaults = config_from_args(build_parser().parse_args(["--model", str(tmp_path)])).policy.cost
+    assert (defaults.expected_output_tokens, defaults.interference_weight) == (64, 1.0)

@@ -1,0 +1,156 @@
+"""Layer-wise KV streaming through the serving path (router ``--kv-layerwise``), with real processes.
+
+P answers ``PrefillStream`` with the KV handle as soon as the step computing the prompt starts; the
+router starts Decode on D at once (D pulls over tcp, each layer as P writes it) and hands D P's first
+token by ``FirstToken`` when it comes. Greedy output must equal the offline engine token for token, and
+every pool must be full again afterwards. The worker-level tests drive the RPCs by hand, including the
+orders the router does not produce (FirstToken before Decode, a recompute order, a token that never comes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
+from tests.integration.cluster import Cluster
+from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, _wait_serving, assert_pools_full, expected, model_dir  # noqa: F401
+from tests.redis_server import RedisServer, require_redis_server
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):  # noqa: F811
+    require_redis_server()
+    redis = RedisServer.start()
+    cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("layerwise-logs"))
+    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", "tcp", worker_id="p0"),
+                       cluster.start_worker("decode", "--kv-transport", "tcp", worker_id="d0")]
+    try:
+        cluster.wait_for_workers({"p0", "d0"})
+        cluster.router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "least_loaded",
+                                              "--kv-layerwise")
+        _wait_serving(cluster.router.address)
+        yield cluster
+    finally:
+        cluster.stop_all()
+        redis.stop()
+
+
+def generate(cluster, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], pb.GenerateResponse]:
+    """Greedy, under a fresh tenant salt: no prefix is cached anywhere, so every prompt goes remote."""
+    with grpc.insecure_channel(cluster.router.address) as channel:
+        params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params,
+                                     cache_salt=f"salt-{time.monotonic_ns()}")
+        responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
+    return [t for r in responses for t in r.token_ids], responses[-1]
+
+
+def test_streamed_kv_gives_the_engines_tokens(cluster, expected):  # noqa: F811
+    for i in (20, 21, 23):
+        tokens, final = generate(cluster, PROMPTS[i])
+        t = final.timings
+        assert tokens == expected[i]
+        assert (t.route_kind, t.prefill_worker, t.decode_worker) == ("remote", "p0", "d0"), t
+        assert t.kv_layerwise and t.transport == "tcp" and t.transfer_bytes > 0, t
+    assert_pools_full(cluster)
+
+
+def test_concurrent_streamed_requests_are_exact(cluster, expected):  # noqa: F811
+    indices = [20, 21, 22, 23, 20, 22]
+    with ThreadPoolExecutor(len(indices)) as pool:
+        results = list(pool.map(lambda i: generate(cluster, PROMPTS[i]), indices))
+    for i, (tokens, final) in zip(indices, results):
+        assert tokens == expected[i]
+        assert final.timings.route_kind == "remote", final.timings
+    assert_pools_full(cluster)
+
+
+def test_a_first_token_that_ends_the_request_stops_the_waiting_decode(cluster, expected):  # noqa: F811
+    tokens, final = generate(cluster, PROMPTS[22], max_tokens=1)
+    assert tokens == expected[22][:1]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert_pools_full(cluster)  # D's reservation aborted, P's lease released
+
+
+# ---- the RPCs by hand ------------------------------------------------------------------------------
+
+
+def _addresses(cluster) -> dict[str, str]:
+    with grpc.insecure_channel(cluster.router.address) as channel:
+        rows = pb_grpc.AdminStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=10).workers
+    return {w.worker_id: w.grpc_address for w in rows}
+
+
+async def _by_hand(cluster, prompt: list[int], *, first_token_before_decode: bool, recompute: bool = False):
+    addresses = _addresses(cluster)
+    params = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request_id = f"by-hand-{time.monotonic_ns()}"
+    async with grpc.aio.insecure_channel(addresses["p0"]) as p, grpc.aio.insecure_channel(addresses["d0"]) as d:
+        prefill = pb_grpc.WorkerStub(p).PrefillStream(
+            pb.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=params), timeout=30)
+        messages = [m async for m in prefill]
+        assert [m.kv_pending for m in messages] == [True, False]
+        handle, first = messages[0].handle, messages[1]
+        assert handle.lease_id and handle.data_plane_uri.startswith("tcp://")
+        assert messages[1].handle.lease_id == handle.lease_id  # the same lease, pinned at admission
+        decode_stub = pb_grpc.WorkerStub(d)
+        deliver = pb.FirstTokenRequest(request_id=request_id, token_id=first.first_token, recompute=recompute)
+        if first_token_before_decode:
+            assert not (await decode_stub.FirstToken(deliver, timeout=10)).found  # kept until Decode asks
+        decode = decode_stub.Decode(pb.DecodeRequest(
+            request_id=request_id, token_ids=prompt, sampling=params, handle=handle, prompt_len=len(prompt),
+            first_token_pending=True), timeout=30)
+        if not first_token_before_decode:
+            await asyncio.sleep(0.2)  # Decode waits for it
+            assert (await decode_stub.FirstToken(deliver, timeout=10)).found
+        responses = [r async for r in decode]
+        await pb_grpc.WorkerStub(p).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=10)
+    return [first.first_token] + [t for r in responses for t in r.token_ids], responses
+
+
+@pytest.mark.parametrize("first_token_before_decode", [False, True])
+def test_decode_waits_for_the_first_token_in_either_order(cluster, expected, first_token_before_decode):  # noqa: F811
+    tokens, responses = asyncio.run(_by_hand(cluster, PROMPTS[21], first_token_before_decode=first_token_before_decode))
+    assert tokens == expected[21]
+    assert responses[0].timings.kv_layerwise and responses[0].timings.transfer_bytes > 0
+    assert_pools_full(cluster)
+
+
+def test_a_recompute_order_makes_decode_prefill_itself(cluster, expected):  # noqa: F811
+    tokens, responses = asyncio.run(_by_hand(cluster, PROMPTS[23], first_token_before_decode=False, recompute=True))
+    # D sampled the first token itself: P's first token, then D's whole stream, which starts with it again
+    assert tokens[1:] == expected[23]
+    assert "prefilled locally" in responses[0].timings.route_reason
+    assert_pools_full(cluster)
+
+
+def test_a_first_token_that_never_comes_fails_decode_and_frees_its_blocks(cluster):
+    async def run() -> grpc.StatusCode:
+        addresses = _addresses(cluster)
+        prompt = PROMPTS[20]
+        params = pb.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        async with grpc.aio.insecure_channel(addresses["p0"]) as p, grpc.aio.insecure_channel(addresses["d0"]) as d:
+            prefill = pb_grpc.WorkerStub(p).Prefill(pb.PrefillRequest(request_id="never-p", token_ids=prompt,
+                                                                      sampling=params), timeout=30)
+            handle = (await prefill).handle
+            handle.lease_expires_unix_ms = int(time.time() * 1e3) + 1500  # D waits at most the lease's life
+            decode = pb_grpc.WorkerStub(d).Decode(pb.DecodeRequest(
+                request_id="never-d", token_ids=prompt, sampling=params, handle=handle, prompt_len=len(prompt),
+                first_token_pending=True), timeout=30)
+            try:
+                async for _ in decode:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            finally:
+                await pb_grpc.WorkerStub(p).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=10)
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(run()) == grpc.StatusCode.UNAVAILABLE
+    assert_pools_full(cluster)
