@@ -16,6 +16,7 @@ _BENCHMARKS = {
     "faults": "bench.faults",
     "soak": "bench.soak",
     "layerwise": "bench.layerwise",
+    "layerwise-serving": "bench.layerwise_serving",
     "planner": "bench.planner",
 }
 

@@ -88,6 +88,7 @@ class Platform:
     grpc_address: str = ""
     http_address: str = ""
     redis_url: str = ""
+    model_dir: Path | None = None
 
     @classmethod
     def start(cls, plan: CorePlan, model_dir: Path, log_dir: Path, *, worker_args: list[str],
@@ -117,6 +118,7 @@ class Platform:
     def _start(self, plan: CorePlan, model_dir: Path, worker_args: list[str], router_args: list[str],
                ready_timeout_s: float) -> None:
         deadline = time.monotonic() + ready_timeout_s
+        self.model_dir = model_dir
         self.redis_url = self._start_redis(plan.router_core)
         redis = _wait_for_redis(self.redis_url, deadline)
         common = ["--redis-url", self.redis_url, "--model", str(model_dir)]
@@ -132,6 +134,22 @@ class Platform:
                                                    "--http-port", str(http_port), *router_args])
         self.grpc_address, self.http_address = f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}"
         self._wait_for_router(deadline)
+
+    def add_router(self, name: str, router_args: list[str], *, core: int) -> None:
+        """Another router on the same workers (give it ``--port``); returns once it answers on that port."""
+        common = ["--redis-url", self.redis_url, "--model", str(self.model_dir), "--metrics-port", "0", "--http-port", "0"]
+        self._spawn(name, {core}, ["router", *common, *router_args])
+        port = router_args[router_args.index("--port") + 1]
+        deadline = time.monotonic() + 60
+        while True:
+            self._check_alive()
+            try:
+                with socket.create_connection(("127.0.0.1", int(port)), timeout=1):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"router {name} did not start in time (logs: {self.log_dir})") from None
+                time.sleep(0.3)
 
     def _start_redis(self, core: int) -> str:
         binary = os.environ.get("BATON_REDIS_SERVER") or shutil.which("redis-server")

@@ -107,7 +107,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         prefill = asyncio.ensure_future(self.Prefill(request, context))
         try:
             await asyncio.wait((admitted, prefill), return_when=asyncio.FIRST_COMPLETED)
-            if admitted.done() and not prefill.done():
+            # admitted is always set before the prefill's last delta arrives (both reach this loop in the
+            # engine thread's order), so it is done here unless the prefill failed before being scheduled
+            failed = prefill.done() and (prefill.cancelled() or prefill.exception() is not None)
+            if admitted.done() and not failed:
                 lease = admitted.result()
                 yield pb.PrefillResponse(kv_pending=True, handle=self._handle(lease, len(request.token_ids),
                                                                               node.streaming_kv_uri))

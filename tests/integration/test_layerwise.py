@@ -90,10 +90,10 @@ def _addresses(cluster) -> dict[str, str]:
 async def _by_hand(cluster, prompt: list[int], *, first_token_before_decode: bool, recompute: bool = False):
     addresses = _addresses(cluster)
     params = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    request_id = f"by-hand-{time.monotonic_ns()}"
+    request_id = salt = f"by-hand-{time.monotonic_ns()}"  # a fresh salt: nothing of it is cached on D
     async with grpc.aio.insecure_channel(addresses["p0"]) as p, grpc.aio.insecure_channel(addresses["d0"]) as d:
         prefill = pb_grpc.WorkerStub(p).PrefillStream(
-            pb.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=params), timeout=30)
+            pb.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=params, cache_salt=salt), timeout=30)
         messages = [m async for m in prefill]
         assert [m.kv_pending for m in messages] == [True, False]
         handle, first = messages[0].handle, messages[1]
@@ -105,10 +105,10 @@ async def _by_hand(cluster, prompt: list[int], *, first_token_before_decode: boo
             assert not (await decode_stub.FirstToken(deliver, timeout=10)).found  # kept until Decode asks
         decode = decode_stub.Decode(pb.DecodeRequest(
             request_id=request_id, token_ids=prompt, sampling=params, handle=handle, prompt_len=len(prompt),
-            first_token_pending=True), timeout=30)
+            first_token_pending=True, cache_salt=salt), timeout=30)
         if not first_token_before_decode:
-            await asyncio.sleep(0.2)  # Decode waits for it
-            assert (await decode_stub.FirstToken(deliver, timeout=10)).found
+            await asyncio.sleep(0.2)  # Decode is (most likely) waiting for it; kept for it either way
+            await decode_stub.FirstToken(deliver, timeout=10)
         responses = [r async for r in decode]
         await pb_grpc.WorkerStub(p).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=10)
     return [first.first_token] + [t for r in responses for t in r.token_ids], responses
