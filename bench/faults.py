@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="which scenarios (default: all)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/faults.json"), help="JSON of the counts")
     parser.add_argument("--log-dir", type=Path, default=None, help="process logs (default: a temp folder)")
+    parser.add_argument("--kv-layerwise", action="store_true",
+                        help="the router streams KV layer by layer (PrefillStream + FirstToken) during the faults")
     return parser.parse_args(argv)
 
 
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Tally]:
     log_dir = args.log_dir or work / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     tallies = {name: Tally() for name in args.scenarios}
-    platform = FaultPlatform.start(model_dir, log_dir)
+    router_args = ("--kv-layerwise",) if args.kv_layerwise else ()
+    platform = FaultPlatform.start(model_dir, log_dir, router_args)
     try:
         for i in range(args.repeat):
             for name in args.scenarios:
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Tally]:
                 except Exception as exc:  # noqa: BLE001 - recorded; the next run gets a fresh platform
                     result = ScenarioResult(name, problems=[f"raised {exc!r}"])
                     platform.stop()
-                    platform = FaultPlatform.start(model_dir, log_dir)
+                    platform = FaultPlatform.start(model_dir, log_dir, router_args)
                 tallies[name].add(result, time.monotonic() - started)
                 log.info("run %d/%d %s: %s%s", i + 1, args.repeat, name, dict(result.codes),
                          f" PROBLEMS {result.problems}" if result.problems else "")

@@ -79,13 +79,15 @@ class FaultPlatform:
     workers: dict[str, Proc] = field(default_factory=dict)
     router: Proc | None = None
     epoch: int = 0  # scenarios run so far: each one's prompts differ from earlier ones' (nothing cached)
+    router_args: tuple[str, ...] = ()  # e.g. ("--kv-layerwise",)
 
     @classmethod
-    def start(cls, model_dir: Path, log_dir: Path) -> FaultPlatform:
+    def start(cls, model_dir: Path, log_dir: Path, router_args: tuple[str, ...] = ()) -> FaultPlatform:
         require_redis_server()
         redis = RedisServer.start()
         kv_port = free_port()
-        platform = cls(redis, Cluster(redis.url, model_dir, log_dir), KVProxy(kv_port), kv_port)
+        platform = cls(redis, Cluster(redis.url, model_dir, log_dir), KVProxy(kv_port), kv_port,
+                       router_args=router_args)
         try:
             for name in WORKERS:
                 platform.start_worker(name)
@@ -120,7 +122,8 @@ class FaultPlatform:
 
     def start_router(self, port: int | None = None, *, wait: bool = True) -> Proc:
         extra = ("--port", str(port)) if port else ()
-        self.router = self.cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "least_loaded", *extra)
+        self.router = self.cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "least_loaded",
+                                                *self.router_args, *extra)
         if port:
             self.router.address = f"127.0.0.1:{port}"  # the later --port wins over the one start_router picked
         if wait:

@@ -41,3 +41,25 @@ def test_fault_scenario(platform, reference, name):
     assert result.hung == 0 and result.leaked_blocks == 0 and result.open_leases == 0
     assert result.codes["OK"] >= 1  # at least the fresh request after the fault
     assert_pools_full(platform.cluster)
+
+
+LAYERWISE_SCENARIOS = ("prefill_killed", "kv_stalled", "kv_corrupted")
+
+
+@pytest.fixture(scope="module")
+def layerwise_platform(model_dir, tmp_path_factory):
+    """The same platform with the router streaming KV by layer: D holds the handle before P's first token."""
+    running = FaultPlatform.start(model_dir, tmp_path_factory.mktemp("fault-logs-layerwise"), ("--kv-layerwise",))
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize("name", LAYERWISE_SCENARIOS)
+def test_fault_scenario_with_layerwise_streaming(layerwise_platform, reference, name):
+    """P killed while D already pulls (D is told to recompute), a stalled and a corrupted streamed pull."""
+    result = SCENARIOS[name](layerwise_platform, reference)
+    assert result.problems == [], f"{name}: {result.problems}\ncodes: {dict(result.codes)}"
+    assert result.hung == 0 and result.leaked_blocks == 0 and result.open_leases == 0
+    assert result.codes["OK"] >= 1
+    assert_pools_full(layerwise_platform.cluster)
+

@@ -43,6 +43,9 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.aborts: list[str] = []
         self.releases: list[str] = []
         self.decode_cancelled = threading.Event()
+        self.first_tokens: list[pb.FirstTokenRequest] = []  # layer-wise deliveries (FirstToken)
+        self._first_token_waiters: dict[str, asyncio.Future] = {}
+        self.prefill_after_handle: Callable[[pb.PrefillRequest, Any], Any] | None = None  # PrefillStream's 2nd
         self.abort_error: grpc.StatusCode | None = None
         self.prefill: Callable[[pb.PrefillRequest, Any], Any] = self.default_prefill
         self.decode: Callable[[pb.DecodeRequest, Any], AsyncIterator[pb.DecodeResponse]] = self.default_decode
@@ -54,7 +57,11 @@ class FakeWorker(pb_grpc.WorkerServicer):
                                   timings=pb.Timings(prefill_ms=3.0, queue_ms=1.0))
 
     async def default_decode(self, request: pb.DecodeRequest, context: Any) -> AsyncIterator[pb.DecodeResponse]:
-        remaining = self.tokens[request.num_output_tokens_so_far : request.sampling.max_tokens]
+        start = request.num_output_tokens_so_far
+        if request.first_token_pending:  # as a real D: wait for P's first token (or the order to recompute)
+            first = await self._first_token_of(request.request_id)
+            start += 0 if first.recompute else 1
+        remaining = self.tokens[start : request.sampling.max_tokens]
         for i, token in enumerate(remaining):
             last = i == len(remaining) - 1
             timings = pb.Timings(transfer_bytes=1_000_000, transfer_ms=2.0, transfer_blocks=7, transport="tcp")
@@ -67,6 +74,25 @@ class FakeWorker(pb_grpc.WorkerServicer):
     async def Prefill(self, request, context):
         self.prefill_requests.append(request)
         return await self.prefill(request, context)
+
+    async def PrefillStream(self, request, context):
+        """The handle first (kv_pending), then ``prefill_after_handle`` (default: ``prefill``)."""
+        self.prefill_requests.append(request)
+        handle = pb.KVHandle(worker_id=self.worker_id, lease_id=f"lease-{request.request_id}", block_ids=[1, 2, 3],
+                             num_tokens=len(request.token_ids))
+        yield pb.PrefillResponse(kv_pending=True, handle=handle)
+        yield await (self.prefill_after_handle or self.prefill)(request, context)
+
+    async def FirstToken(self, request, context):
+        self.first_tokens.append(request)
+        self._future(request.request_id).set_result(request)
+        return pb.FirstTokenResponse(found=True)
+
+    def _future(self, request_id: str) -> asyncio.Future:
+        return self._first_token_waiters.setdefault(request_id, asyncio.get_running_loop().create_future())
+
+    async def _first_token_of(self, request_id: str) -> pb.FirstTokenRequest:
+        return await asyncio.wait_for(self._future(request_id), 5)
 
     async def Decode(self, request, context):
         self.decode_requests.append(request)
@@ -412,7 +438,8 @@ def test_cancel_before_decode_answers_releases_the_lease(stub, cluster, tokens):
     wait_until(lambda: len(d0.decode_requests) == 1)
     call.cancel()
     request_id = p0.prefill_requests[0].request_id
-    wait_until(lambda: d0.aborts == [request_id] and p0.releases == [f"lease-{request_id}"])
+    wait_until(lambda: d0.aborts == [request_id])
+    wait_until(lambda: p0.releases == [f"lease-{request_id}"])
 
 
 def test_lease_is_left_to_its_ttl_when_the_decode_worker_may_still_read_it(stub, cluster, tokens):
@@ -586,3 +613,63 @@ def test_generate_cli_reports_errors_without_a_traceback():
     out, err = StringIO(), StringIO()
     assert generate_cli.main(["hi", "--router", f"127.0.0.1:{free_port()}", "--timeout", "5"], out=out, err=err) == 1
     assert "cannot reach the router at 127.0.0.1:" in err.getvalue() and "Traceback" not in err.getvalue()
+
+
+# ---- layer-wise (--kv-layerwise): PrefillStream's handle starts Decode; FirstToken follows -----------
+
+
+@pytest.fixture(scope="module")
+def layerwise_stub(loop, model_dir, redis_server) -> Iterator[pb_grpc.GenerationStub]:
+    running = loop.run(start_router(router_config(model_dir, redis_server.url, kv_layerwise=True)))
+    with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        yield pb_grpc.GenerationStub(channel)
+    loop.run(running.stop(0.5))
+
+
+def test_layerwise_decode_starts_on_the_handle_and_gets_the_first_token(layerwise_stub, cluster, tokenizer, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    responses = list(layerwise_stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == tokens[:6]
+    prompt_ids = tokenizer.encode(LONG_PROMPT)
+    decode = d0.decode_requests[0]
+    assert decode.first_token_pending and list(decode.token_ids) == prompt_ids  # no first token yet
+    assert decode.handle.lease_id == f"lease-{p0.prefill_requests[0].request_id}"
+    assert [(f.request_id, f.token_id, f.recompute) for f in d0.first_tokens] == [(decode.request_id, tokens[0], False)]
+    assert responses[-1].timings.route_kind == "remote" and responses[-1].timings.prefill_worker == "p0"
+    wait_until(lambda: p0.releases == [decode.handle.lease_id])  # D's first answer acked the pull
+
+
+def test_layerwise_prefill_failing_after_the_handle_makes_decode_recompute(layerwise_stub, cluster, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+
+    async def dies(request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker lost its device")
+
+    p0.prefill_after_handle = dies
+    responses = list(layerwise_stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == tokens[:6]  # all six from D, none twice
+    assert [f.recompute for f in d0.first_tokens] == [True]
+    assert len(d0.decode_requests) == 1  # the Decode already holding the handle carried on
+    t = responses[-1].timings
+    assert t.route_kind == "local" and "fallback: prefill on p0 failed (UNAVAILABLE)" in t.route_reason
+    wait_until(lambda: p0.aborts == [p0.prefill_requests[0].request_id])
+
+
+def test_layerwise_first_token_that_finishes_cancels_the_waiting_decode(layerwise_stub, cluster, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    default = p0.default_prefill
+
+    async def finished(request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        response = await default(request, context)
+        response.finish_reason = pb.FINISH_REASON_LENGTH
+        return response
+
+    p0.prefill_after_handle = finished
+    responses = list(layerwise_stub.Generate(request(LONG_PROMPT, max_tokens=1), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == [tokens[0]]
+    assert d0.first_tokens == []  # nothing to decode: D is stopped instead (its call cancelled, if it got
+    # that far, and told to forget the request), then P's lease is released
+    request_id = p0.prefill_requests[0].request_id
+    wait_until(lambda: d0.aborts == [request_id])
+    wait_until(lambda: p0.releases == [f"lease-{request_id}"])
+
