@@ -131,9 +131,10 @@ def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
     print(f"Baton is starting: {args.prefill} prefill + {args.decode} decode workers", flush=True)
     print(f"  router   grpc://127.0.0.1:{args.port}   (baton.v1.Generation, baton.v1.Admin; "
           f"{tls.describe(tls.from_args(args))})")
+    scheme = "https" if tls.from_args(args) is not None else "http"  # the HTTP front and /metrics follow gRPC's TLS
     if args.http_port:
-        print(f"  openai   http://127.0.0.1:{args.http_port}/v1   (completions, chat/completions, models)")
-    print(f"  metrics  http://127.0.0.1:{args.metrics_port}/metrics (router), "
+        print(f"  openai   {scheme}://127.0.0.1:{args.http_port}/v1   (completions, chat/completions, models)")
+    print(f"  metrics  {scheme}://127.0.0.1:{args.metrics_port}/metrics (router), "
           f"{args.metrics_port + 1}-{args.metrics_port + args.prefill + args.decode} (workers)")
     print(f"  redis    {redact_url(redis_url)}")
     print(f"  logs     {log_dir}")

@@ -56,7 +56,8 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl-s", type=float, default=30.0, help="how long unpulled KV stays pinned")
     p.add_argument("--heartbeat-ttl-s", type=float, default=6.0)
     p.add_argument("--metrics-port", type=int, default=9400,
-                   help="serve Prometheus /metrics on --host at this port (default: %(default)s; 0: no endpoint)")
+                   help="serve Prometheus /metrics on --host at this port, over HTTPS with --tls-cert "
+                   "(default: %(default)s; 0: no endpoint)")
     p.add_argument("--on-drain", default="exit", choices=["exit", "stay"],
                    help="once drained (baton admin drain) and idle: exit 0 (default) or stay up, idle")
     p.add_argument("--drain-settle-s", type=float, default=5.0,

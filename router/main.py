@@ -85,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require `authorization: Bearer TOKEN` on baton.v1.Admin calls "
                         "(default: $BATON_ADMIN_TOKEN; unset: the admin API is open)")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                        help="serve Prometheus /metrics on this port (default: %(default)s; 0: no endpoint)")
+                        help="serve Prometheus /metrics on this port, over HTTPS with --tls-cert (default: "
+                        "%(default)s; 0: no endpoint)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                        "/v1/models) on this port (default: %(default)s; 0: off)")
+                        "/v1/models) on this port, over HTTPS with --tls-cert (default: %(default)s; 0: off)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     parser.add_argument("--otel-console", action="store_true",
                         help="print OpenTelemetry trace spans on stderr (also $BATON_OTEL_CONSOLE=1; OTLP export: "
