@@ -27,13 +27,14 @@ from proto import baton_pb2 as pb
 from proto import tracing
 
 logger = logging.getLogger(__name__)
+MAX_FIRST_TOKEN_WAIT_S = 600.0  # a layer-wise Decode without a deadline waits at most this for P's first token
 
 
 class DecodeServicer(WorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context):
         marks = _Marks(time.perf_counter())
         try:
-            async for response in self._decode(request, marks):
+            async for response in self._decode(request, marks, context):
                 yield response
         except grpc.aio.AbortError:
             raise
@@ -53,7 +54,7 @@ class DecodeServicer(WorkerServicer):
         token = RECOMPUTE if request.recompute else request.token_id
         return pb.FirstTokenResponse(found=mailbox.deliver(request.request_id, token))
 
-    async def _decode(self, request: pb.DecodeRequest, marks: _Marks):
+    async def _decode(self, request: pb.DecodeRequest, marks: _Marks, context):
         node, rid = self.node, request.request_id
         params = sampling_from_pb(request.sampling)
         tokens = list(request.token_ids)
@@ -63,7 +64,7 @@ class DecodeServicer(WorkerServicer):
         timings = pb.Timings(decode_worker=node.worker_id)
         start = lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs, **kwargs)  # noqa: E731
         if request.HasField("handle"):
-            start = await self._import_kv(request, prompt, outputs, params, kwargs, timings, marks) or start
+            start = await self._import_kv(request, prompt, outputs, params, kwargs, timings, marks, context) or start
         elif request.first_token_pending:
             raise InvalidRequest("first_token_pending needs a KV handle")
         marks.timings, marks.started_s = timings, time.perf_counter()
@@ -78,7 +79,7 @@ class DecodeServicer(WorkerServicer):
             yield _response(delta, timings if first else None)
             first = False
 
-    async def _import_kv(self, request, prompt, outputs, params, kwargs, timings, marks):
+    async def _import_kv(self, request, prompt, outputs, params, kwargs, timings, marks, context):
         """Reserve blocks, pull the missing ones; returns how to start the request (None: locally)."""
         node, rid, handle = self.node, request.request_id, request.handle
         reserved = await node.async_engine.call(
@@ -87,7 +88,7 @@ class DecodeServicer(WorkerServicer):
             timings.route_reason = "no free blocks for the pulled KV; prefilled locally"
             if not request.first_token_pending:
                 return None
-            first = await self._first_token(request)  # P's first token is the client's already: keep it
+            first = await self._first_token(request, context)  # P's first token is the client's already: keep it
             known = outputs if first == RECOMPUTE else [*outputs, first]
             return lambda e: e.add_request(rid, prompt, params, output_token_ids=known, **kwargs)
         _, num_hit, dst_blocks = reserved
@@ -104,9 +105,9 @@ class DecodeServicer(WorkerServicer):
                 logger.warning("request_id=%s worker_id=%s KV pull failed (%s); recomputing locally", rid,
                                node.worker_id, exc)
                 timings.route_reason = f"KV pull failed ({exc}); prefilled locally"
-                first = await self._first_token(request) if request.first_token_pending else None
+                first = await self._first_token(request, context) if request.first_token_pending else None
                 return lambda e: e.fallback_remote(rid, None if first == RECOMPUTE else first)
-            first = await self._first_token(request) if request.first_token_pending else None
+            first = await self._first_token(request, context) if request.first_token_pending else None
         except BaseException:
             node.async_engine.abort(rid)  # cancelled mid-pull or while waiting: free the reservation
             raise
@@ -120,10 +121,12 @@ class DecodeServicer(WorkerServicer):
         timings.transfer_gbps, timings.transfer_blocks = stats.gbps, stats.num_blocks
         return lambda e: e.activate_remote(rid, first)
 
-    async def _first_token(self, request: pb.DecodeRequest) -> int:
-        """Layer-wise: wait for P's first token (the router's FirstToken), at most the lease's lifetime."""
-        left_s = request.handle.lease_expires_unix_ms / 1e3 - time.time()
-        return await self.node.first_tokens.wait(request.request_id, max(left_s, 1.0))
+    async def _first_token(self, request: pb.DecodeRequest, context) -> int:
+        """Layer-wise: wait for P's first token (the router's FirstToken) while the call lives: the router
+        cancels this call when the request ends, and gRPC does when the router goes away."""
+        left_s = context.time_remaining()
+        return await self.node.first_tokens.wait(request.request_id, MAX_FIRST_TOKEN_WAIT_S if left_s is None
+                                                 else min(left_s, MAX_FIRST_TOKEN_WAIT_S))
 
 
 def _response(delta: RequestDelta, timings: pb.Timings | None) -> pb.DecodeResponse:

@@ -62,6 +62,17 @@ class LeaseTable:
             raise LeaseNotFound(f"transfer lease {_short(lease_id)} expired")
         return lease
 
+    def renew(self, lease_id: str, ttl_s: float | None = None, *, now: float) -> Lease | None:
+        """Extend an open lease to expire ``ttl_s`` (default: the table's) from ``now``; None if not open.
+        A lease pinned before its blocks were computed (layer-wise) restarts its clock once they are."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return None
+        ttl_s = self.default_ttl_s if ttl_s is None else ttl_s
+        renewed = self._leases[lease_id] = Lease(lease_id=lease_id, block_ids=lease.block_ids,
+                                                 expires_at=max(lease.expires_at, now + ttl_s))
+        return renewed
+
     def release(self, lease_id: str) -> Lease | None:
         """Remove the lease (the decoder acked); its blocks are the caller's to free. None if not open."""
         return self._leases.pop(lease_id, None)

@@ -219,6 +219,13 @@ def make_server(kind: str, *, buffer: KVBuffer, resolve: Resolver, config: Trans
     return _implementation(kind, 0)(buffer=buffer, resolve=resolve, config=config or TransportConfig(), **extra)
 
 
+def streams_layers(prefill_kv_uri: str, decode_kv_uri: str) -> bool:
+    """The prefill worker serves a ``STREAMING_KINDS`` transport that the decode worker pulls over too
+    (``kv_uri`` as registered: space-separated URIs, one per served kind)."""
+    served = {uri_kind(uri) for uri in prefill_kv_uri.split()} & STREAMING_KINDS
+    return bool(served & {uri_kind(uri) for uri in decode_kv_uri.split()})
+
+
 def _when_computed(resolve: Resolver, progress: ProgressLookup) -> Resolver:
     def resolve_computed(lease_id: str) -> Sequence[int] | None:
         lease_progress = progress(lease_id)

@@ -179,9 +179,13 @@ class WorkerNode:
         if early is None:
             self.lease_of_request[request_id] = self.leases.create(block_ids, now=time.monotonic())
             return
-        # pinned at admission (layer-wise): the lease holds already, or was released / expired meanwhile,
-        # which freed its blocks; free only what the request holds beyond them
+        # pinned at admission (layer-wise): the lease holds already (its TTL restarts now, as a lease made
+        # after the prefill would), or was released / expired meanwhile, which freed its blocks; free only
+        # what the request holds beyond them
         self.progress_of_lease.pop(early.lease_id, None)
+        renewed = self.leases.renew(early.lease_id, now=time.monotonic())
+        if renewed is not None and self.lease_of_request.get(request_id) is early:
+            self.lease_of_request[request_id] = renewed
         extra = sorted(set(block_ids) - set(early.block_ids))
         if extra:
             self.async_engine.submit(lambda e: e.release_blocks(extra))

@@ -5,8 +5,10 @@ For a decode worker D, the prompt is computed either
     remote on P:  overhead(remote) + queue_wait(P) + uncached(P) / rate(P) + kv_bytes(uncached on D) / link(P, D)
     local on D:   overhead(local) + queued(D) / rate(D) + uncached(D) / rate(D) + chunks * decode_step(D)
 
-and the lower ``ttft + stall`` wins, unless local prefill would push D's running decodes past the ITL target
-(each of D's steps then carries a prefill chunk). Under ``floor_tokens`` uncached tokens, always local.
+(with ``--kv-layerwise``, on a pair whose transport streams layers, the pull runs while P computes: only
+``max(kv_bytes / link - uncached(P) / rate(P), 0)`` is left after P's last layer), and the lower
+``ttft + stall`` wins, unless local prefill would push D's running decodes past the ITL target (each of
+D's steps then carries a prefill chunk). Under ``floor_tokens`` uncached tokens, always local.
 
 ``stall`` is what a local prefill costs D's *other* sequences: while D computes the prompt's ``uncached``
 tokens its steps carry the chunks, so each of its ``running`` sequences is delayed by about
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Literal
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVLayout
+from kv_transfer.transport import streams_layers
 from router.rates import Rates
 
 if TYPE_CHECKING:
@@ -60,6 +63,9 @@ class CostConfig:
     # Costs within this fraction of the best count as a tie, won by the longest cached prefix: the
     # prediction is noisy (loads lag by a heartbeat) and reuse also saves KV memory the model does not price.
     affinity_tolerance: float = 0.10
+    # The router streams KV by layer (--kv-layerwise): on a pair that streams, the pull runs while P
+    # computes, so only the part of it longer than P's compute delays D.
+    kv_layerwise: bool = False
 
     def __post_init__(self) -> None:
         if not self.itl_target_s > 0 or self.prefill_chunk_tokens < 1 or self.kv_bytes_per_token <= 0:
@@ -170,6 +176,8 @@ def remote_plan(
 
     def ttft_s(quote: PrefillQuote) -> tuple[float, str]:
         transfer_s = num_bytes / (rates.link_gb_per_s(quote.prefill.worker_id, decode.worker_id) * 1e9)
+        if config.kv_layerwise and streams_layers(quote.prefill.info.kv_uri, decode.info.kv_uri):
+            transfer_s = max(transfer_s - quote.compute_s, 0.0)  # hidden behind the layers still computing
         return quote.queue_s + quote.compute_s + transfer_s, quote.prefill.worker_id
 
     best = min(quotes, key=ttft_s)

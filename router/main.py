@@ -119,7 +119,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                             cost=CostConfig(temperature_s=args.router_temperature,
                                             itl_target_s=args.itl_target_ms / 1e3,
                                             expected_output_tokens=args.expected_output_tokens,
-                                            interference_weight=args.interference_weight)),
+                                            interference_weight=args.interference_weight,
+                                            kv_layerwise=args.kv_layerwise)),
     )
 
 

@@ -30,7 +30,7 @@ from engine.errors import CapacityExceeded
 from engine.tokenizer import Tokenizer
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.registry import WorkerInfo
-from kv_transfer.transport import STREAMING_KINDS, uri_kind
+from kv_transfer.transport import streams_layers
 from proto import baton_pb2 as pb
 from proto.tracing import current_tracer
 from router.admission import AdmissionGate
@@ -210,7 +210,7 @@ class _Flow:
         metadata = self._spans.call("prefill", worker.worker_id)
         decode = self._info(decision.decode_id)
         try:
-            if streams_layers(worker, decode) and self._relay.kv_layerwise:
+            if self._relay.kv_layerwise and streams_layers(worker.kv_uri, decode.kv_uri):
                 response = await self._prefill_streamed(worker, decode, request, metadata)
             else:
                 response = await self._relay.directory.stub(worker).Prefill(request, timeout=self._remaining_s(),
@@ -465,8 +465,3 @@ class _Flow:
         if (lease := self._unconsumed_lease()) is not None:
             self._relay.control.release_lease(*lease)
 
-
-def streams_layers(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
-    """P serves a transport that streams layers (``STREAMING_KINDS``) and D pulls over it too."""
-    served = {uri_kind(uri) for uri in prefill.kv_uri.split()} & STREAMING_KINDS
-    return bool(served & {uri_kind(uri) for uri in decode.kv_uri.split()})

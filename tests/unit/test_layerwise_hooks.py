@@ -17,10 +17,8 @@ from engine.tiny import build_model
 from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.progress import LayerProgress
-from kv_transfer.registry import WorkerInfo
-from kv_transfer.transport import make_server
+from kv_transfer.transport import make_server, streams_layers
 from prefill_node.layerwise import LayerwiseHooks
-from router.relay import streams_layers
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +95,6 @@ def test_a_non_streaming_server_refuses_a_lease_still_being_computed():
     assert server.resolve("other") == (0, 1)  # no progress: fully computed
 
 
-def _info(worker_id: str, kv_uri: str) -> WorkerInfo:
-    return WorkerInfo(worker_id=worker_id, role="decode", grpc_address="", kv_uri=kv_uri, model_fingerprint="",
-                      layout_json="", total_blocks=1)
-
-
 @pytest.mark.parametrize("prefill_uri, decode_uri, expected", [
     ("tcp://h:1", "tcp://h:2", True),
     ("cma://h:1?boot=b tcp://h:2", "ucx://h:3 tcp://h:4", True),
@@ -109,4 +102,4 @@ def _info(worker_id: str, kv_uri: str) -> WorkerInfo:
     ("tcp://h:1", "nccl://h:2", False),  # D does not pull over tcp
 ])
 def test_a_pair_streams_only_over_a_transport_both_have(prefill_uri, decode_uri, expected):
-    assert streams_layers(_info("p", prefill_uri), _info("d", decode_uri)) is expected
+    assert streams_layers(prefill_uri, decode_uri) is expected

@@ -93,3 +93,14 @@ def test_every_lease_is_handed_back_exactly_once(ops: list[tuple[str, int]]) -> 
             handed_back += [lease.lease_id for lease in table.expire(now)]
     handed_back += [lease.lease_id for lease in table.expire(now + 1e9)]
     assert sorted(handed_back) == sorted(created) and len(table) == 0
+
+
+def test_renew_restarts_an_open_lease_and_never_shortens_it() -> None:
+    table = LeaseTable(default_ttl_s=5.0)
+    lease = table.create([1, 2], now=0.0)
+    renewed = table.renew(lease.lease_id, now=4.0)
+    assert renewed is not None and renewed.expires_at == 9.0 and renewed.block_ids == (1, 2)
+    assert table.get(lease.lease_id, now=8.0).expires_at == 9.0  # would have expired at 5.0
+    assert table.renew(lease.lease_id, ttl_s=1.0, now=4.0).expires_at == 9.0  # not shortened
+    assert table.release(lease.lease_id) is not None
+    assert table.renew(lease.lease_id, now=4.0) is None  # released: nothing to renew

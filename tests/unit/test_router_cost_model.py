@@ -111,6 +111,23 @@ def test_slow_link_makes_remote_lose_for_a_big_prompt():
     assert "transfer 5.2429" in decision.reason
 
 
+def test_layerwise_streaming_hides_the_pull_behind_the_prefill():
+    cands = [worker("d0", total=400, free=400), worker("p0", "prefill", total=400, free=400)]
+    rates = Rates(BASE)
+    rates.observe_transfer("p0", "d0", num_bytes=100_000_000, transfer_ms=1000.0)  # 0.1 GB/s: 5.24 s pull
+    decision = route(req(4000), cands, with_cost(kv_layerwise=True), state=state(rates=rates))
+    # streamed while P computes for 0.4 s: only 5.2429 - 0.4 s of it is left after the last layer; local 0.8 s
+    assert decision.kind is RouteKind.LOCAL and "transfer 4.8429" in decision.reason
+    fast = Rates(BASE)
+    fast.observe_transfer("p0", "d0", num_bytes=1_000_000_000, transfer_ms=500.0)  # 2 GB/s: 0.26 s < 0.4 s
+    decision = route(req(4000), cands, with_cost(kv_layerwise=True), state=state(rates=fast))
+    assert decision.kind is RouteKind.REMOTE and decision.predicted_ttft_s == pytest.approx(0.4)  # all hidden
+    nccl_only = [worker("d0", total=400, free=400),
+                 dataclasses.replace(cands[1], info=dataclasses.replace(cands[1].info, kv_uri="nccl://x:3"))]
+    decision = route(req(4000), nccl_only, with_cost(kv_layerwise=True), state=state(rates=fast))
+    assert decision.predicted_ttft_s == pytest.approx(0.4 + 4000 * 131072 / 2e9)  # nccl does not stream
+
+
 def test_local_prefill_that_breaks_the_itl_target_goes_remote_even_when_slower():
     # d0 runs 10: a 512-token chunk makes its step 0.015 + 0.1024 = 0.1174 s > 0.1 target.
     cands = [worker("d0", running=10), worker("p0", "prefill", queued=20_000)]
