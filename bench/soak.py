@@ -25,6 +25,7 @@ import re
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class Totals:
     tokens: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     latencies_s: list[float] = field(default_factory=list)
+    samples: list[tuple[float, dict]] = field(default_factory=list)  # (seconds in, usage of every process)
 
 
 def process_usage(pid: int) -> dict[str, float]:
@@ -95,10 +97,18 @@ def retry_after_s(exc: grpc.aio.AioRpcError) -> float:
     return int(match.group(1)) / 1e3 if match else 1.0
 
 
-async def soak(address: str, streams: int, duration_s: float, cancel_share: float, seed: int) -> tuple[Totals, float]:
+async def soak(address: str, streams: int, duration_s: float, cancel_share: float, seed: int,
+               sample: Callable[[], dict] | None = None, sample_every_s: float = 30.0) -> tuple[Totals, float]:
+    """Run the client loops; ``sample()`` (RSS and fds of every process) every ``sample_every_s`` into
+    ``totals.samples``, as (seconds since the start, sample)."""
     channels = [grpc.aio.insecure_channel(address) for _ in range(NUM_CHANNELS)]
     stubs = [pb_grpc.GenerationStub(c) for c in channels]
     totals, end_s = Totals(), time.monotonic() + duration_s
+
+    async def sampler() -> None:
+        while sample is not None and time.monotonic() < end_s:
+            await asyncio.sleep(min(sample_every_s, max(end_s - time.monotonic(), 0.0)))
+            totals.samples.append((round(time.monotonic() - started, 1), sample()))
 
     async def client(i: int) -> None:
         rng = random.Random(seed * 100_003 + i)
@@ -106,7 +116,9 @@ async def soak(address: str, streams: int, duration_s: float, cancel_share: floa
             await one_stream(stubs[i % NUM_CHANNELS], rng, cancel_share, totals)
 
     started = time.monotonic()
+    sampling = asyncio.ensure_future(sampler())
     await asyncio.gather(*(client(i) for i in range(streams)))
+    sampling.cancel()
     elapsed_s = time.monotonic() - started
     for channel in channels:
         await channel.close()
@@ -148,7 +160,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         before = usage_of(procs)
         log.info("soak: %d streams for %.0f s", args.streams, args.duration_s)
         totals, elapsed_s = asyncio.run(soak(cluster.router.address, args.streams, args.duration_s,
-                                             args.cancel_share, args.seed))
+                                             args.cancel_share, args.seed, sample=lambda: usage_of(procs)))
         try:
             assert_pools_full(cluster, timeout_s=60)
             pools = "full, no lease open"
@@ -175,6 +187,8 @@ def report(args, totals: Totals, elapsed_s: float, before: dict, after: dict, po
         "processes": {name: {"rss_mib_before": round(before[name]["rss_mib"], 1),
                              "rss_mib_after": round(after[name]["rss_mib"], 1),
                              "fds_before": before[name]["fds"], "fds_after": after[name]["fds"]} for name in before},
+        "rss_mib_over_time": [{"t_s": t, **{name: round(u["rss_mib"], 1) for name, u in usage.items()}}
+                              for t, usage in totals.samples],
     }
 
 
@@ -191,6 +205,11 @@ def print_report(result: dict) -> None:
         growth = p["rss_mib_after"] - p["rss_mib_before"]
         print(f"| {name} | {p['rss_mib_before']} | {p['rss_mib_after']} | {growth:+.1f} | {p['fds_before']} "
               f"| {p['fds_after']} |")
+    if result["rss_mib_over_time"]:  # does the growth level off?
+        names = list(result["processes"])
+        print("\nRSS (MiB) during the soak\n| t (s) | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        for row in result["rss_mib_over_time"]:
+            print(f"| {row['t_s']} | " + " | ".join(str(row[n]) for n in names) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:

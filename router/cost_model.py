@@ -36,6 +36,8 @@ clock, the RNG is passed in.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import random
 from collections.abc import Sequence
@@ -76,7 +78,7 @@ class CostConfig:
                              f"interference_weight >= 0; power_of_two_above >= 2: {self}")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built for every decode worker of every request
 class PrefillPlan:
     """One way to compute the prompt for a given D, with its predicted TTFT split into terms."""
 
@@ -109,7 +111,7 @@ class PrefillPlan:
                 f"(itl {self.itl_s:.4f}, stall of running {self.stall_s:.4f})")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per prefill worker per request (treat as read-only)
 class PrefillQuote:
     """A prefill worker's part of a remote plan, the same for every D: its queue and the prompt's compute."""
 
@@ -117,9 +119,15 @@ class PrefillQuote:
     queue_s: float
     compute_s: float
     uncached_tokens: int
+    prefill_id: str = ""  # set by quote_prefills (read for every (P, D) pair: no property chain)
+    kv_uri: str = ""
+
+    @property
+    def base_s(self) -> float:
+        return self.queue_s + self.compute_s
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built for every decode worker of every request
 class PricedDecode:
     decode: Candidate
     plan: PrefillPlan
@@ -150,12 +158,17 @@ def decode_steps(request: RouteRequest, config: CostConfig) -> int:
 
 def kv_bytes_per_token(decode: Candidate, rates: Rates, config: CostConfig) -> float:
     """KV bytes D pulls per prompt token: measured, else from D's registered layout, else the default."""
+    return rates.kv_bytes_per_token(_layout_bytes_per_token(decode.info.layout_json) or config.kv_bytes_per_token)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_bytes_per_token(layout_json: str) -> float | None:
+    """From a registered layout (parsed once per distinct string); None without the model's dimensions."""
     try:
-        layout = KVLayout.from_json(decode.info.layout_json)
-        default = layout.bytes_per_block / layout.block_size
+        layout = KVLayout.from_json(layout_json)
     except KVTransferError:  # a layout without the model's dimensions (test doubles)
-        default = config.kv_bytes_per_token
-    return rates.kv_bytes_per_token(default)
+        return None
+    return layout.bytes_per_block / layout.block_size
 
 
 def quote_prefills(request: RouteRequest, prefills: Sequence[Candidate], rates: Rates) -> list[PrefillQuote]:
@@ -164,7 +177,9 @@ def quote_prefills(request: RouteRequest, prefills: Sequence[Candidate], rates: 
     for prefill in prefills:
         rate = rates.prefill_tokens_per_s(prefill.worker_id, prefill.load)
         uncached = request.uncached_tokens(prefill)
-        quotes.append(PrefillQuote(prefill, prefill.queued_prefill_tokens / rate, uncached / rate, uncached))
+        quotes.append(PrefillQuote(prefill, prefill.queued_prefill_tokens / rate, uncached / rate, uncached,
+                                   prefill.info.worker_id, prefill.info.kv_uri))
+    quotes.sort(key=lambda q: (q.base_s, q.prefill_id))  # remote_plan stops at the first that cannot win
     return quotes
 
 
@@ -173,18 +188,23 @@ def remote_plan(
 ) -> PrefillPlan:
     """The fastest remote plan for D: each P's quote plus the pull of what D lacks over that pair's link."""
     num_bytes = request.uncached_tokens(decode) * kv_bytes_per_token(decode, rates, config)
-
-    def ttft_s(quote: PrefillQuote) -> tuple[float, str]:
-        transfer_s = num_bytes / (rates.link_gb_per_s(quote.prefill.worker_id, decode.worker_id) * 1e9)
-        if config.kv_layerwise and streams_layers(quote.prefill.info.kv_uri, decode.info.kv_uri):
+    decode_id, decode_uri, layerwise = decode.info.worker_id, decode.info.kv_uri, config.kv_layerwise
+    link_gb_per_s = rates.link_gb_per_s
+    best, best_s, best_transfer_s = None, math.inf, 0.0
+    for quote in quotes:  # a plain loop: this runs for every (P, D) pair of every request
+        if quote.base_s > best_s:  # sorted by base_s, and a transfer is never negative: none left can win
+            break
+        transfer_s = num_bytes / (link_gb_per_s(quote.prefill_id, decode_id) * 1e9)
+        if layerwise and streams_layers(quote.kv_uri, decode_uri):
             transfer_s = max(transfer_s - quote.compute_s, 0.0)  # hidden behind the layers still computing
-        return quote.queue_s + quote.compute_s + transfer_s, quote.prefill.worker_id
-
-    best = min(quotes, key=ttft_s)
+        total_s = quote.queue_s + quote.compute_s + transfer_s
+        if total_s < best_s or total_s == best_s and best is not None and quote.prefill_id < best.prefill_id:
+            best, best_s, best_transfer_s = quote, total_s, transfer_s
+    assert best is not None, "remote_plan needs at least one prefill quote"
+    quote, transfer_s = best, best_transfer_s
     return PrefillPlan(
-        kind="remote", prefill_id=best.prefill.worker_id, uncached_tokens=best.uncached_tokens,
-        queue_s=best.queue_s, compute_s=best.compute_s, transfer_s=ttft_s(best)[0] - best.queue_s - best.compute_s,
-        overhead_s=rates.overhead_s("remote"),
+        kind="remote", prefill_id=quote.prefill_id, uncached_tokens=quote.uncached_tokens,
+        queue_s=quote.queue_s, compute_s=quote.compute_s, transfer_s=transfer_s, overhead_s=rates.overhead_s("remote"),
     )
 
 

@@ -8,6 +8,7 @@ load only (DESIGN.md); with no listing at all requests fail with UNAVAILABLE unt
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -48,17 +49,29 @@ class Snapshot:
 
 
 def block_size_of(info: WorkerInfo) -> int | None:
+    return _block_size(info.layout_json)
+
+
+def scheme_of(info: WorkerInfo) -> HashScheme | None:
+    return _scheme(info.layout_json, info.model_fingerprint)
+
+
+# Parsed once per distinct registration string, not per worker per request (routing decisions read them
+# for every worker; a pool has a handful of distinct layouts).
+@functools.lru_cache(maxsize=256)
+def _block_size(layout_json: str) -> int | None:
     try:
-        value = json.loads(info.layout_json)["block_size"]
+        value = json.loads(layout_json)["block_size"]
         return value if isinstance(value, int) and value >= 1 else None
     except (ValueError, KeyError, TypeError):
         return None
 
 
-def scheme_of(info: WorkerInfo) -> HashScheme | None:
-    block_size = block_size_of(info)
+@functools.lru_cache(maxsize=256)
+def _scheme(layout_json: str, model_fingerprint: str) -> HashScheme | None:
+    block_size = _block_size(layout_json)
     try:
-        fingerprint = bytes.fromhex(info.model_fingerprint)
+        fingerprint = bytes.fromhex(model_fingerprint)
     except ValueError:
         return None
     return None if block_size is None or not fingerprint else HashScheme(fingerprint, block_size)
