@@ -221,15 +221,21 @@ async def _measure(side: PrefillSide, decode: DecodeProcess, prompts: dict[int, 
     return runs
 
 
+def mode_medians(runs: list[dict], num_tokens: int, keys: tuple[str, ...]) -> dict:
+    """``{mode}_{key}``: the median of each key over one prompt length's runs of each mode; and num_bytes."""
+    row: dict = {"num_tokens": num_tokens}
+    for mode in MODES:
+        mine = [r for r in runs if r["num_tokens"] == num_tokens and r["mode"] == mode]
+        for key in keys:
+            row[f"{mode}_{key}"] = statistics.median(r[key] for r in mine)
+        row["num_bytes"] = mine[0]["num_bytes"]
+    return row
+
+
 def summarize(runs: list[dict], sizes: list[int]) -> list[dict]:
     rows = []
     for n in sizes:
-        row: dict = {"num_tokens": n}
-        for mode in MODES:
-            mine = [r for r in runs if r["num_tokens"] == n and r["mode"] == mode]
-            for key in ("prefill_s", "transfer_s", "start_to_kv_s", "after_prefill_s"):
-                row[f"{mode}_{key}"] = statistics.median(r[key] for r in mine)
-            row["num_bytes"] = mine[0]["num_bytes"]
+        row = mode_medians(runs, n, ("prefill_s", "transfer_s", "start_to_kv_s", "after_prefill_s"))
         row["gain_s"] = row["after_start_to_kv_s"] - row["layerwise_start_to_kv_s"]
         row["gain_pct"] = 100 * row["gain_s"] / row["after_start_to_kv_s"]
         # The same gain without the prefill's run-to-run noise: what is left after the step ends.

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,10 +25,10 @@ from pathlib import Path
 import grpc
 
 from bench.launcher import Layout, Platform, core_plan, free_port
+from bench.layerwise import MODES, mode_medians
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 
-MODES = ("after", "layerwise")
 RESULTS = Path(__file__).parent / "results" / "layerwise_serving.json"
 
 
@@ -85,14 +84,10 @@ def run(args) -> dict:
 
 def summarize(runs: list[dict], sizes: list[int]) -> list[dict]:
     rows = []
+    for r in runs:
+        r["gap_s"] = r["second_token_s"] - r["ttft_s"]
     for n in sizes:
-        row: dict = {"num_tokens": n}
-        for mode in MODES:
-            mine = [r for r in runs if r["num_tokens"] == n and r["mode"] == mode]
-            for key in ("ttft_s", "second_token_s", "transfer_ms"):
-                row[f"{mode}_{key}"] = statistics.median(r[key] for r in mine)
-            row[f"{mode}_gap_s"] = statistics.median(r["second_token_s"] - r["ttft_s"] for r in mine)
-            row["num_bytes"] = mine[0]["num_bytes"]
+        row = mode_medians(runs, n, ("ttft_s", "second_token_s", "transfer_ms", "gap_s"))
         row["gain_s"] = row["after_second_token_s"] - row["layerwise_second_token_s"]
         row["gap_gain_s"] = row["after_gap_s"] - row["layerwise_gap_s"]
         rows.append(row)

@@ -504,16 +504,19 @@ def test_router_request_timeout_is_deadline_exceeded(loop, model_dir, redis_serv
         loop.run(running.stop(0.5))
 
 
-def test_first_token_that_finishes_skips_decode_and_releases_the_lease(stub, cluster, tokens):
-    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
-    default = p0.default_prefill
-
+def finishing(worker: FakeWorker) -> Callable[..., Any]:
+    """The worker's default prefill, except that its first token ends the request (max_tokens=1)."""
     async def finished(request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
-        response = await default(request, context)
+        response = await worker.default_prefill(request, context)
         response.finish_reason = pb.FINISH_REASON_LENGTH
         return response
 
-    p0.prefill = finished
+    return finished
+
+
+def test_first_token_that_finishes_skips_decode_and_releases_the_lease(stub, cluster, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    p0.prefill = finishing(p0)
     responses = list(stub.Generate(request(LONG_PROMPT, max_tokens=1), timeout=10))
     assert [t for r in responses for t in r.token_ids] == [tokens[0]]
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH and responses[-1].usage.completion_tokens == 1
@@ -657,14 +660,7 @@ def test_layerwise_prefill_failing_after_the_handle_makes_decode_recompute(layer
 
 def test_layerwise_first_token_that_finishes_cancels_the_waiting_decode(layerwise_stub, cluster, tokens):
     d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
-    default = p0.default_prefill
-
-    async def finished(request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
-        response = await default(request, context)
-        response.finish_reason = pb.FINISH_REASON_LENGTH
-        return response
-
-    p0.prefill_after_handle = finished
+    p0.prefill_after_handle = finishing(p0)
     responses = list(layerwise_stub.Generate(request(LONG_PROMPT, max_tokens=1), timeout=10))
     assert [t for r in responses for t in r.token_ids] == [tokens[0]]
     assert d0.first_tokens == []  # nothing to decode: D is stopped instead (its call cancelled, if it got
