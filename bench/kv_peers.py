@@ -142,8 +142,7 @@ def _nixl_ucx_env(options: dict[str, str]) -> dict[str, str]:
 def _nixl_agent(name: str, buffer: KVBuffer, options: dict[str, str]) -> tuple[Any, Any]:
     nixl = _import("nixl")
     with _env(_nixl_ucx_env(options)):
-        threaded = options.get("nixl_progress_thread") != "off"
-        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=threaded, backends=["UCX"]))
+        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
     registered = agent.register_memory([(buffer_address(buffer), buffer.array.nbytes, 0, "")], "DRAM")  # 4-tuples
     return agent, registered
 

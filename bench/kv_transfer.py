@@ -187,10 +187,7 @@ def stop_servers(servers: Servers) -> None:
 
 
 def _peer_options(args: argparse.Namespace) -> dict[str, str]:
-    options = {"nixl_ucx_tls": args.nixl_ucx_tls} if args.nixl_ucx_tls else {}
-    if args.nixl_no_progress_thread:
-        options["nixl_progress_thread"] = "off"
-    return options
+    return {"nixl_ucx_tls": args.nixl_ucx_tls} if args.nixl_ucx_tls else {}
 
 
 # --- client side: a system is a name and a timed pull ---------------------------------------------
@@ -364,8 +361,7 @@ def describe(servers: Servers, args: argparse.Namespace) -> dict[str, str]:
     for name in servers.endpoints:
         if name == "nixl":
             out[name] = (f"nixl-cu12 {kv_peers.peer_version(name)}, UCX backend, READ, "
-                         f"UCX_TLS={args.nixl_ucx_tls or 'default (same host: cma)'}"
-                         f"{', no progress thread' if args.nixl_no_progress_thread else ''}")
+                         f"UCX_TLS={args.nixl_ucx_tls or 'default (same host: cma)'}")
         elif name == "mooncake":
             out[name] = f"mooncake-transfer-engine-non-cuda {kv_peers.peer_version(name)}, tcp, P2PHANDSHAKE, READ"
         elif name != BASELINE:
@@ -435,10 +431,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="peer systems (default: all; none with a bare --peers)")
     parser.add_argument("--nixl-ucx-tls", default=None,
                         help="UCX_TLS for NIXL's UCX, e.g. tcp (default: UCX picks; cma on one host)")
-    parser.add_argument("--nixl-no-progress-thread", action="store_true",
-                        help="NIXL agents without their progress thread, which spins a core even when idle and "
-                             "so slows every other system of a head-to-head run (a cma READ needs no target-side "
-                             "progress; the client polls its transfer itself)")
     parser.add_argument("--uvloop", action="store_true", help="run Baton's asyncio ends on uvloop")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON path; the PNG goes beside it")
     args = parser.parse_args(argv)
