@@ -464,4 +464,3 @@ class _Flow:
         self._stop_decode()
         if (lease := self._unconsumed_lease()) is not None:
             self._relay.control.release_lease(*lease)
-

@@ -62,4 +62,3 @@ def test_fault_scenario_with_layerwise_streaming(layerwise_platform, reference, 
     assert result.hung == 0 and result.leaked_blocks == 0 and result.open_leases == 0
     assert result.codes["OK"] >= 1
     assert_pools_full(layerwise_platform.cluster)
-

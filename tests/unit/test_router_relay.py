@@ -668,4 +668,3 @@ def test_layerwise_first_token_that_finishes_cancels_the_waiting_decode(layerwis
     request_id = p0.prefill_requests[0].request_id
     wait_until(lambda: d0.aborts == [request_id])
     wait_until(lambda: p0.releases == [f"lease-{request_id}"])
-
