@@ -56,6 +56,13 @@ class Outcome:
     finished_s: float
     route_kind: str
     decode_worker: str
+    prefill_worker: str = ""
+    queue_ms: float = 0.0  # the computing worker's engine queue
+    prefill_ms: float = 0.0  # the computing worker's queue + compute
+    predicted_ttft_ms: float = 0.0
+    route_reason: str = ""
+    conversation: int = 0
+    turn: int = 0
 
 
 # ---- workload (pure) ----------------------------------------------------------------------------
@@ -144,7 +151,10 @@ async def _send(stub, req: Planned, max_tokens: int, start_s: float) -> Outcome:
     return Outcome(ttft_s=times[0] - sent, itl_s=itl, prompt_tokens=len(req.prompt),
                    cached_tokens=last.usage.cached_prompt_tokens, output_tokens=len(times),
                    finished_s=times[-1] - start_s, route_kind=last.timings.route_kind,
-                   decode_worker=last.timings.decode_worker)
+                   decode_worker=last.timings.decode_worker, prefill_worker=last.timings.prefill_worker,
+                   queue_ms=last.timings.queue_ms, prefill_ms=last.timings.prefill_ms,
+                   predicted_ttft_ms=last.timings.predicted_ttft_ms, route_reason=last.timings.route_reason,
+                   conversation=req.conversation, turn=req.turn)
 
 
 async def run_policy(router: str, planned: list[Planned], max_tokens: int) -> list[Outcome]:
@@ -177,6 +187,15 @@ def summarize(outcomes: list[Outcome]) -> dict:
         "output_tokens_per_s": sum(o.output_tokens for o in outcomes) / max(o.finished_s for o in outcomes),
         "routes": kinds, "per_decode": {d: sum(o.decode_worker == d for o in outcomes) for d in decodes},
     }
+
+
+def per_request(outcome: Outcome, oracle_cached: int) -> dict:
+    """One request's record for the JSON (its ITL gaps summarized)."""
+    record = {k: getattr(outcome, k) for k in Outcome.__slots__ if k != "itl_s"}
+    record.update(ttft_ms=round(outcome.ttft_s * 1e3, 1), oracle_cached_tokens=oracle_cached,
+                  itl_max_ms=round(max(outcome.itl_s, default=0.0) * 1e3, 1))
+    del record["ttft_s"]
+    return record
 
 
 def print_table(report: dict) -> None:
@@ -254,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         stop_all(redis_children)
     report = {"requests": len(planned), "arrival_rate_per_s": args.rate, "oracle_hit_rate": oracle,
               "workload": {k: v for k, v in vars(args).items() if k != "policies"},
-              "policies": {name: summarize(o) for name, o in outcomes.items()}}
+              "policies": {name: summarize(o) for name, o in outcomes.items()},
+              # every request of every policy, in arrival order: where each one went and why, what it cost
+              "per_request": {name: [per_request(o, cached) for o, cached in zip(out, oracle_cached_tokens(planned))]
+                              for name, out in outcomes.items()}}
     print_table(report)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "routing.json").write_text(json.dumps(report, indent=2))
