@@ -61,7 +61,7 @@ import numpy as np
 from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError, LayoutMismatch
 from kv_transfer.layout import KVBuffer, KVLayout, block_runs, paired_runs
-from kv_transfer.conn_pool import ConnectionPool, connect_socket, send_request
+from kv_transfer.conn_pool import PooledClient, connect_socket, send_request
 from kv_transfer.tcp import _remote_error, refuse_layout, refuse_read, refuse_unauthenticated, sign_read, verify_done
 from kv_transfer.tcp_wire import (
     SocketServer,
@@ -268,16 +268,9 @@ class CmaServer(SocketServer):
 # --- client ---------------------------------------------------------------------------------------
 
 
-class CmaClient:
+class CmaClient(PooledClient):
     """Pulls leased blocks from ``cma://`` servers on this host over pooled control connections
     (``conn_pool``); ``close()`` closes the idle ones."""
-
-    def __init__(self, config: TransportConfig | None = None, *, pool: ConnectionPool | None = None) -> None:
-        self.config = config or TransportConfig()
-        self.pool = pool or ConnectionPool()
-
-    def close(self) -> None:
-        self.pool.close()
 
     async def pull(
         self,

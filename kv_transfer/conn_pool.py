@@ -115,6 +115,18 @@ class ConnectionPool:
                 del self._idle[peer]
 
 
+class PooledClient:
+    """A client whose pulls run on the connections of its ``ConnectionPool`` (tcp, cma)."""
+
+    def __init__(self, config: TransportConfig | None = None, *, pool: ConnectionPool | None = None) -> None:
+        self.config = config or TransportConfig()
+        self.pool = pool or ConnectionPool()
+
+    def close(self) -> None:
+        """Close the idle connections (those of pulls still running close when they end)."""
+        self.pool.close()
+
+
 def _close_all(idle: dict[str, list[tuple[socket.socket, float]]]) -> None:
     for conns in idle.values():
         for sock, _ in conns:

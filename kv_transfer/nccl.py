@@ -88,8 +88,10 @@ from kv_transfer.tcp_wire import (
     decode_read,
     encode_frame,
     encode_read,
+    open_listener,
     recv_frame,
     send_frame,
+    server_uri,
 )
 from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args
 
@@ -152,13 +154,11 @@ class NcclServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
         if self.uri is not None:
             return self.uri
-        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(addr)
-            listener.listen(128)
-            listener.setblocking(False)
+            listener = open_listener(host, port)
+        except OSError as exc:
+            raise KVTransferError(f"nccl: cannot listen on {host}:{port}: {exc}") from exc
+        try:
             timeout = datetime.timedelta(seconds=self.config.connect_timeout_s)
             self._store = dist.TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
         except (OSError, RuntimeError) as exc:
@@ -166,8 +166,7 @@ class NcclServer:
             raise KVTransferError(f"nccl: cannot listen on {host}:{port}: {exc}") from exc
         self._listener = listener
         self._accept_task = asyncio.create_task(self._accept_loop(listener))
-        shown = advertise_host or host
-        self.uri = f"nccl://{f'[{shown}]' if ':' in shown else shown}:{listener.getsockname()[1]}"
+        self.uri = server_uri("nccl", advertise_host or host, listener)
         logger.info("KV data plane serving %s (%s)", self.uri, self.backend)
         return self.uri
 

@@ -49,7 +49,7 @@ import time
 from collections.abc import Sequence
 
 from kv_transfer import auth, checksum
-from kv_transfer.conn_pool import ConnectionPool, connect_socket, send_request
+from kv_transfer.conn_pool import PooledClient, connect_socket, send_request
 from kv_transfer.errors import KVTransferError, LayoutMismatch, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.progress import LayerProgress, ProgressLookup
@@ -211,16 +211,9 @@ def _zeros(num_bytes: int, chunk_bytes: int = 1 << 20) -> list[memoryview]:
 # --- client ---------------------------------------------------------------------------------------
 
 
-class TcpClient:
+class TcpClient(PooledClient):
     """Pulls leased blocks from ``tcp://`` servers: one exchange per pull (HELLO and READ pipelined) on a
     pooled connection (``conn_pool``); ``close()`` closes the idle ones."""
-
-    def __init__(self, config: TransportConfig | None = None, *, pool: ConnectionPool | None = None) -> None:
-        self.config = config or TransportConfig()
-        self.pool = pool or ConnectionPool()
-
-    def close(self) -> None:
-        self.pool.close()
 
     async def pull(
         self,

@@ -163,6 +163,28 @@ def _tune(sock: socket.socket, config: TransportConfig) -> None:
 # --- server ---------------------------------------------------------------------------------------
 
 
+def open_listener(host: str, port: int, config: TransportConfig | None = None) -> socket.socket:
+    """A non-blocking listening socket on ``host:port`` (0: a free port); OSError if it cannot listen."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if config is not None:
+            _tune(listener, config)
+        listener.bind(addr)
+        listener.listen(128)
+        listener.setblocking(False)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def server_uri(scheme: str, host: str, listener: socket.socket) -> str:
+    """``scheme://host:port`` of a listener (an IPv6 host in brackets)."""
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{listener.getsockname()[1]}"
+
+
 class SocketServer:
     """The listening side every socket-based transport shares: listen, accept, one task per connection
     serving its requests one after another, stop. Subclasses set ``scheme``, implement ``_serve(sock)``
@@ -183,21 +205,10 @@ class SocketServer:
         """Listen on ``host:port`` (0: a free port); the URI names ``advertise_host`` or else ``host``."""
         if self.uri is not None:
             return self.uri
-        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            _tune(listener, self.config)
-            listener.bind(addr)
-            listener.listen(128)
-        except OSError:
-            listener.close()
-            raise
+        listener = open_listener(host, port, self.config)
         self._listener = listener
         self._accept_task = asyncio.create_task(self._accept_loop(listener))
-        shown = advertise_host or host
-        self.uri = f"{self.scheme}://{f'[{shown}]' if ':' in shown else shown}:{listener.getsockname()[1]}"
-        self.uri += self._uri_query()
+        self.uri = server_uri(self.scheme, advertise_host or host, listener) + self._uri_query()
         logger.info("KV data plane serving %s", self.uri)
         return self.uri
 

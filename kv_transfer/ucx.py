@@ -67,7 +67,6 @@ from kv_transfer.layout import KVBuffer, KVLayout, block_runs, paired_runs
 from kv_transfer.tcp_wire import (
     DATA,
     DONE,
-    ERR_INTERNAL,
     ERR_LAYOUT,
     ERR_AUTH,
     ERR_LEASE,
@@ -83,7 +82,8 @@ from kv_transfer.tcp_wire import (
     Frame,
     encode_frame,
 )
-from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args, check_read
+from kv_transfer.tcp import refuse_read
+from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args
 
 logger = logging.getLogger(__name__)
 
@@ -494,18 +494,14 @@ class UcxServer:
         ]
 
     def _check_read(self, lease_id: str, block_ids: list[int], runs: list[int]) -> bytes | None:
+        """tcp's lease and block checks (``refuse_read``), then the runs must partition the request."""
+        refusal = refuse_read(self.buffer, self.resolve, self.config, lease_id, block_ids)
+        if refusal is not None:
+            return refusal
         try:
-            if len(block_ids) > self.config.max_blocks_per_read:
-                raise KVTransferError(f"{len(block_ids)} blocks exceed max_blocks_per_read")
-            check_read(self.buffer, self.resolve, lease_id, block_ids)
             check_runs(block_ids, runs)
-        except LeaseNotFound as exc:
-            return encode_frame(ERROR, str(exc).encode(), ERR_LEASE)
         except KVTransferError as exc:
             return encode_frame(ERROR, str(exc).encode(), ERR_REFUSED)
-        except Exception:
-            logger.exception("KV data plane: lease resolver failed")
-            return encode_frame(ERROR, b"internal error resolving the lease", ERR_INTERNAL)
         return None
 
     async def _linger(self, ep: Any) -> None:

@@ -210,3 +210,11 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.e
 def from_args(args: argparse.Namespace) -> TlsConfig | None:
     """The config the flags of ``add_arguments`` describe; None: plaintext. Raises TlsConfigError."""
     return TlsConfig.from_values(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+
+
+def from_args_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TlsConfig | None:
+    """``from_args``, a bad flag reported by ``parser.error`` (a usage message and exit status 2)."""
+    try:
+        return from_args(args)
+    except TlsConfigError as exc:
+        parser.error(str(exc))

@@ -120,10 +120,7 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
     out, err = out or sys.stdout, err or sys.stderr
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        tls_config = tls.from_args(args)
-    except tls.TlsConfigError as exc:
-        parser.error(str(exc))
+    tls_config = tls.from_args_or_exit(parser, args)
     try:
         with tls.channel(args.router, tls_config) as channel:
             final = stream(pb_grpc.GenerationStub(channel), build_request(args), args.timeout, out)
