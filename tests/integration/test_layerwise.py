@@ -154,3 +154,22 @@ def test_a_first_token_that_never_comes_fails_decode_and_frees_its_blocks(cluste
     # the deadline, or D's own bound on the wait just before it: either way a clear status, never a hang
     assert asyncio.run(run()) in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
     assert_pools_full(cluster)
+
+
+def test_bad_layerwise_requests_get_clear_errors(cluster):
+    """first_token_pending without a handle is INVALID_ARGUMENT; FirstToken for an unknown request is kept
+    for no one (found=false) and expires; a prefill worker has no FirstToken at all (UNIMPLEMENTED)."""
+    addresses = _addresses(cluster)
+    params = pb.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with grpc.insecure_channel(addresses["d0"]) as d, grpc.insecure_channel(addresses["p0"]) as p:
+        decode = pb_grpc.WorkerStub(d)
+        with pytest.raises(grpc.RpcError) as info:
+            list(decode.Decode(pb.DecodeRequest(request_id="no-handle", token_ids=PROMPTS[20], sampling=params,
+                                                prompt_len=len(PROMPTS[20]), first_token_pending=True), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "handle" in info.value.details()
+        reply = decode.FirstToken(pb.FirstTokenRequest(request_id="nobody", token_id=5), timeout=10)
+        assert not reply.found
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.WorkerStub(p).FirstToken(pb.FirstTokenRequest(request_id="x", token_id=1), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert_pools_full(cluster)
