@@ -28,6 +28,10 @@ exchanges one after another and closes after an ERROR; clients pool idle connect
                           source blocks BEFORE the iovecs were sent, when READ_CHECKSUM asked
            or ERROR       the lease ended during the read: the client raises, its destination is undefined
 
+Streaming (layer-wise, ``kv_transfer/cma_stream.py``): a server given a ``progress`` lookup answers a
+client that sets READ_STREAM, for a lease still being computed, with a C_IOVECS marked IOVECS_STREAMED and
+then one C_LAYERS per batch of computed layers; the client reads each batch's iovecs as it is named.
+
 The server waits for C_READ_DONE at most ``io_timeout_s`` plus one second per GB read. A client that
 cannot read the server's memory raises KVTransferError naming why: EPERM (ptrace restrictions:
 ``/proc/sys/kernel/yama/ptrace_scope``, another user, or a seccomp profile without process_vm_readv) or
@@ -62,6 +66,8 @@ from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError, LayoutMismatch
 from kv_transfer.layout import KVBuffer, KVLayout, block_runs, paired_runs
 from kv_transfer.conn_pool import PooledClient, connect_socket, send_request
+from kv_transfer.cma_stream import IOVECS_STREAMED, NOT_STREAMING, announce_layers, read_announced
+from kv_transfer.progress import ProgressLookup
 from kv_transfer.tcp import _remote_error, refuse_layout, refuse_read, refuse_unauthenticated, sign_read, verify_done
 from kv_transfer.tcp_wire import (
     SocketServer,
@@ -73,6 +79,7 @@ from kv_transfer.tcp_wire import (
     MAX_PAYLOAD_BYTES,
     READ_AUTH,
     READ_CHECKSUM,
+    READ_STREAM,
     Frame,
     decode_read,
     encode_frame,
@@ -195,9 +202,11 @@ def pid_namespace() -> int:
 class CmaServer(SocketServer):
     """Serves reads of leased blocks of ``buffer`` by handing same-host clients their addresses."""
 
-    def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None) -> None:
+    def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
+                 progress: ProgressLookup | None = None) -> None:
         self.buffer = buffer
         self.resolve = resolve
+        self.progress = progress  # lease id -> LayerProgress while its prompt computes: streamed reads
         self._init_listener(config or TransportConfig())
         self.auth = auth.ReadAuth(self.config.secret) if self.config.secret else None
         # what C_IOVECS advertises (tests replace them to play a server on another host / a vanished pid)
@@ -228,30 +237,57 @@ class CmaServer(SocketServer):
         if refusal is not None:
             return hello_ok + refusal
         lease_id, block_ids = decode_read(request)
-        refusal = refuse_read(self.buffer, self.resolve, self.config, lease_id, block_ids)
+        refusal = self._check_read(lease_id, block_ids)
         if refusal is not None:
             return hello_ok + refusal
+        return await self._hand_out(sock, hello_ok, lease_id, block_ids, read.code)
+
+    async def _hand_out(self, sock: socket.socket, hello_ok: bytes, lease_id: str, block_ids: list[int],
+                        flags: int) -> bytes | None:
+        """C_IOVECS (streamed: then C_LAYERS as the layers are computed), C_READ_DONE, DONE; returns the ERROR
+        frame to close with, None after a DONE."""
+        io_s, what = self.config.io_timeout_s, "KV client"
+        progress = self.progress(lease_id) if self.progress is not None else None
+        streamed = progress is not None and not progress.is_ready
+        if streamed and not flags & READ_STREAM:
+            return hello_ok + NOT_STREAMING
         iovecs = self._iovecs(block_ids)
         if IOVECS_HEAD.size + iovecs.nbytes > MAX_PAYLOAD_BYTES:
             return hello_ok + encode_frame(ERROR, f"{len(iovecs)} iovecs exceed one cma:// read; read fewer or less "
                                            "fragmented blocks".encode(), ERR_REFUSED)
-        # hashed BEFORE the client may read: what it reads must be what was hashed
-        sums = checksum.block_checksums(self.buffer, block_ids) if read.code & READ_CHECKSUM else None
+        # hashed BEFORE the client may read: what it reads must be what was hashed (streamed: once computed)
+        hash_blocks = functools.partial(checksum.block_checksums, self.buffer, block_ids)
+        sums = hash_blocks().tobytes() if flags & READ_CHECKSUM and not streamed else None
         probe = np.frombuffer(secrets.token_bytes(16), np.uint8).copy()  # alive until the read is done
         head = IOVECS_HEAD.pack(self.pid, self.boot_id, self.pid_namespace, probe.ctypes.data, probe.tobytes(),
                                 len(iovecs))
-        await send_frame(sock, hello_ok + encode_frame(C_IOVECS, head + iovecs.tobytes()), io_s, what)
+        frame = encode_frame(C_IOVECS, head + iovecs.tobytes(), IOVECS_STREAMED if streamed else 0)
+        await send_frame(sock, hello_ok + frame, io_s, what)
+        if streamed:
+            check = functools.partial(self._check_read, lease_id, block_ids)
+            refusal, sums = await announce_layers(sock, progress, io_s, check,
+                                                  hash_blocks if flags & READ_CHECKSUM else None)
+            if refusal is not None:
+                return refusal  # ERROR instead of the next C_LAYERS, then the connection closes
+        return await self._finish(sock, lease_id, block_ids, sums, probe)
+
+    async def _finish(self, sock: socket.socket, lease_id: str, block_ids: list[int], sums: bytes | None,
+                      probe: np.ndarray) -> bytes | None:
+        """Await C_READ_DONE (``probe`` is held until then), then DONE if the lease held throughout."""
+        io_s, what = self.config.io_timeout_s, "KV client"
         num_bytes = len(block_ids) * self.buffer.layout.bytes_per_block
         done = await recv_frame(sock, io_s + num_bytes / 1e9, what)
-        del probe
         if done.kind != C_READ_DONE:
             return encode_frame(ERROR, b"expected C_READ_DONE", ERR_PROTOCOL)
         # DONE only if the lease held for the whole read: its blocks cannot have been freed and reused.
-        refusal = refuse_read(self.buffer, self.resolve, self.config, lease_id, block_ids)
+        refusal = self._check_read(lease_id, block_ids)
         if refusal is not None:
             return refusal  # the lease ended during the read: ERROR, then the connection closes
-        await send_frame(sock, encode_frame(DONE, b"" if sums is None else sums.tobytes()), io_s, what)
+        await send_frame(sock, encode_frame(DONE, sums or b""), io_s, what)
         return None
+
+    def _check_read(self, lease_id: str, block_ids: list[int]) -> bytes | None:
+        return refuse_read(self.buffer, self.resolve, self.config, lease_id, block_ids)
 
     def _iovecs(self, block_ids: list[int]) -> np.ndarray:
         """uint64 [layers x runs, 2]: (address, length) per layer per run of consecutive ids, in wire order."""
@@ -289,17 +325,19 @@ class CmaClient(PooledClient):
 
         async def exchange(sock: socket.socket) -> Frame:
             hello = layout.to_json().encode()  # signed per attempt: a retry carries a fresh nonce
-            read, flags = sign_read(self.config, C_READ, hello, encode_read(lease_id, src_ids))
-            flags |= READ_CHECKSUM if self.config.checksum else 0
-            await send_request(sock, [encode_frame(C_HELLO, hello), encode_frame(C_READ, read, flags)], self.config,
+            request, flags = sign_read(self.config, C_READ, hello, encode_read(lease_id, src_ids))
+            flags |= READ_STREAM | (READ_CHECKSUM if self.config.checksum else 0)
+            await send_request(sock, [encode_frame(C_HELLO, hello), encode_frame(C_READ, request, flags)], self.config,
                                what)
             _check_hello_ok(uri, layout, await recv_frame(sock, io_s, what))
-            pid, remote = _check_iovecs(uri, await recv_frame(sock, io_s, what))
+            iovecs = await recv_frame(sock, io_s, what)
+            pid, remote = _check_iovecs(uri, iovecs)
             local, remote = _pair(dst_buffer, src_ids, dst_ids, remote, uri)
-            if num_bytes <= INLINE_BYTES:
-                _readv(pid, local, remote, uri)
+            read = functools.partial(self._read, pid, uri=uri, dst_buffer=dst_buffer)
+            if iovecs.code & IOVECS_STREAMED:  # the lease is still being computed: layer by layer
+                await read_announced(sock, uri, local, remote, layout.num_layers, read, io_s)
             else:
-                await self._read_in_thread(pid, local, remote, uri, dst_buffer)
+                await read(local, remote)
             await send_frame(sock, encode_frame(C_READ_DONE), io_s, what)
             done = await recv_frame(sock, io_s, what)
             if done.kind != DONE:
@@ -313,6 +351,13 @@ class CmaClient(PooledClient):
         if self.config.checksum:
             verify_done(uri, dst_buffer, dst_ids, done.payload)
         return TransferStats(num_blocks=len(src_ids), num_bytes=num_bytes, seconds=time.perf_counter() - start)
+
+    async def _read(self, pid: int, local: np.ndarray, remote: np.ndarray, *, uri: str, dst_buffer: KVBuffer) -> None:
+        """Read ``remote`` rows into ``local`` ones: on the event loop when small, else in a worker thread."""
+        if int(local[:, 1].sum()) <= INLINE_BYTES:
+            _readv(pid, local, remote, uri)
+        else:
+            await self._read_in_thread(pid, local, remote, uri, dst_buffer)
 
     async def _read_in_thread(self, pid: int, local: np.ndarray, remote: np.ndarray, uri: str,
                               dst_buffer: KVBuffer) -> None:

@@ -20,6 +20,13 @@ tensor's device: a CPU ``KVBuffer`` moves over gloo, a CUDA cache tensor (``devi
               DONE      the lease was still live after the last byte; payload: the blocks' checksums when
                         asked (else ERROR: the lease ended mid-read)
 
+Streaming (layer-wise, ``kv_transfer/progress.py``): a server given a ``progress`` lookup serves a lease still
+being computed with DATA's code DATA_STREAMED and sends each layer's messages once that layer is computed (the
+lease checked before each batch of layers and after the last); the client then receives layer by layer, each
+wait bounded on its own. A layer not computed within ``io_timeout_s``, a failed progress or a lease that ends
+mid-stream: the remaining messages go out as zeros (the client's receives complete, never with stale KV) and
+ERROR replaces DONE. Checksums, when asked, are computed once the last layer is computed.
+
 One pull at a time per channel keeps the two ends' message order identical (NCCL ignores tags), and
 concurrent pulls simply open more channels. A client keeps its idle channels for reuse (up to
 ``MAX_IDLE_CHANNELS`` per server, for ``REUSE_S``); the server drops a channel idle for ``IDLE_S``. Any
@@ -52,6 +59,7 @@ import torch.distributed as dist
 from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, KVLayout, paired_runs
+from kv_transfer.progress import LayerProgress, ProgressLookup
 from kv_transfer.nccl_channel import (
     Channel,
     channel_closed,
@@ -61,6 +69,7 @@ from kv_transfer.nccl_channel import (
     kv_tensor,
     messages,
     new_group,
+    zeros_like,
     unless_closed,
     wait_readable,
 )
@@ -69,6 +78,7 @@ from kv_transfer.tcp import (
     _check_hello_ok,
     _refuse,
     _remote_error,
+    computed_layers,
     refuse_layout,
     refuse_read,
     refuse_unauthenticated,
@@ -98,6 +108,7 @@ from kv_transfer.transport import Resolver, TransferStats, TransportConfig, chec
 logger = logging.getLogger(__name__)
 
 N_HELLO, GROUP, N_READ = 17, 18, 19  # kinds of their own: a tcp:// peer refuses them, and vice versa
+DATA_STREAMED = 1  # DATA's code: the KV follows layer by layer as it is computed (receive each layer on its own)
 BACKENDS = ("gloo", "nccl")
 IDLE_S = 60.0  # the server drops a channel with no READ for this long
 REUSE_S = 30.0  # a client reuses an idle channel only this long (well inside the server's IDLE_S)
@@ -137,8 +148,10 @@ class NcclServer:
         resolve: Resolver,
         config: TransportConfig | None = None,
         device_cache: torch.Tensor | None = None,
+        progress: ProgressLookup | None = None,
     ) -> None:
         self.buffer, self.resolve, self.config = buffer, resolve, config or TransportConfig()
+        self.progress = progress  # lease id -> LayerProgress while its prompt computes: streamed reads
         self.kv = kv_tensor(buffer, device_cache)
         self.backend = "nccl" if self.kv.is_cuda else "gloo"
         self.auth = auth.ReadAuth(self.config.secret) if self.config.secret else None
@@ -255,20 +268,52 @@ class NcclServer:
             await send_frame(channel.sock, refusal, io_s, channel.uri)
             return True
         lease_id, src_ids, dst_ids = decode_pull(request)
-        refusal = refuse_read(self.buffer, self.resolve, self.config, lease_id, src_ids)
-        if refusal is not None:
-            await send_frame(channel.sock, refusal, io_s, channel.uri)
-            return True
-        sums = checksum.block_checksums(self.buffer, src_ids) if read.code & READ_CHECKSUM else None
-        num_bytes = len(src_ids) * self.buffer.layout.bytes_per_block
-        await send_frame(channel.sock, encode_frame(DATA, struct.pack("<Q", num_bytes)), io_s, channel.uri)
-        runs = [(s, c) for s, _, c in paired_runs(src_ids, dst_ids)]
-        send = functools.partial(exchange, channel.group, messages(self.kv, runs), send=True, timeout_s=io_s)
-        await channel.call(send, bound_s=io_s, what="sending KV")
-        done = encode_frame(DONE, b"" if sums is None else sums.tobytes())
-        after = refuse_read(self.buffer, self.resolve, self.config, lease_id, src_ids)  # the lease held throughout
-        await send_frame(channel.sock, after or done, io_s, channel.uri)
+        refusal = self._check_read(lease_id, src_ids)
+        done = refusal or await self._send_kv(channel, lease_id, src_ids, dst_ids, bool(read.code & READ_CHECKSUM))
+        await send_frame(channel.sock, done, io_s, channel.uri)
         return True
+
+    async def _send_kv(self, channel: Channel, lease_id: str, src_ids: list[int], dst_ids: list[int],
+                       sums: bool) -> bytes:
+        """DATA, then the blocks (streamed: each layer once computed); returns the DONE (or ERROR) to send."""
+        progress = self.progress(lease_id) if self.progress is not None else None
+        streamed = progress is not None and not progress.is_ready
+        # hashed BEFORE any byte moves: what is sent must be what was hashed (streamed: once computed)
+        checksums = checksum.block_checksums(self.buffer, src_ids).tobytes() if sums and not streamed else b""
+        num_bytes = len(src_ids) * self.buffer.layout.bytes_per_block
+        data = encode_frame(DATA, struct.pack("<Q", num_bytes), DATA_STREAMED if streamed else 0)
+        await send_frame(channel.sock, data, self.config.io_timeout_s, channel.uri)
+        tensors = messages(self.kv, [(s, c) for s, _, c in paired_runs(src_ids, dst_ids)])
+        if streamed:
+            return await self._stream(channel, lease_id, src_ids, tensors, progress, sums)
+        await self._send(channel, tensors)
+        # DONE only if the lease held for the whole read: its blocks cannot have been freed and reused.
+        return self._check_read(lease_id, src_ids) or encode_frame(DONE, checksums)
+
+    async def _stream(self, channel: Channel, lease_id: str, src_ids: list[int], tensors: list[torch.Tensor],
+                      progress: LayerProgress, sums: bool) -> bytes:
+        """Send each layer's messages once ``progress`` has computed it; returns the DONE (or ERROR) to send.
+        A stream that fails sends its remaining messages as zeros (the client's receives are posted: never
+        stale KV), then the ERROR."""
+        assert progress.num_layers == self.kv.shape[0], "a progress of another model's layers"
+        per_layer = len(tensors) // progress.num_layers
+        check = functools.partial(self._check_read, lease_id, src_ids)
+        refusal = None
+        async for layers, refusal in computed_layers(progress, self.config.io_timeout_s, check):
+            batch = tensors[layers.start * per_layer : layers.stop * per_layer]
+            await self._send(channel, zeros_like(batch) if refusal else batch)
+        if refusal is not None:
+            return refusal
+        checksums = checksum.block_checksums(self.buffer, src_ids).tobytes() if sums else b""
+        return check() or encode_frame(DONE, checksums)
+
+    async def _send(self, channel: Channel, tensors: list[torch.Tensor]) -> None:
+        io_s = self.config.io_timeout_s
+        send = functools.partial(exchange, channel.group, tensors, send=True, timeout_s=io_s)
+        await channel.call(send, bound_s=io_s, what="sending KV")
+
+    def _check_read(self, lease_id: str, src_ids: list[int]) -> bytes | None:
+        return refuse_read(self.buffer, self.resolve, self.config, lease_id, src_ids)
 
 
 # --- client ---------------------------------------------------------------------------------------
@@ -355,8 +400,13 @@ class NcclClient:
             raise _Refused(_remote_error(channel.uri, reply))
         _check_data(channel.uri, len(src_ids) * kv.shape[0] * kv.shape[2], reply)
         runs = [(d, c) for _, d, c in paired_runs([int(b) for b in src_ids], [int(b) for b in dst_ids])]
-        recv = functools.partial(exchange, channel.group, messages(kv, runs), send=False, timeout_s=io_s)
-        await unless_closed(channel.call(recv, bound_s=io_s, what="receiving KV"), sock, what)
+        tensors = messages(kv, runs)
+        # streamed: one layer at a time, each wait bounded on its own (the layers come as they are computed)
+        per_batch = len(tensors) // kv.shape[0] if reply.code & DATA_STREAMED else len(tensors)
+        for first in range(0, len(tensors), max(per_batch, 1)):
+            recv = functools.partial(exchange, channel.group, tensors[first : first + per_batch], send=False,
+                                     timeout_s=io_s)
+            await unless_closed(channel.call(recv, bound_s=io_s, what="receiving KV"), sock, what)
         done = await recv_frame(sock, io_s, what)
         if done.kind != DONE:
             raise _remote_error(channel.uri, done)

@@ -58,6 +58,14 @@ def messages(kv: torch.Tensor, runs: Sequence[tuple[int, int]]) -> list[torch.Te
     return [kv[layer, first : first + count].reshape(-1) for layer in range(kv.shape[0]) for first, count in pieces]
 
 
+def zeros_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of one zero tensor, as long as each of ``tensors`` (what a failed stream sends instead of KV)."""
+    if not tensors:
+        return []
+    zeros = torch.zeros(max(t.numel() for t in tensors), dtype=torch.uint8, device=tensors[0].device)
+    return [zeros[: t.numel()] for t in tensors]
+
+
 def new_group(store: dist.Store, rank: int, host: str, timeout_s: float, device: torch.device):
     """A private 2-rank process group (rank 0 serves); blocks until the peer joins or ``timeout_s``."""
     timeout = datetime.timedelta(seconds=timeout_s)

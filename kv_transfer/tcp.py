@@ -46,7 +46,7 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from kv_transfer import auth, checksum
 from kv_transfer.conn_pool import PooledClient, connect_socket, send_request
@@ -118,29 +118,17 @@ class TcpServer(SocketServer):
         views = self.buffer.segments(block_ids)  # layer-major: runs_per_layer views per layer
         runs_per_layer = len(views) // progress.num_layers
         await _transfer(sock, [header], write=True, timeout_s=io_s, what=what)
-        sent = 0  # layers sent
-        while sent < progress.num_layers:
-            ready = max(sent + 1, progress.num_complete)  # every layer complete by now, in one gather
-            refusal = await self._await_layers(progress, ready, lease_id, block_ids)
-            if refusal is not None:
-                unsent = (progress.num_layers - sent) * len(block_ids) * self.buffer.segment_bytes
-                await _transfer(sock, _zeros(unsent), write=True, timeout_s=io_s, what=what)
-                return refusal
-            await _transfer(sock, views[sent * runs_per_layer : ready * runs_per_layer], write=True,
-                            timeout_s=io_s, what=what)
-            sent = ready
+        refusal = None
+        async for layers, refusal in computed_layers(progress, io_s, lambda: self._check_read(lease_id, block_ids)):
+            if refusal is None:
+                batch = views[layers.start * runs_per_layer : layers.stop * runs_per_layer]
+            else:  # the rest of DATA as zeros (never stale KV), then the ERROR ends the stream
+                batch = _zeros(len(layers) * len(block_ids) * self.buffer.segment_bytes)
+            await _transfer(sock, batch, write=True, timeout_s=io_s, what=what)
+        if refusal is not None:
+            return refusal
         done = encode_frame(DONE, checksum.block_checksums(self.buffer, block_ids).tobytes() if sums else b"")
         return self._check_read(lease_id, block_ids) or done
-
-    async def _await_layers(self, progress: LayerProgress, num_layers: int, lease_id: str,
-                            block_ids: list[int]) -> bytes | None:
-        """None once ``num_layers`` layers are computed and the lease still holds, else the ERROR frame."""
-        try:
-            await progress.wait(num_layers, self.config.io_timeout_s)
-        except KVTransferError as exc:
-            logger.warning("KV data plane: streamed read failed: %s", exc)
-            return encode_frame(ERROR, str(exc).encode(), ERR_REFUSED)
-        return self._check_read(lease_id, block_ids)
 
     def _check_hello(self, frame: Frame) -> bytes | None:
         """None if the client may go on, else the ERROR frame to send."""
@@ -150,6 +138,33 @@ class TcpServer(SocketServer):
 
     def _check_read(self, lease_id: str, block_ids: list[int]) -> bytes | None:
         return refuse_read(self.buffer, self.resolve, self.config, lease_id, block_ids)
+
+
+async def computed_layers(progress: LayerProgress, timeout_s: float,
+                          check_lease: Callable[[], bytes | None]) -> AsyncIterator[tuple[range, bytes | None]]:
+    """A streamed read's layers as they become computed: ``(layers, None)`` for each new range of computed
+    layers while ``check_lease()`` finds the lease live, up to the last layer; or, instead, once
+    ``(the layers not yet sent, ERROR frame)`` (a layer not computed within ``timeout_s``, a failed
+    progress, a lease that ended), and no more. Shared by the streaming servers (tcp, cma, nccl)."""
+    sent = 0
+    while sent < progress.num_layers:
+        ready = max(sent + 1, progress.num_complete)  # every layer complete by now, in one batch
+        refusal = await _await_layers(progress, ready, timeout_s, check_lease)
+        yield range(sent, progress.num_layers if refusal else ready), refusal
+        if refusal is not None:
+            return
+        sent = ready
+
+
+async def _await_layers(progress: LayerProgress, num_layers: int, timeout_s: float,
+                        check_lease: Callable[[], bytes | None]) -> bytes | None:
+    """None once ``num_layers`` layers are computed and the lease still holds, else the ERROR frame."""
+    try:
+        await progress.wait(num_layers, timeout_s)
+    except KVTransferError as exc:
+        logger.warning("KV data plane: streamed read failed: %s", exc)
+        return encode_frame(ERROR, str(exc).encode(), ERR_REFUSED)
+    return check_lease()
 
 
 def refuse_unauthenticated(read_auth: auth.ReadAuth | None, kind: int, request: bytes,

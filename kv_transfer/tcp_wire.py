@@ -27,6 +27,7 @@ ERR_PROTOCOL, ERR_LAYOUT, ERR_LEASE, ERR_REFUSED, ERR_INTERNAL, ERR_AUTH = 1, 2,
 # empty), so flags extend the protocol without a new VERSION: a client that asked and got nothing says so.
 READ_CHECKSUM = 1  # DONE carries one xxh3-64 per block, in READ order (kv_transfer/checksum.py)
 READ_AUTH = 2  # the READ payload ends with an HMAC trailer (kv_transfer/auth.py)
+READ_STREAM = 4  # the client reads a lease still being computed layer by layer (cma://: kv_transfer/cma_stream.py)
 MAX_PAYLOAD_BYTES = 8 << 20  # control frames only; KV bytes are not framed
 MAX_LEASE_ID_BYTES = 1024
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)

@@ -44,7 +44,7 @@ AUTO_PREFERENCE = {"cpu": ("cma", "tcp", "ucx", "nccl"), "cuda": ("nccl", "ucx",
 
 # The kinds whose server streams a lease's KV layer by layer while the prompt computes (a ``progress``
 # lookup, kv_transfer/progress.py); the others serve a lease only once every layer is written.
-STREAMING_KINDS = frozenset({"tcp"})
+STREAMING_KINDS = frozenset({"tcp", "cma", "nccl"})
 
 # lease id -> the block ids it pins; raises LeaseNotFound (or returns None) when not live.
 Resolver = Callable[[str], Sequence[int] | None]

@@ -3,8 +3,9 @@
 P answers ``PrefillStream`` with the KV handle as soon as the step computing the prompt starts; the
 router starts Decode on D at once (D pulls over tcp, each layer as P writes it) and hands D P's first
 token by ``FirstToken`` when it comes. Greedy output must equal the offline engine token for token, and
-every pool must be full again afterwards. The worker-level tests drive the RPCs by hand, including the
-orders the router does not produce (FirstToken before Decode, a recompute order, a token that never comes).
+every pool must be full again afterwards (over cma and nccl, the other streaming transports, too). The
+worker-level tests drive the RPCs by hand, including the orders the router does not produce (FirstToken
+before Decode, a recompute order, a token that never comes).
 """
 
 from __future__ import annotations
@@ -76,6 +77,39 @@ def test_a_first_token_that_ends_the_request_stops_the_waiting_decode(cluster, e
     assert tokens == expected[22][:1]
     assert final.finish_reason == pb.FINISH_REASON_LENGTH
     assert_pools_full(cluster)  # D's reservation aborted, P's lease released
+
+
+@pytest.fixture(scope="module", params=["cma", "nccl"])
+def streaming_cluster(request, model_dir, tmp_path_factory):  # noqa: F811
+    """P and D serving and pulling over one other streaming transport (``STREAMING_KINDS``) only."""
+    kind = request.param
+    require_redis_server()
+    redis = RedisServer.start()
+    cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp(f"layerwise-{kind}-logs"))
+    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", kind, worker_id="p0"),
+                       cluster.start_worker("decode", "--kv-transport", kind, worker_id="d0")]
+    try:
+        cluster.wait_for_workers({"p0", "d0"})
+        cluster.router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "least_loaded",
+                                              "--kv-layerwise")
+        _wait_serving(cluster.router.address)
+        yield kind, cluster
+    finally:
+        cluster.stop_all()
+        redis.stop()
+
+
+def test_streamed_kv_over_cma_and_nccl_gives_the_engines_tokens(streaming_cluster, expected):  # noqa: F811
+    kind, cluster = streaming_cluster
+    indices = [20, 21, 23, 22]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda i: generate(cluster, PROMPTS[i]), indices))
+    for i, (tokens, final) in zip(indices, results):
+        t = final.timings
+        assert tokens == expected[i]
+        assert (t.route_kind, t.prefill_worker, t.decode_worker) == ("remote", "p0", "d0"), t
+        assert t.kv_layerwise and t.transport == kind and t.transfer_bytes > 0, t
+    assert_pools_full(cluster)
 
 
 # ---- the RPCs by hand ------------------------------------------------------------------------------

@@ -256,3 +256,42 @@ def test_a_cancelled_pull_ends_only_once_no_more_bytes_can_land(monkeypatch) -> 
             assert client._idle == {}
 
     run(scenario())
+
+
+@pytest.mark.parametrize("how", ["lease released", "cancelled"])
+def test_a_streamed_pull_that_fails_drops_its_channel_and_the_next_pull_is_exact(how: str) -> None:
+    """A streamed read delivers layer 0, then its lease ends (the rest comes as zeros, then ERROR) or the pull
+    is cancelled: the channel is not kept (its message order is spent), and the next pull is exact."""
+    from kv_transfer.progress import LayerProgress
+
+    async def scenario() -> None:
+        src, table, progress = source(), LeaseTable(), {}
+        server = make_server("nccl", buffer=src, resolve=table.resolver(lambda: 0.0), config=CONFIG,
+                             progress=progress.get)
+        uri = await server.start()
+        client, dst = nccl.NcclClient(CONFIG), KVBuffer.allocate(LAYOUT, 32)
+        dst.array[:] = 0xAB
+        try:
+            lease_id = table.create([1, 2], now=0.0).lease_id
+            progress[lease_id] = LayerProgress(LAYOUT.num_layers)
+            progress[lease_id].complete(0)
+            task = asyncio.create_task(client.pull(uri, LAYOUT, lease_id, [1, 2], dst, [3, 4]))
+            await eventually(lambda: np.array_equal(dst.array[0, [3, 4]], src.array[0, [1, 2]]))
+            assert (dst.array[1:, [3, 4]] == 0xAB).all() and not task.done()  # layer 1 is not computed yet
+            if how == "cancelled":
+                task.cancel()
+            else:
+                table.release(lease_id)
+                progress[lease_id].complete(1)
+            with pytest.raises(asyncio.CancelledError if how == "cancelled" else LeaseNotFound):
+                await task
+            if how != "cancelled":
+                assert (dst.array[1:, [3, 4]] == 0).all()  # zeros, never the released blocks' bytes
+            assert not client._idle.get(uri)
+            await client.pull(uri, LAYOUT, table.create([5, 6], now=0.0).lease_id, [5, 6], dst, [3, 4])
+            assert np.array_equal(dst.array[:, [3, 4]], src.array[:, [5, 6]])
+        finally:
+            client.close()
+            await server.stop()
+
+    run(scenario())

@@ -1,4 +1,5 @@
-"""Layer-wise KV streaming: LayerProgress, streamed tcp reads, and the engine's per-layer hook.
+"""Layer-wise KV streaming: LayerProgress, streamed reads (every kind of ``STREAMING_KINDS``), and the
+engine's per-layer hook.
 
 Each transport scenario runs in its own event loop, bounded by ``asyncio.wait_for``, so a hang fails fast.
 """
@@ -21,8 +22,7 @@ from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
 from kv_transfer.progress import LayerProgress
-from kv_transfer.tcp import TcpServer
-from kv_transfer.transport import TransportConfig, pull
+from kv_transfer.transport import STREAMING_KINDS, TransportConfig, kind_available, make_server, pull
 
 LAYOUT = KVLayout(
     model_fingerprint=b"streaming", dtype="float32", block_size=4, num_layers=4, num_kv_heads=2, head_dim=8
@@ -33,22 +33,34 @@ SENTINEL = 0xAB
 SRC_IDS, DST_IDS = [3, 4, 5, 9, 1], [0, 1, 2, 7, 8]
 
 
+def _runnable(kind: str):
+    why = kind_available(kind)
+    return pytest.param(kind, marks=pytest.mark.skipif(why is not None, reason=why or ""))
+
+
+KINDS = [_runnable(kind) for kind in sorted(STREAMING_KINDS)]
+# what a failed stream leaves in the layers it never delivered: tcp and nccl send zeros (their receives are
+# posted), cma's client never reads them; never the source's bytes either way
+UNDELIVERED = {"tcp": 0, "nccl": 0, "cma": SENTINEL}
+
+
 def run(coro, timeout_s: float = 15.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
 class Prefill:
-    """A source buffer, a lease table, per-lease progress and a started streaming tcp server."""
+    """A source buffer, a lease table, per-lease progress and a started streaming server of ``kind``."""
 
-    def __init__(self, server_config: TransportConfig = SERVER) -> None:
+    def __init__(self, kind: str, server_config: TransportConfig = SERVER) -> None:
+        self.kind = kind
         self.src = KVBuffer.allocate(LAYOUT, 16)
         self.src.array[:] = np.random.default_rng(5).integers(0, 256, self.src.array.shape, dtype=np.uint8)
         self.dst = KVBuffer.allocate(LAYOUT, 16)
         self.dst.array[:] = SENTINEL
         self.table = LeaseTable()
         self.progress: dict[str, LayerProgress] = {}
-        self.server = TcpServer(buffer=self.src, resolve=self.table.resolver(time.monotonic),
-                                config=server_config, progress=self.progress.get)
+        self.server = make_server(kind, buffer=self.src, resolve=self.table.resolver(time.monotonic),
+                                  config=server_config, progress=self.progress.get)
         self.uri = ""
 
     async def __aenter__(self) -> Prefill:
@@ -74,6 +86,10 @@ class Prefill:
 
     def untouched(self, layer: int) -> bool:
         return all((self.dst.array[layer, d] == SENTINEL).all() for d in DST_IDS)
+
+    def undelivered(self, layer: int) -> bool:
+        """Layer ``layer`` of the pulled blocks holds what a failed stream leaves (never source bytes)."""
+        return bool((self.dst.array[layer][DST_IDS] == UNDELIVERED[self.kind]).all())
 
     def assert_exact(self) -> None:
         assert self.dst.gather(DST_IDS) == self.src.gather(SRC_IDS)
@@ -133,10 +149,11 @@ def test_progress_waits_for_the_layers_ready_probe_and_fails_fast() -> None:
     run(scenario())
 
 
-# ---- streamed tcp reads ----------------------------------------------------------------------------
+# ---- streamed reads -----------------------------------------------------------------------------
 
 
-def test_streamed_pull_receives_each_layer_as_it_completes() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_streamed_pull_receives_each_layer_as_it_completes(kind: str) -> None:
     seen: dict[str, bool] = {}
 
     def engine_thread(prefill: Prefill, progress: LayerProgress) -> None:
@@ -148,7 +165,7 @@ def test_streamed_pull_receives_each_layer_as_it_completes() -> None:
             seen[f"layer{layer}"] = _poll(lambda: prefill.landed(layer))
 
     async def scenario() -> None:
-        async with Prefill() as prefill:
+        async with Prefill(kind) as prefill:
             lease_id, progress = prefill.lease()
             task = prefill.pull(lease_id)
             thread = threading.Thread(target=engine_thread, args=(prefill, progress))
@@ -163,9 +180,10 @@ def test_streamed_pull_receives_each_layer_as_it_completes() -> None:
                     **{f"layer{l}": True for l in range(LAYOUT.num_layers)}}
 
 
-def test_streamed_pull_with_checksums_and_a_complete_progress_take_the_same_bytes() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_streamed_pull_with_checksums_and_a_complete_progress_take_the_same_bytes(kind: str) -> None:
     async def scenario() -> None:
-        async with Prefill() as prefill:
+        async with Prefill(kind) as prefill:
             lease_id, progress = prefill.lease()
             task = prefill.pull(lease_id, TransportConfig(io_timeout_s=3.0, checksum=True))
             for layer in range(LAYOUT.num_layers):
@@ -181,9 +199,10 @@ def test_streamed_pull_with_checksums_and_a_complete_progress_take_the_same_byte
     run(scenario())
 
 
-def test_streamed_pull_waits_for_the_layers_ready_probes() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_streamed_pull_waits_for_the_layers_ready_probes(kind: str) -> None:
     async def scenario() -> None:
-        async with Prefill() as prefill:
+        async with Prefill(kind) as prefill:
             lease_id, progress = prefill.lease()
             ready = [False] * LAYOUT.num_layers
             for layer in range(LAYOUT.num_layers):  # complete, but the device has not written them yet
@@ -198,10 +217,11 @@ def test_streamed_pull_waits_for_the_layers_ready_probes() -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("how", ["never", "fails"])
-def test_a_layer_that_never_completes_fails_the_pull_and_the_server_keeps_serving(how: str) -> None:
+def test_a_layer_that_never_completes_fails_the_pull_and_the_server_keeps_serving(kind: str, how: str) -> None:
     async def scenario() -> None:
-        async with Prefill() as prefill:
+        async with Prefill(kind) as prefill:
             lease_id, progress = prefill.lease()
             progress.complete(0)
             task = prefill.pull(lease_id)
@@ -213,7 +233,7 @@ def test_a_layer_that_never_completes_fails_the_pull_and_the_server_keeps_servin
                 await task
             assert time.monotonic() - started < CLIENT.io_timeout_s
             assert prefill.landed(0)
-            assert all((prefill.dst.array[l][DST_IDS] == 0).all() for l in range(1, LAYOUT.num_layers))  # zeros
+            assert all(prefill.undelivered(l) for l in range(1, LAYOUT.num_layers))
             prefill.dst.array[:] = SENTINEL
             lease_id, _ = prefill.lease(computing=False)
             await prefill.pull(lease_id)
@@ -222,9 +242,10 @@ def test_a_layer_that_never_completes_fails_the_pull_and_the_server_keeps_servin
     run(scenario())
 
 
-def test_a_lease_released_mid_stream_fails_the_pull() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lease_released_mid_stream_fails_the_pull(kind: str) -> None:
     async def scenario() -> None:
-        async with Prefill() as prefill:
+        async with Prefill(kind) as prefill:
             lease_id, progress = prefill.lease()
             task = prefill.pull(lease_id)
             progress.complete(0)
@@ -234,7 +255,30 @@ def test_a_lease_released_mid_stream_fails_the_pull() -> None:
             progress.complete(2)
             with pytest.raises(LeaseNotFound):
                 await task
-            assert (prefill.dst.array[2][DST_IDS] == 0).all()  # never the released blocks' bytes
+            assert prefill.undelivered(2) and prefill.undelivered(3)  # never the released blocks' bytes
+
+    run(scenario())
+
+
+def test_a_cma_client_that_cannot_stream_is_refused_a_lease_still_computing(monkeypatch) -> None:
+    """A client without READ_STREAM (one that predates it) would read unwritten KV: it gets LeaseNotFound,
+    as from a server that does not stream, and the computed lease is then served as usual."""
+    if "cma" not in STREAMING_KINDS or kind_available("cma") is not None:
+        pytest.skip("cma does not stream here")
+    from kv_transfer import cma
+
+    monkeypatch.setattr(cma, "READ_STREAM", 0)  # neither side knows the flag
+
+    async def scenario() -> None:
+        async with Prefill("cma") as prefill:
+            lease_id, progress = prefill.lease()
+            progress.complete(0)
+            with pytest.raises(LeaseNotFound, match="still being computed"):
+                await prefill.pull(lease_id)
+            assert all(prefill.untouched(layer) for layer in range(LAYOUT.num_layers))
+            progress.complete_all()
+            await prefill.pull(lease_id)
+            prefill.assert_exact()
 
     run(scenario())
 

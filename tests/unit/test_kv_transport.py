@@ -736,10 +736,11 @@ def test_a_pull_cancelled_while_awaiting_its_answer_closes_its_connection(kind: 
     run(scenario())
 
 
+@pytest.mark.parametrize("kind", POOLED_KINDS)
 @pytest.mark.parametrize("how", ["cancelled", "timed out"])
-def test_a_tcp_pull_stopped_mid_read_closes_its_connection(how: str) -> None:
-    """A streamed read delivers layer 0 and stalls: the pull is cancelled (or times out) with part of
-    DATA read; its connection must not be reused, or the next pull would read the rest of that answer."""
+def test_a_streamed_pull_stopped_mid_read_closes_its_connection(kind: str, how: str) -> None:
+    """A streamed read delivers layer 0 and stalls: the pull is cancelled (or times out) with part of its
+    answer read; its connection must not be reused, or the next pull would read the rest of that answer."""
     from kv_transfer.progress import LayerProgress
 
     progress: dict[str, LayerProgress] = {}
@@ -747,7 +748,8 @@ def test_a_tcp_pull_stopped_mid_read_closes_its_connection(how: str) -> None:
 
     async def scenario() -> None:
         src, table = source(), LeaseTable()
-        server = tcp.TcpServer(buffer=src, resolve=table.resolver(lambda: 0.0), config=CONFIG, progress=progress.get)
+        server = make_server(kind, buffer=src, resolve=table.resolver(lambda: 0.0), config=CONFIG,
+                             progress=progress.get)
         uri = await server.start()
         client = pooled_client(uri, client_config)
         try:

@@ -98,7 +98,9 @@ def test_a_non_streaming_server_refuses_a_lease_still_being_computed():
 @pytest.mark.parametrize("prefill_uri, decode_uri, expected", [
     ("tcp://h:1", "tcp://h:2", True),
     ("cma://h:1?boot=b tcp://h:2", "ucx://h:3 tcp://h:4", True),
-    ("nccl://h:1", "nccl://h:2 tcp://h:3", False),  # P streams over nothing
+    ("nccl://h:1", "nccl://h:2 tcp://h:3", True),
+    ("cma://h:1?boot=b", "cma://h:2?boot=b", True),
+    ("ucx://h:1", "ucx://h:2 tcp://h:3", False),  # P streams over nothing
     ("tcp://h:1", "nccl://h:2", False),  # D does not pull over tcp
 ])
 def test_a_pair_streams_only_over_a_transport_both_have(prefill_uri, decode_uri, expected):
