@@ -15,10 +15,16 @@ scattered at random (what a decode worker's free queue hands out after churn). S
 A system that is not installed or fails to start is reported as skipped with the reason. Every system's
 first (warm-up) transfer of each size is checked byte for byte. Runs alternate systems (rotating who goes
 first) so machine noise hits each alike. Reports median GB/s, per-transfer p50/p99 latency and ratios
-vs raw; prints a table and writes ``bench/results/kv_transfer.json`` and ``.png``.
+vs raw; prints a table and writes ``bench/results/kv_transfer.json`` and ``.png`` (or ``--out``).
 
-    python -m bench.kv_transfer [--tokens 1024 4096 16384] [--runs 7] [--transports tcp ...]
-                                [--peers nixl mooncake] [--nixl-ucx-tls tcp] [--uvloop]
+``--isolate`` is how to compare against the peers: a shared run is not fair on a small machine, because
+NIXL's UCX progress thread spins on a core for as long as its agent lives (on 2 cores every other system,
+raw included, loses about half its bandwidth). Isolated, the run has one phase per system. Only raw and
+that system's processes exist during a phase, and raw is measured in every phase so that each system's
+ratio is against its own phase's raw (``bench/kv_phases.py``).
+
+    python -m bench.kv_transfer [--isolate] [--tokens 1024 4096 16384] [--runs 7] [--transports tcp ...]
+                                [--peers nixl mooncake] [--nixl-ucx-tls tcp] [--uvloop] [--out PATH]
 """
 
 from __future__ import annotations
@@ -355,10 +361,10 @@ def summarize(seconds: dict[str, list[float]], moved: dict[str, int], num_bytes:
 # --- report -----------------------------------------------------------------------------------------
 
 
-def describe(servers: Servers, args: argparse.Namespace) -> dict[str, str]:
+def describe(started: list[str], args: argparse.Namespace) -> dict[str, str]:
     """What each started system is, for the JSON."""
     out = {BASELINE: "sendall / recv_into of one contiguous buffer, one connection per transfer"}
-    for name in servers.endpoints:
+    for name in started:
         if name == "nixl":
             out[name] = (f"nixl-cu12 {kv_peers.peer_version(name)}, UCX backend, READ, "
                          f"UCX_TLS={args.nixl_ucx_tls or 'default (same host: cma)'}")
@@ -369,12 +375,16 @@ def describe(servers: Servers, args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
-def print_table(results: list[dict], skipped: dict[str, str]) -> None:
-    print(f"\n{'tokens':>7} {'MiB':>6}  {'system':<22} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7}")
+def print_table(results: list[dict], skipped: dict[str, str], isolated: bool = False) -> None:
+    """Isolated: raw is pooled over the phases, and each system's "vs raw" is against the raw of its own
+    phase, shown in the last column."""
+    print(f"\n{'tokens':>7} {'MiB':>6}  {'system':<22} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7}"
+          + (f" {'phase raw GB/s':>14}" if isolated else ""))
     for r in results:
         for name, s in r["systems"].items():
+            phase_raw = f" {s['raw_gbps']:>14.2f}" if isolated and "raw_gbps" in s else ""
             print(f"{r['tokens']:>7} {r['num_bytes'] / 2**20:>6.1f}  {name:<22} {s['gbps']:>6.2f} "
-                  f"{s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['ratio_vs_raw']:>7.0%}")
+                  f"{s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['ratio_vs_raw']:>7.0%}{phase_raw}")
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
 
@@ -403,8 +413,9 @@ def plot(doc: dict, path: Path) -> None:
     ax.set_xticks(range(len(results)), [f"{r['tokens']:,} tokens\n{r['num_bytes'] / 2**20:.0f} MiB" for r in results])
     ax.set_ylabel("GB/s (median; whisker: at p99 latency)")
     load = doc["loadavg_1m"]["start"]
+    isolated = "\nisolated: one phase per system; raw pooled over the phases" if doc.get("isolated") else ""
     ax.set_title(f"KV pull between two processes on 127.0.0.1 (small preset, 128 KiB/block; "
-                 f"{doc['cpus']} CPUs, load {load:.1f})", fontsize=10)
+                 f"{doc['cpus']} CPUs, load {load:.1f}){isolated}", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -433,6 +444,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="UCX_TLS for NIXL's UCX, e.g. tcp (default: UCX picks; cma on one host)")
     parser.add_argument("--uvloop", action="store_true", help="run Baton's asyncio ends on uvloop")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON path; the PNG goes beside it")
+    parser.add_argument("--isolate", action="store_true",
+                        help="one phase per system, with only raw and that system running (use it to compare "
+                             "with peers: NIXL's progress thread slows everything that shares the run)")
     args = parser.parse_args(argv)
     if args.runs < 1 or min(args.tokens) < 1:
         parser.error("--runs and --tokens must be >= 1")
@@ -473,17 +487,28 @@ def main(argv: list[str] | None = None) -> None:
     args.transports = [kind for kind in args.transports if kind in TRANSPORT_KINDS]
     total_blocks = 2 * -(-max(args.tokens) // SMALL.block_size)
     load_start = os.getloadavg()
-    servers = start_servers(args, total_blocks)
-    servers.skipped.update({kind: "not registered in kv_transfer.transport.TRANSPORT_KINDS" for kind in unknown})
-    try:
-        results = run(args, servers, total_blocks)
-    finally:
-        stop_servers(servers)
-    print_table(results, servers.skipped)
-    doc = {"layout": json.loads(SMALL.to_json()), "runs": args.runs, "uvloop": args.uvloop,
+    skipped = {kind: "not registered in kv_transfer.transport.TRANSPORT_KINDS" for kind in unknown}
+    phases = None
+    if args.isolate:
+        from bench import kv_phases  # it imports this module
+
+        results, isolated_skipped, started, phases = kv_phases.run_isolated(args, total_blocks)
+        skipped = {**isolated_skipped, **skipped}
+    else:
+        servers = start_servers(args, total_blocks)
+        servers.skipped.update(skipped)
+        try:
+            results = run(args, servers, total_blocks)
+        finally:
+            stop_servers(servers)
+        skipped, started = servers.skipped, list(servers.endpoints)
+    print_table(results, skipped, args.isolate)
+    doc = {"layout": json.loads(SMALL.to_json()), "runs": args.runs, "uvloop": args.uvloop, "isolated": args.isolate,
            "python": platform.python_version(), "cpus": os.cpu_count(),
            "loadavg_1m": {"start": load_start[0], "end": os.getloadavg()[0]},
-           "systems": describe(servers, args), "skipped": servers.skipped, "results": results}
+           "systems": describe(started, args), "skipped": skipped, "results": results}
+    if phases is not None:
+        doc["phases"] = phases  # per phase: its raw figures and thread counts
     write_results(doc, args.out)
 
 

@@ -37,6 +37,31 @@ def test_tiny_run_writes_results_with_the_expected_bytes(tmp_path, monkeypatch):
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_isolated_run_has_a_phase_per_system_with_its_own_raw(tmp_path, monkeypatch):
+    for name, value in kv_transfer.ENV_DEFAULTS.items():
+        monkeypatch.setenv(name, os.environ.get(name, value))
+    out = tmp_path / "kv.json"
+    kv_transfer.main(["--isolate", "--tokens", "64", "--runs", "2", "--transports", "tcp", "nosuch", "--peers",
+                      "--out", str(out)])
+
+    doc = json.loads(out.read_text())
+    assert doc["isolated"] is True
+    assert set(doc["systems"]) == {"raw", "tcp"} and set(doc["skipped"]) == {"nosuch"}
+    [phase_raw] = doc["phases"]["tcp"]["raw"]
+    assert phase_raw["tokens"] == 64 and len(phase_raw["seconds"]) == 2
+    threads = doc["phases"]["tcp"]["threads"]
+    assert threads["processes_left_after_phase"] == 0 and threads["client_peak"] >= 1
+    [result] = doc["results"]
+    assert set(result["systems"]) == {"raw", "tcp/contiguous", "tcp/scattered"}
+    for name in ("tcp/contiguous", "tcp/scattered"):
+        stats = result["systems"][name]
+        assert stats["bytes_moved"] == result["num_bytes"] and stats["phase"] == "tcp"
+        assert stats["raw_gbps"] == phase_raw["gbps"]
+        assert stats["ratio_vs_raw"] == pytest.approx(stats["gbps"] / phase_raw["gbps"])
+    assert result["systems"]["raw"]["ratio_vs_raw"] == 1.0
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_read_descriptors_cover_exactly_the_requested_blocks():
     src, dst = _filled(12), KVBuffer.allocate(SMALL, 10)
     src_ids, dst_ids = [1, 2, 3, 7, 8, 11], [0, 1, 5, 2, 3, 9]
