@@ -71,15 +71,24 @@ class Result:
     itl_s: tuple[float, ...]
     error: str = ""
     route_kind: str = ""  # remote | local, as the router reports it (gRPC only; the SSE stream does not say)
+    route: dict | None = None  # the router's timings of the decision (gRPC only): reason, predicted vs queue/prefill
+
+
+def route_of(timings) -> dict:
+    """What the router said of a request's route (its gRPC ``Timings``), to explain a measured latency."""
+    return {"reason": timings.route_reason, "prefill_worker": timings.prefill_worker,
+            "decode_worker": timings.decode_worker, "predicted_ttft_ms": round(timings.predicted_ttft_ms, 2),
+            "queue_ms": round(timings.queue_ms, 2), "prefill_ms": round(timings.prefill_ms, 2),
+            "transfer_ms": round(timings.transfer_ms, 2)}
 
 
 def _measured(sent_s: float, times: list[float], prompt_tokens: int, output_tokens: int,
-              route_kind: str = "") -> Result:
+              route_kind: str = "", route: dict | None = None) -> Result:
     if not times:
         raise RuntimeError("no tokens")
     return Result(ok=True, prompt_tokens=prompt_tokens, output_tokens=output_tokens, ttft_s=times[0] - sent_s,
                   e2e_s=times[-1] - sent_s, itl_s=tuple(b - a for a, b in zip(times, times[1:])),
-                  route_kind=route_kind)
+                  route_kind=route_kind, route=route)
 
 
 def _failed(prompt_tokens: int, error: str) -> Result:
@@ -177,8 +186,9 @@ def _grpc_call(stub, timeout_s: float) -> Call:
         try:
             stream = await stream_generate(stub, greedy_request(req.prompt, req.max_tokens), timeout_s)
             times = stream.token_times_s
+            timings = stream.last.timings
             return _measured(stream.sent_s, times, stream.last.usage.prompt_tokens or prompt_tokens, len(times),
-                             stream.last.timings.route_kind)
+                             timings.route_kind, route_of(timings))
         except grpc.aio.AioRpcError as e:
             return _failed(prompt_tokens, e.code().name)
         except RuntimeError as e:

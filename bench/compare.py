@@ -10,6 +10,8 @@ prefill locally (the policy's "no prefill workers" branch; no router flag needed
 ``--prefill`` prefill + (cores - prefill) decode workers. Router and redis share one core (the first core no
 worker uses, else the last worker's: a decode worker's in both layouts); the benchmark client is not pinned.
 At each rate both layouts get the same requests (seeded per rate, so no rate reuses another's prefixes).
+The router is told the SLOs it is judged by: ``--ttft-target-ms`` = ``--slo-ttft-ms`` and ``--itl-target-ms``
+= ``--slo-tpot-ms`` (the cost policy's targets; ``--router-args`` adds or overrides router flags).
 
 Prints, per rate, p99 ITL of each layout and their ratio (target disaggregated/aggregated <= 0.5), goodput
 of each, and the goodput ratio at the first rate where aggregated falls below ``--attainment`` (0.9) SLO
@@ -24,6 +26,7 @@ import asyncio
 import json
 import math
 import os
+import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -73,6 +76,51 @@ def compare(agg: list[dict], disagg: list[dict], attainment: float) -> dict:
     return {"per_rate": per_rate, "attainment": attainment, "knee": knee,
             "max_rate_meeting_attainment": {name: _max_rate(runs, attainment)
                                             for name, runs in (("aggregated", agg), ("disaggregated", disagg))}}
+
+
+def _meets(record: dict, ttft_ms: float, tpot_ms: float) -> bool:
+    """``serve.meets_slo`` on a stored request record (no ITLs kept)."""
+    if not record["ok"] or record["ttft_s"] * 1e3 > ttft_ms:
+        return False
+    n = record["output_tokens"]
+    return n < 2 or (record["e2e_s"] - record["ttft_s"]) / (n - 1) * 1e3 <= tpot_ms
+
+
+def slo_grid(agg: list[dict], disagg: list[dict], ttfts_ms: list[float], tpots_ms: list[float],
+             attainment: float) -> list[dict]:
+    """The same runs judged by other SLOs: per (TTFT, TPOT) pair, each rate's attainment and goodput of both
+    layouts (the run's own duration) and the goodput ratio at the first rate where aggregated falls below
+    ``attainment`` (None: it never does in this sweep)."""
+    out = []
+    for ttft in ttfts_ms:
+        for tpot in tpots_ms:
+            rows = []
+            for a, d in zip(agg, disagg):
+                row = {"rate": a["rate"]}
+                for name, run in (("aggregated", a), ("disaggregated", d)):
+                    good = sum(_meets(r, ttft, tpot) for r in run["requests"])
+                    row[name] = {"attainment": good / max(1, len(run["requests"])),
+                                 "goodput": good / run["duration_s"] if run["duration_s"] > 0 else 0.0}
+                row["goodput_ratio"] = _ratio(row["disaggregated"]["goodput"], row["aggregated"]["goodput"])
+                rows.append(row)
+            knee = next((r for r in sorted(rows, key=lambda r: r["rate"])
+                         if r["aggregated"]["attainment"] < attainment), None)
+            out.append({"slo_ttft_ms": ttft, "slo_tpot_ms": tpot, "per_rate": rows,
+                        "knee_rate": knee and knee["rate"], "goodput_ratio_at_knee": knee and knee["goodput_ratio"]})
+    return out
+
+
+def print_slo_grid(grid: list[dict]) -> None:
+    tpots = sorted({g["slo_tpot_ms"] for g in grid})
+    print("\ngoodput ratio (disaggregated / aggregated) where aggregated first falls below the attainment, per SLO:")
+    print(f"{'TTFT SLO':>10} | " + " ".join(f"{f'TPOT {t:g} ms':>18}" for t in tpots))
+    for ttft in sorted({g["slo_ttft_ms"] for g in grid}):
+        cells = []
+        for tpot in tpots:
+            g = next(x for x in grid if x["slo_ttft_ms"] == ttft and x["slo_tpot_ms"] == tpot)
+            cells.append("no knee" if g["knee_rate"] is None
+                         else f"{_fmt(g['goodput_ratio_at_knee'])} @ {g['knee_rate']:g}/s")
+        print(f"{ttft:>8g} ms | " + " ".join(f"{c:>18}" for c in cells))
 
 
 def _max_rate(runs: list[dict], attainment: float) -> float | None:
@@ -167,11 +215,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--attainment", type=float, default=0.9, help="SLO attainment that defines the knee")
+    p.add_argument("--slo-grid-ttft-ms", type=_rates, default=None,
+                   help="also judge the runs by these TTFT SLOs (x the TPOT ones), e.g. 1000,3000,5000")
+    p.add_argument("--slo-grid-tpot-ms", type=_rates, default=None, help="... and these TPOT SLOs, e.g. 100,200")
     p.add_argument("--max-prompt-len", type=int, default=None)
     p.add_argument("--max-output-len", type=int, default=None)
     p.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
     p.add_argument("--policy", default=None, help="router --policy (default: the router's)")
     p.add_argument("--disagg-threshold-tokens", type=int, default=None, help="router flag (default: the router's)")
+    p.add_argument("--router-args", type=shlex.split, default=[],
+                   help="more router flags for both layouts, one string, e.g. '--itl-target-ms 200'")
+    p.add_argument("--only", choices=("aggregated", "disaggregated"), default=None,
+                   help="run one layout alone (to study it; no comparison is made)")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="worker token budget per step")
@@ -203,7 +258,9 @@ def run_layout(args: argparse.Namespace, plan: CorePlan, model_dir: Path) -> dic
     start_s = time.perf_counter()
     worker_args = _flags({"--num-blocks": args.num_blocks, "--block-size": args.block_size,
                           "--max-num-batched-tokens": args.max_num_batched_tokens})
-    router_args = _flags({"--policy": args.policy, "--disagg-threshold-tokens": args.disagg_threshold_tokens})
+    router_args = _flags({"--policy": args.policy, "--disagg-threshold-tokens": args.disagg_threshold_tokens,
+                          "--ttft-target-ms": args.slo_ttft_ms, "--itl-target-ms": args.slo_tpot_ms})
+    router_args += args.router_args
     with Platform.start(plan, model_dir, args.out / "logs" / layout.name, worker_args=worker_args,
                         router_args=router_args) as platform:
         print(f">>> {layout.name} ready in {time.perf_counter() - start_s:.1f} s", flush=True)
@@ -245,12 +302,20 @@ def _model_dir(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     available = sorted(os.sched_getaffinity(0))
-    plans = [core_plan(layout, available, args.router_core) for layout in layouts(args)]
+    plans = [core_plan(layout, available, args.router_core) for layout in layouts(args)
+             if args.only in (None, layout.name)]
     model_dir = _model_dir(args)
     load_before = os.getloadavg()
     records = {plan.layout.name: run_layout(args, plan, model_dir) for plan in plans}
-    result = compare(records["aggregated"]["runs"], records["disaggregated"]["runs"], args.attainment)
-    print_table(result)
+    result = {}
+    if args.only is None:
+        agg, disagg = records["aggregated"]["runs"], records["disaggregated"]["runs"]
+        result = compare(agg, disagg, args.attainment)
+        print_table(result)
+        if args.slo_grid_ttft_ms or args.slo_grid_tpot_ms:
+            result["slo_grid"] = slo_grid(agg, disagg, args.slo_grid_ttft_ms or [args.slo_ttft_ms],
+                                          args.slo_grid_tpot_ms or [args.slo_tpot_ms], args.attainment)
+            print_slo_grid(result["slo_grid"])
     args.out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     machine = {"cores": available, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),

@@ -284,7 +284,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., kv_pending: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "handle", "num_output_tokens_so_far", "priority", "prompt_len", "first_token_pending")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "handle", "num_output_tokens_so_far", "priority", "prompt_len", "first_token_pending", "prefix_handle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,7 @@ class DecodeRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_PENDING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HANDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -303,7 +304,24 @@ class DecodeRequest(_message.Message):
     priority: int
     prompt_len: int
     first_token_pending: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_output_tokens_so_far: _Optional[int] = ..., priority: _Optional[int] = ..., prompt_len: _Optional[int] = ..., first_token_pending: _Optional[bool] = ...) -> None: ...
+    prefix_handle: KVHandle
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_output_tokens_so_far: _Optional[int] = ..., priority: _Optional[int] = ..., prompt_len: _Optional[int] = ..., first_token_pending: _Optional[bool] = ..., prefix_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+
+class LeasePrefixRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "min_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    min_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+
+class LeasePrefixResponse(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: KVHandle
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class FirstTokenRequest(_message.Message):
     __slots__ = ("request_id", "token_id", "recompute")

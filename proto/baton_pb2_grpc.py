@@ -227,6 +227,11 @@ class WorkerStub:
                 request_serializer=proto_dot_baton__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_baton__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.LeasePrefix = channel.unary_unary(
+                '/baton.v1.Worker/LeasePrefix',
+                request_serializer=proto_dot_baton__pb2.LeasePrefixRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.LeasePrefixResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -275,6 +280,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeasePrefix(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -312,6 +323,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_baton__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_baton__pb2.StatsResponse.SerializeToString,
+            ),
+            'LeasePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeasePrefix,
+                    request_deserializer=proto_dot_baton__pb2.LeasePrefixRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.LeasePrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -503,6 +519,33 @@ class Worker:
             '/baton.v1.Worker/Stats',
             proto_dot_baton__pb2.StatsRequest.SerializeToString,
             proto_dot_baton__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeasePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Worker/LeasePrefix',
+            proto_dot_baton__pb2.LeasePrefixRequest.SerializeToString,
+            proto_dot_baton__pb2.LeasePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,9 @@ For a decode worker D, the prompt is computed either
 (with ``--kv-layerwise``, on a pair whose transport streams layers, the pull runs while P computes: only
 ``max(kv_bytes / link - uncached(P) / rate(P), 0)`` is left after P's last layer), and the lower
 ``ttft + stall`` wins, unless local prefill would push D's running decodes past the ITL target (each of
-D's steps then carries a prefill chunk). Under ``floor_tokens`` uncached tokens, always local.
+D's steps then carries a prefill chunk) while the remote plan keeps this request's TTFT within its target
+(past both targets, as when the prefill pool is queued for seconds, the lower ``ttft + stall`` wins again).
+Under ``floor_tokens`` uncached tokens, always local.
 
 ``stall`` is what a local prefill costs D's *other* sequences: while D computes the prompt's ``uncached``
 tokens its steps carry the chunks, so each of its ``running`` sequences is delayed by about
@@ -55,7 +57,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostConfig:
-    itl_target_s: float = 0.100  # local prefill may not push D's running decodes' step time past this
+    itl_target_s: float = 0.100  # local prefill may not push D's running decodes' step time past this...
+    ttft_target_s: float = 1.0  # ...unless the remote plan's TTFT is past this one and costs more
     prefill_chunk_tokens: int = 512  # prompt tokens D adds to one step when it prefills locally
     expected_output_tokens: int = 64  # decode steps priced on D: with no max_tokens, and at most with one
     interference_weight: float = 1.0  # cost per second a local prefill stalls each of D's running sequences
@@ -68,14 +71,19 @@ class CostConfig:
     # The router streams KV by layer (--kv-layerwise): on a pair that streams, the pull runs while P
     # computes, so only the part of it longer than P's compute delays D.
     kv_layerwise: bool = False
+    # Cross-worker prefix reuse: a local plan may pull the longest cached prefix another worker holds
+    # (Worker/LeasePrefix) instead of recomputing it, when the pull plus this fixed cost (one more RPC and
+    # the pull's setup) is cheaper than the compute. Off: every worker recomputes what it lacks.
+    prefix_import: bool = True
+    prefix_import_overhead_s: float = 0.005
 
     def __post_init__(self) -> None:
-        if not self.itl_target_s > 0 or self.prefill_chunk_tokens < 1 or self.kv_bytes_per_token <= 0:
-            raise ValueError(f"CostConfig: itl_target_s, prefill_chunk_tokens, kv_bytes_per_token must be > 0: {self}")
+        if not self.itl_target_s > 0 or not self.ttft_target_s > 0 or self.prefill_chunk_tokens < 1 or self.kv_bytes_per_token <= 0:
+            raise ValueError(f"CostConfig: itl_target_s, ttft_target_s, prefill_chunk_tokens, kv_bytes_per_token must be > 0: {self}")
         if self.expected_output_tokens < 0 or self.temperature_s < 0 or self.power_of_two_above < 2 \
-                or self.affinity_tolerance < 0 or self.interference_weight < 0:
+                or self.affinity_tolerance < 0 or self.interference_weight < 0 or self.prefix_import_overhead_s < 0:
             raise ValueError(f"CostConfig: expected_output_tokens, temperature_s, affinity_tolerance, "
-                             f"interference_weight >= 0; power_of_two_above >= 2: {self}")
+                             f"interference_weight, prefix_import_overhead_s >= 0; power_of_two_above >= 2: {self}")
 
 
 @dataclass(slots=True, kw_only=True)  # not frozen: built for every decode worker of every request
@@ -92,6 +100,8 @@ class PrefillPlan:
     itl_s: float = 0.0  # local: D's step time while a chunk rides along (0 when D runs no decodes)
     overhead_s: float = 0.0  # the route kind's fixed cost
     stall_s: float = 0.0  # local: D's running sequences' delay x interference_weight (not in this ttft)
+    import_from: str | None = None  # local: the worker whose cached prefix D pulls first (transfer_s)
+    import_tokens: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -107,6 +117,8 @@ class PrefillPlan:
         if self.kind == "remote":
             terms += f" + transfer {self.transfer_s:.4f}"
             return f"remote on {self.prefill_id} {self.ttft_s:.4f} s = {terms}"
+        if self.import_from is not None:
+            terms += f" + import {self.transfer_s:.4f} ({self.import_tokens} tokens from {self.import_from})"
         return (f"local {self.ttft_s:.4f} s = {terms} + interference {self.interference_s:.4f} "
                 f"(itl {self.itl_s:.4f}, stall of running {self.stall_s:.4f})")
 
@@ -208,11 +220,15 @@ def remote_plan(
     )
 
 
-def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: CostConfig) -> PrefillPlan:
+def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: CostConfig,
+               source: Candidate | None = None) -> PrefillPlan:
     """D prefills itself: its queued prompts, this one's chunks, and a decode step of its batch per chunk;
-    its ``running`` sequences each wait ``uncached / rate`` in all for those chunks (the stall)."""
+    its ``running`` sequences each wait ``uncached / rate`` in all for those chunks (the stall). With a
+    ``source`` holding a longer cached prefix, D first pulls what of it D lacks, when that is cheaper."""
     rate = rates.prefill_tokens_per_s(decode.worker_id, decode.load, on_decode=True)
     uncached = request.uncached_tokens(decode)
+    imported, import_s = _prefix_import(request, decode, source, rate, rates, config)
+    uncached -= imported
     running = decode.num_active
     interference_s = itl_s = 0.0
     if running:
@@ -222,8 +238,33 @@ def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: C
     return PrefillPlan(
         kind="local", prefill_id=None, uncached_tokens=uncached, queue_s=decode.queued_prefill_tokens / rate,
         compute_s=uncached / rate, interference_s=interference_s, itl_s=itl_s, overhead_s=rates.overhead_s("local"),
-        stall_s=config.interference_weight * running * uncached / rate,
+        stall_s=config.interference_weight * running * uncached / rate, transfer_s=import_s,
+        import_from=source.worker_id if imported else None, import_tokens=imported,
     )
+
+
+def _prefix_import(request: RouteRequest, decode: Candidate, source: Candidate | None, rate: float, rates: Rates,
+                   config: CostConfig) -> tuple[int, float]:
+    """(tokens, seconds) of pulling ``source``'s longer cached prefix into D, or (0, 0) when recomputing
+    them on D (at ``rate``) is no slower."""
+    if source is None or source is decode or not config.prefix_import:
+        return 0, 0.0
+    extra = request.cached_tokens(source) - request.cached_tokens(decode)
+    if extra <= 0:
+        return 0, 0.0
+    num_bytes = extra * kv_bytes_per_token(decode, rates, config)
+    seconds = config.prefix_import_overhead_s + num_bytes / (rates.link_gb_per_s(source.worker_id,
+                                                                                 decode.worker_id) * 1e9)
+    return (extra, seconds) if seconds < extra / rate else (0, 0.0)
+
+
+def prefix_source(request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
+    """The worker (either role) holding the longest cached prefix of the prompt; None when none holds
+    a block. Ties: the fewer queued prefill tokens, then the worker id."""
+    holders = [c for c in candidates if c.cached_blocks > 0 and not c.draining]
+    if not holders:
+        return None
+    return min(holders, key=lambda c: (-c.cached_blocks, c.queued_prefill_tokens, c.worker_id))
 
 
 def used_kv_blocks(decode: Candidate) -> int:
@@ -238,11 +279,12 @@ def decode_step_s(decode: Candidate, rates: Rates, batch_size: int, kv_blocks: i
 
 def price_decode(
     request: RouteRequest, decode: Candidate, quotes: Sequence[PrefillQuote], rates: Rates, config: CostConfig,
-    *, floor_tokens: int, no_remote_reason: str = "no prefill workers",
+    *, floor_tokens: int, no_remote_reason: str = "no prefill workers", source: Candidate | None = None,
 ) -> PricedDecode:
-    """D's best prefill plan and its cost; ``quotes`` are the usable prefill workers' (may be empty)."""
+    """D's best prefill plan and its cost; ``quotes`` are the usable prefill workers' (may be empty);
+    ``source``: the longest cached prefix's holder, which a local plan may import from."""
     itl_s = decode_step_s(decode, rates, decode.num_active + 1, used_kv_blocks(decode) + request.blocks_to_admit)
-    local = local_plan(request, decode, rates, config)
+    local = local_plan(request, decode, rates, config, source)
     plan, alternative, verdict = _choose_plan(
         request, decode, local, quotes, rates, config, floor_tokens=floor_tokens, no_remote_reason=no_remote_reason
     )
@@ -264,7 +306,12 @@ def _choose_plan(
     remote = remote_plan(request, quotes, decode, rates, config)
     above = f"{uncached} uncached prompt tokens > threshold {floor_tokens}"
     if local.itl_s > config.itl_target_s:
-        return remote, local, f"local would push itl past target {config.itl_target_s:.4f}; {above}"
+        breaks_itl = f"local would push itl past target {config.itl_target_s:.4f}"
+        if remote.ttft_s <= config.ttft_target_s or remote.cost_s <= local.cost_s:
+            return remote, local, f"{breaks_itl}; {above}"
+        # both targets cannot hold (a queued prefill pool): the lower ttft + stall, as without targets
+        return local, remote, (f"{breaks_itl}, remote its ttft past target {config.ttft_target_s:.4f}: local "
+                               f"predicts the lower ttft + stall")
     if local.cost_s < remote.cost_s:
         return local, remote, "local predicts the lower ttft + stall"
     return remote, local, f"remote predicts the lower ttft + stall; {above}"

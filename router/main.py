@@ -68,12 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--itl-target-ms", type=float, default=CostConfig().itl_target_s * 1e3,
                         help="the cost policy prefills remotely rather than push a decode worker's step time "
                         "past this (default: %(default)s)")
+    parser.add_argument("--ttft-target-ms", type=float, default=CostConfig().ttft_target_s * 1e3,
+                        help="...unless the remote prefill's predicted TTFT is past this and it costs more "
+                        "(default: %(default)s)")
     parser.add_argument("--expected-output-tokens", type=int, default=CostConfig().expected_output_tokens,
                         help="decode steps the cost policy prices a request for: its max_tokens - 1, at most "
                         "this, and this when it sets none (default: %(default)s)")
     parser.add_argument("--interference-weight", type=float, default=CostConfig().interference_weight,
                         help="cost per second a local prefill stalls each of the decode worker's running "
                         "sequences; 1 weighs their delay like the request's own (default: %(default)s)")
+    parser.add_argument("--no-prefix-import", dest="prefix_import", action="store_false",
+                        help="never have a decode worker pull a cached prefix from another worker (Worker/"
+                        "LeasePrefix) instead of recomputing it; the cost policy imports when the pull is cheaper")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     parser.add_argument("--max-inflight-requests", type=int, default=None,
@@ -118,9 +124,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                             max_queued_prefill_tokens=args.max_queued_prefill_tokens, policy=args.policy,
                             cost=CostConfig(temperature_s=args.router_temperature,
                                             itl_target_s=args.itl_target_ms / 1e3,
+                                            ttft_target_s=args.ttft_target_ms / 1e3,
                                             expected_output_tokens=args.expected_output_tokens,
                                             interference_weight=args.interference_weight,
-                                            kv_layerwise=args.kv_layerwise)),
+                                            kv_layerwise=args.kv_layerwise,
+                                            prefix_import=args.prefix_import)),
     )
 
 

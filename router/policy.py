@@ -112,9 +112,13 @@ class RouteDecision:
     prefill_id: str | None  # set exactly when kind is REMOTE
     decode_cached_tokens: int = 0
     predicted_ttft_s: float | None = None  # the cost policy's prediction
+    # local only: pull this worker's cached prefix (LeasePrefix) of ``prefix_tokens`` before prefilling
+    prefix_source_id: str | None = None
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         assert (self.prefill_id is not None) == (self.kind is RouteKind.REMOTE), self
+        assert self.prefix_source_id is None or self.kind is RouteKind.LOCAL, self
 
 
 @dataclass(slots=True, kw_only=True)
@@ -177,8 +181,9 @@ def route_by_cost(
     prefills, no_remote_reason = _usable_prefills(candidates, config, exclude)
     quotes = cost_model.quote_prefills(request, prefills, state.rates)
     sampled = cost_model.sample_decodes(fits, config.cost, state.rng)
+    source = cost_model.prefix_source(request, [c for c in candidates if c.worker_id not in exclude])
     priced = [
-        cost_model.price_decode(request, decode, quotes, state.rates, config.cost,
+        cost_model.price_decode(request, decode, quotes, state.rates, config.cost, source=source,
                                 floor_tokens=config.disagg_threshold_tokens, no_remote_reason=no_remote_reason)
         for decode in sampled
     ]
@@ -190,12 +195,14 @@ def route_by_cost(
         r = others[0]
         runner_up = (f" (next: {r.decode.worker_id} cost {r.cost_s:.4f} s = ttft {r.plan.ttft_s:.4f} + stall "
                      f"{r.plan.stall_s:.4f} + itl {r.itl_s:.4f}, {request.cached_tokens(r.decode)} cached)")
-    kind = RouteKind.REMOTE if best.plan.kind == "remote" else RouteKind.LOCAL
+    plan = best.plan
+    kind = RouteKind.REMOTE if plan.kind == "remote" else RouteKind.LOCAL
     return RouteDecision(
-        kind=kind, decode_id=best.decode.worker_id, prefill_id=best.plan.prefill_id,
+        kind=kind, decode_id=best.decode.worker_id, prefill_id=plan.prefill_id,
         reason=f"cost{sampled_note}: {request.cached_tokens(best.decode)} of {request.num_prompt_tokens} prompt "
                f"tokens cached on {best.decode.worker_id}{runner_up}; {best.describe()}{note}",
-        decode_cached_tokens=request.cached_tokens(best.decode), predicted_ttft_s=best.plan.ttft_s,
+        decode_cached_tokens=request.cached_tokens(best.decode), predicted_ttft_s=plan.ttft_s,
+        prefix_source_id=plan.import_from, prefix_tokens=plan.import_tokens,
     )
 
 

@@ -38,6 +38,9 @@ class RatesConfig:
     local_overhead_s: float = 0.002  # fixed cost of a local prefill, until learned
     link_gb_per_s: float = 10.0  # P -> D KV pull bandwidth until measured
     alpha: float = 0.2  # EWMA weight of a new sample
+    # a prefill of fewer computed tokens teaches no rate: its time is mostly the step's fixed cost
+    # (launch, sampling, the engine hand-off), and tokens / time would price every prompt far too slow
+    min_prefill_sample_tokens: int = 64
     stale_after_s: float | None = 600.0  # measurements older than this fall back to reports / defaults
 
     def __post_init__(self) -> None:
@@ -123,7 +126,7 @@ class Rates:
     # ---- updates, from measured timings -------------------------------------------------------
     def observe_prefill(self, worker_id: str, num_tokens: int, prefill_ms: float) -> None:
         """A prefill of ``num_tokens`` computed (uncached) tokens took ``prefill_ms``."""
-        if num_tokens > 0 and prefill_ms > 0:
+        if num_tokens >= max(self.config.min_prefill_sample_tokens, 1) and prefill_ms > 0:
             self._ewma(self._prefill, worker_id).add(num_tokens / (prefill_ms * 1e-3), self._clock())
 
     def observe_transfer(self, prefill_id: str, decode_id: str, num_bytes: int, transfer_ms: float,

@@ -45,6 +45,7 @@ from router.output import TextStream
 from router.policy import (
     Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, pick_decode, route,
 )
+from router.prefix_reuse import lease_prefix
 from router.trace import RequestTrace
 from router.tracing import RequestSpans
 
@@ -127,6 +128,10 @@ class _Flow:
         self._decode_active = False
         self._decode_has_handle = False
         self._early_decode: Any = None  # layer-wise: D's Decode call, started on P's handle, not yet read
+        # prefix reuse (router.prefix_reuse): another worker's lease on its cached prefix, for D to pull
+        self._prefix: tuple[WorkerInfo, pb.KVHandle] | None = None
+        self._prefix_released = False
+        self._decode_has_prefix = False
         self._done = False  # the final message was built
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
         self._decision: RouteDecision | None = None
@@ -161,6 +166,8 @@ class _Flow:
                 if self._finish:
                     yield self._final()
                     return
+        elif decision.prefix_source_id is not None:
+            await self._lease_prefix(decision)
         async for response in self._decode(decision.decode_id):
             yield response
         yield self._final()
@@ -276,6 +283,29 @@ class _Flow:
             self._finish = response.finish_reason
         return message
 
+    # ---- prefix reuse ------------------------------------------------------------------------
+    async def _lease_prefix(self, decision: RouteDecision) -> None:
+        """Pin the source's cached prefix for D (at least a block more than D holds); none: D computes it."""
+        source = self._snapshot.info(decision.prefix_source_id or "") if self._snapshot else None
+        if source is None:
+            return
+        min_tokens = decision.decode_cached_tokens + self._route_request.block_size
+        handle = await lease_prefix(self._relay.directory.stub(source), self._job.worker_request_id,
+                                    self._job.prompt_token_ids, self._job.cache_salt, min_tokens, self._remaining_s())
+        if handle is not None:
+            self._prefix = source, handle
+
+    def _prefix_lease(self) -> tuple[WorkerInfo, str] | None:
+        """(source, lease id) of the prefix lease while nobody released it yet."""
+        if self._prefix is None or self._prefix_released:
+            return None
+        return self._prefix[0], self._prefix[1].lease_id
+
+    def _release_prefix(self) -> None:
+        if (lease := self._prefix_lease()) is not None:
+            self._prefix_released = True
+            self._relay.control.release_lease(*lease)
+
     # ---- decode ------------------------------------------------------------------------------
     async def _decode(self, decode_id: str) -> AsyncIterator[pb.GenerateResponse]:
         worker, excluded = self._info(decode_id), []
@@ -310,6 +340,7 @@ class _Flow:
                                                          metadata=metadata)
         self._decode_worker, self._decode_call, self._decode_active = worker, call, True
         self._decode_has_handle = self._handle is not None
+        self._decode_has_prefix = self._handle is None and self._prefix_lease() is not None
         return call
 
     async def _decode_on(self, worker: WorkerInfo) -> AsyncIterator[pb.GenerateResponse]:
@@ -324,6 +355,8 @@ class _Flow:
             async for response in call:
                 if with_handle:
                     self._lease_done()
+                elif self._decode_has_prefix:  # D's pull of the prefix is over
+                    self._release_prefix()
                 self._on_decode_progress(response)
                 num_tokens += len(response.token_ids)
                 if response.token_ids:
@@ -353,6 +386,8 @@ class _Flow:
         )
         if self._handle is not None:
             request.handle.CopyFrom(self._handle)
+        elif self._prefix_lease() is not None:
+            request.prefix_handle.CopyFrom(self._prefix[1])
         return request
 
     def _on_decode_progress(self, response: pb.DecodeResponse) -> None:
@@ -360,10 +395,11 @@ class _Flow:
         timings = response.timings
         if timings.route_reason:  # D fell back to prefilling itself (pull failed, no blocks)
             self._relay.metrics.decision(RouteKind.LOCAL.value, timings.route_reason)
+        source = self._prefill_worker or (self._prefix[0] if self._decode_has_prefix and self._prefix else None)
         if (timings.transfer_bytes and not timings.kv_layerwise  # a streamed pull also waited on P's layers
-                and self._prefill_worker is not None and self._decode_worker is not None):
-            self._relay.routing.rates.observe_transfer(  # learn the P -> D link
-                self._prefill_worker.worker_id, self._decode_worker.worker_id, timings.transfer_bytes,
+                and source is not None and self._decode_worker is not None):
+            self._relay.routing.rates.observe_transfer(  # learn the link from P (or the prefix's holder) to D
+                source.worker_id, self._decode_worker.worker_id, timings.transfer_bytes,
                 timings.transfer_ms, num_tokens=timings.transfer_blocks * self._route_request.block_size)
         if not self._prefilled_remotely:  # D computed the prompt
             self._cached_prompt_tokens = max(self._cached_prompt_tokens, response.num_cached_tokens)
@@ -375,6 +411,8 @@ class _Flow:
         self._decode_call.cancel()
         lease = self._unconsumed_lease() if self._decode_has_handle else None
         self._lease_settled |= lease is not None
+        if lease is None and self._decode_has_prefix and (lease := self._prefix_lease()) is not None:
+            self._prefix_released = True  # D may be pulling it: released once D confirmed the abort
         self._relay.control.abort(self._decode_worker, self._job.worker_request_id, then_release=lease)
 
     def _lease_done(self) -> None:
@@ -464,3 +502,4 @@ class _Flow:
         self._stop_decode()
         if (lease := self._unconsumed_lease()) is not None:
             self._relay.control.release_lease(*lease)
+        self._release_prefix()

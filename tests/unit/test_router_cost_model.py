@@ -5,7 +5,8 @@ Defaults priced with (RatesConfig / CostConfig): prefill 10,000 tok/s on P and 5
 block size), 64 decode steps (a request without max_tokens), ITL target 0.100 s, 512-token prefill chunks, a local
 prefill's stall of D's running sequences weighted 1 (``running x uncached / 5,000``). The hand-computed
 figures leave out the fixed per-route overhead and the KV-usage term of a decode step (``BASE`` zeroes
-them); their own tests below price them.
+them); their own tests below price them. ``COST`` turns cross-worker prefix import off, so a worker lacking a
+prefix recomputes it as the hand-computed figures say; the import's own tests turn it on.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from router.rates import Rates, RatesConfig
 from tests.unit.test_router_policy import req, worker
 
 BASE = RatesConfig(remote_overhead_s=0.0, local_overhead_s=0.0, decode_step_per_kv_block_s=0.0)
-COST = PolicyConfig(disagg_threshold_tokens=64, rates=BASE)
+COST = PolicyConfig(disagg_threshold_tokens=64, rates=BASE, cost=CostConfig(prefix_import=False))
 
 
 def state(seed: int = 0, rates: Rates | None = None) -> RoutingState:
@@ -122,21 +123,37 @@ def test_layerwise_streaming_hides_the_pull_behind_the_prefill():
     fast.observe_transfer("p0", "d0", num_bytes=1_000_000_000, transfer_ms=500.0)  # 2 GB/s: 0.26 s < 0.4 s
     decision = route(req(4000), cands, with_cost(kv_layerwise=True), state=state(rates=fast))
     assert decision.kind is RouteKind.REMOTE and decision.predicted_ttft_s == pytest.approx(0.4)  # all hidden
-    nccl_only = [worker("d0", total=400, free=400),
-                 dataclasses.replace(cands[1], info=dataclasses.replace(cands[1].info, kv_uri="nccl://x:3"))]
-    decision = route(req(4000), nccl_only, with_cost(kv_layerwise=True), state=state(rates=fast))
-    assert decision.predicted_ttft_s == pytest.approx(0.4 + 4000 * 131072 / 2e9)  # nccl does not stream
+    ucx_only = [worker("d0", total=400, free=400),
+                dataclasses.replace(cands[1], info=dataclasses.replace(cands[1].info, kv_uri="ucx://x:3"))]
+    decision = route(req(4000), ucx_only, with_cost(kv_layerwise=True), state=state(rates=fast))
+    assert decision.predicted_ttft_s == pytest.approx(0.4 + 4000 * 131072 / 2e9)  # ucx does not stream
 
 
 def test_local_prefill_that_breaks_the_itl_target_goes_remote_even_when_slower():
-    # d0 runs 10: a 512-token chunk makes its step 0.015 + 0.1024 = 0.1174 s > 0.1 target.
+    # d0 runs 10: a 512-token chunk makes its step 0.015 + 0.1024 = 0.1174 s > 0.1 target. p0 queues 20,000
+    # tokens: remote ttft 2.0 + 0.06 + 600 x 131072 / 1e10 = 2.0679 s, within a 3 s TTFT target.
     cands = [worker("d0", running=10), worker("p0", "prefill", queued=20_000)]
-    decision = route(req(600), cands, COST, state=state())
+    decision = route(req(600), cands, with_cost(ttft_target_s=3.0), state=state())
     assert (decision.kind, decision.prefill_id) == (RouteKind.REMOTE, "p0")
     assert decision.predicted_ttft_s == pytest.approx(2.0 + 0.06 + 600 * 131072 / 1e10)
     assert "local would push itl past target 0.1000" in decision.reason
     relaxed = with_cost(itl_target_s=0.2)
     assert route(req(600), cands, relaxed, state=state()).kind is RouteKind.LOCAL
+
+
+def test_past_both_targets_the_lower_ttft_plus_stall_wins():
+    # as above, with the default 1 s TTFT target: remote (2.0679 s) breaks it, and local costs less:
+    # 600/5000 + 2 chunks x 0.015 = 0.15 s ttft + a stall of 10 x 600/5000 = 1.2 s: 1.35 s < 2.0679 s
+    cands = [worker("d0", running=10), worker("p0", "prefill", queued=20_000)]
+    decision = route(req(600), cands, COST, state=state())
+    assert decision.kind is RouteKind.LOCAL and decision.predicted_ttft_s == pytest.approx(0.15)
+    assert decision.reason.endswith("local would push itl past target 0.1000, remote its ttft past target 1.0000: "
+                                    "local predicts the lower ttft + stall")
+    # a remote plan past the TTFT target that still costs less than the local one keeps the ITL target
+    busy = [worker("d0", running=20), worker("p0", "prefill", queued=10_000)]
+    assert route(req(600), busy, COST, state=state()).kind is RouteKind.REMOTE  # 1.07 s vs 0.19 + 2.4
+    with pytest.raises(ValueError, match="ttft_target_s"):
+        CostConfig(ttft_target_s=0.0)
 
 
 def test_threshold_stays_a_floor():
@@ -229,6 +246,15 @@ def test_rates_converge_to_measured_values_and_go_stale():
     assert rates.decode_step_s("d0", None, 16) == pytest.approx(0.036, abs=2e-3)
     now[0] = 61.0
     assert rates.prefill_tokens_per_s("p0", None) == 10_000.0 and rates.link_gb_per_s("p0", "d0") == 10.0
+
+
+def test_a_prefill_of_a_few_tokens_teaches_no_rate():
+    # 9 tokens in 15 ms is a step's fixed cost, not 600 tok/s: the rate keeps its default
+    rates = Rates(BASE)
+    rates.observe_prefill("d0", num_tokens=9, prefill_ms=15.0)
+    assert rates.prefill_tokens_per_s("d0", None, on_decode=True) == 5_000.0
+    rates.observe_prefill("d0", num_tokens=64, prefill_ms=32.0)
+    assert rates.prefill_tokens_per_s("d0", None, on_decode=True) == pytest.approx(2_000.0)
 
 
 def test_ewma_tracks_a_change():
@@ -486,3 +512,44 @@ def test_router_flags_set_the_output_cap_and_the_interference_weight(tmp_path):
     assert (cost.expected_output_tokens, cost.interference_weight) == (16, 0.25)
     defaults = config_from_args(build_parser().parse_args(["--model", str(tmp_path)])).policy.cost
     assert (defaults.expected_output_tokens, defaults.interference_weight) == (64, 1.0)
+
+
+# ---- cross-worker prefix import -------------------------------------------------------------------
+def test_a_local_plan_imports_a_longer_prefix_held_elsewhere_when_the_pull_is_cheaper():
+    # 2,000 tokens; p0 holds 100 blocks (1,600 tokens), d0 none. Importing them: 0.005 + 1600 x 131072 / 1e10
+    # = 0.02597 s against 1600 / 5000 = 0.32 s of compute on d0. d0 local then computes 400 tokens: 0.08 s,
+    # ttft 0.10597; remote on p0 computes 400 (0.04 s) and moves all 2,000 tokens' KV (0.0262 s): 0.0662 s.
+    cands = [worker("d0", total=300, free=300), worker("p0", "prefill", cached=100, total=300, free=300)]
+    decision = route(req(2000), cands, with_cost(prefix_import=True), state=state())
+    assert (decision.kind, decision.prefill_id, decision.prefix_source_id) == (RouteKind.REMOTE, "p0", None)
+    assert "local 0.1060 s = " in decision.reason and "+ import 0.0260 (1600 tokens from p0)" in decision.reason
+    # a busy p0 (4,000 queued tokens: 0.4 s) makes the local plan with the import the cheaper one
+    cands[1] = worker("p0", "prefill", cached=100, total=300, free=300, queued=4000)
+    decision = route(req(2000), cands, with_cost(prefix_import=True), state=state())
+    assert (decision.kind, decision.prefix_source_id, decision.prefix_tokens) == (RouteKind.LOCAL, "p0", 1600)
+    assert decision.predicted_ttft_s == pytest.approx(0.005 + 1600 * 131072 / 1e10 + 400 / 5000)
+
+
+def test_no_import_when_the_link_is_too_slow_or_the_feature_is_off():
+    # at 0.01 GB/s, 1,600 tokens' KV takes 21 s: recomputing them (0.32 s) is cheaper
+    rates = Rates(dataclasses.replace(BASE, link_gb_per_s=0.01))
+    source = worker("p0", "prefill", cached=100, total=300, free=300)
+    decode = worker("d0", total=300, free=300)
+    assert local_plan(req(2000), decode, rates, CostConfig(), source).import_from is None
+    plan = local_plan(req(2000), decode, Rates(BASE), CostConfig(), source)
+    assert (plan.import_from, plan.import_tokens, plan.uncached_tokens) == ("p0", 1600, 400)
+    assert local_plan(req(2000), decode, Rates(BASE), CostConfig(prefix_import=False), source).import_from is None
+    # a source holding no more than D itself: nothing to import
+    assert local_plan(req(2000), worker("d0", cached=100, total=300, free=300), Rates(BASE), CostConfig(),
+                      source).import_from is None
+    with pytest.raises(ValueError, match="prefix_import_overhead_s"):
+        CostConfig(prefix_import_overhead_s=-1.0)
+
+
+def test_the_prefix_source_is_the_longest_holder_of_either_role():
+    from router.cost_model import prefix_source
+    cands = [worker("d0", cached=10, total=300, free=300), worker("d1", cached=40, total=300, free=300),
+             worker("p0", "prefill", cached=40, total=300, free=300, queued=100),
+             worker("p1", "prefill", cached=40, total=300, free=300)]
+    assert prefix_source(req(2000), cands).worker_id == "d1"  # 40 blocks, nothing queued, lowest id
+    assert prefix_source(req(2000), [worker("d0", total=300, free=300)]) is None

@@ -47,6 +47,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self._first_token_waiters: dict[str, asyncio.Future] = {}
         self.prefill_after_handle: Callable[[pb.PrefillRequest, Any], Any] | None = None  # PrefillStream's 2nd
         self.abort_error: grpc.StatusCode | None = None
+        self.lease_prefix_requests: list[pb.LeasePrefixRequest] = []
+        self.lease_prefix_error: grpc.StatusCode | None = None
         self.prefill: Callable[[pb.PrefillRequest, Any], Any] = self.default_prefill
         self.decode: Callable[[pb.DecodeRequest, Any], AsyncIterator[pb.DecodeResponse]] = self.default_decode
 
@@ -114,6 +116,16 @@ class FakeWorker(pb_grpc.WorkerServicer):
     async def ReleaseLease(self, request, context):
         self.releases.append(request.lease_id)
         return pb.ReleaseLeaseResponse(found=True)
+
+    async def LeasePrefix(self, request, context):
+        """Leases every full block of the prompt but the last token's (as a real worker holding all of it)."""
+        self.lease_prefix_requests.append(request)
+        if self.lease_prefix_error is not None:
+            await context.abort(self.lease_prefix_error, "lease failed")
+        num_blocks = (len(request.token_ids) - 1) // BLOCK_SIZE
+        handle = pb.KVHandle(worker_id=self.worker_id, lease_id=f"prefix-{len(self.lease_prefix_requests)}",
+                             block_ids=list(range(num_blocks)), num_tokens=num_blocks * BLOCK_SIZE)
+        return pb.LeasePrefixResponse(handle=handle)
 
 
 async def hang_forever(*_: Any) -> Any:
@@ -540,6 +552,35 @@ def test_routing_follows_the_kv_index_and_skips_draining_workers(stub, cluster, 
         assert (final.timings.decode_worker, final.timings.route_kind) == ("d0", "remote")
     finally:
         cluster.run(lambda registry: registry.remove_draining("d1"))
+
+
+def test_a_prefix_cached_elsewhere_is_leased_for_the_decode_worker_and_released_after_its_answer(
+        stub, cluster, tokenizer, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    prompt_ids = tokenizer.encode(LONG_PROMPT)
+    hashes = hash_blocks(prompt_ids, BLOCK_SIZE, root_hash(bytes.fromhex(FINGERPRINT), BLOCK_SIZE, b""))
+    cluster.run(lambda registry: registry.index.publish("p0", hashes, []))
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    # p0 holds every full block: importing them leaves d0 a tail under the threshold, so d0 prefills locally
+    assert p0.prefill_requests == [] and [t for r in responses for t in r.token_ids] == tokens[:6]
+    (leased,) = p0.lease_prefix_requests
+    assert list(leased.token_ids) == prompt_ids and leased.min_tokens == BLOCK_SIZE
+    sent = d0.decode_requests[0]
+    assert sent.prefix_handle.lease_id == "prefix-1" and not sent.HasField("handle")
+    t = responses[-1].timings
+    assert t.route_kind == "local" and f"tokens from p0)" in t.route_reason, t.route_reason
+    wait_until(lambda: p0.releases == ["prefix-1"])  # D answered: its pull is over
+
+
+def test_a_failed_prefix_lease_only_costs_the_reuse(stub, cluster, tokenizer, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+    p0.lease_prefix_error = grpc.StatusCode.UNAVAILABLE
+    prompt_ids = tokenizer.encode(LONG_PROMPT)
+    hashes = hash_blocks(prompt_ids, BLOCK_SIZE, root_hash(bytes.fromhex(FINGERPRINT), BLOCK_SIZE, b""))
+    cluster.run(lambda registry: registry.index.publish("p0", hashes, []))
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == tokens[:6] and len(p0.lease_prefix_requests) == 1
+    assert not d0.decode_requests[0].HasField("prefix_handle") and p0.releases == []
 
 
 def test_cache_salt_changes_the_hashes(stub, cluster, tokenizer):
