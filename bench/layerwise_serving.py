@@ -1,6 +1,6 @@
 """Layer-wise KV streaming through the whole serving path: time to the first *decode* token (issue 5).
 
-One prefill and one decode worker (the "small" preset, tcp data plane, one core each) behind two routers
+One prefill and one decode worker (the "small" preset, tcp data plane unless ``--kv-transport``, one core each) behind two routers
 on the same workers: one sends KV after the prefill (``Prefill``, today's default), the other with
 ``--kv-layerwise`` (``PrefillStream``: D pulls each layer while P computes the next). Each request is a
 fresh random prompt under a fresh tenant salt (nothing cached anywhere), greedy, ``max_tokens=2``, so the
@@ -9,7 +9,7 @@ path in both modes) and time to the second token (the pull and D's first step on
 alternate (who goes first rotates); medians per prompt length. Prints a table and writes
 ``bench/results/layerwise_serving.json``.
 
-    python -m bench.layerwise_serving [--tokens 1024 2048 4000] [--runs 8] [--model DIR]
+    python -m bench.layerwise_serving [--tokens 1024 2048 4000] [--runs 8] [--model DIR] [--kv-transport cma]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run(args) -> dict:
     rng = random.Random(0)
     cores = sorted(os.sched_getaffinity(0))[:2]
     plan = core_plan(Layout(name="1P+1D", prefill=1, decode=1), available=cores, router_core=cores[-1])
-    worker_args = ["--kv-transport", "tcp", "--max-num-batched-tokens", str(max(args.tokens) + 16),
+    worker_args = ["--kv-transport", args.kv_transport, "--max-num-batched-tokens", str(max(args.tokens) + 16),
                    "--num-blocks", str(4 * (max(args.tokens) // 16 + 8))]
     router_args = ["--policy", "least_loaded", "--disagg-threshold-tokens", "8"]
     runs = []
@@ -78,7 +78,8 @@ def run(args) -> dict:
                     print(f"[{num_tokens} tokens, run {i + 1}/{args.runs}] {mode:9s} TTFT {result['ttft_s']:.3f} s, "
                           f"2nd token {result['second_token_s']:.3f} s, pull {result['transfer_ms']:.1f} ms", flush=True)
     return {"runs": runs, "summary": summarize(runs, args.tokens),
-            "config": {"tokens": args.tokens, "runs": args.runs, "model": args.model or "small"},
+            "config": {"tokens": args.tokens, "runs": args.runs, "model": args.model or "small",
+                       "kv_transport": args.kv_transport},
             "load_avg_1_5_15": os.getloadavg()}
 
 
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4000], help="prompt lengths")
     parser.add_argument("--runs", type=int, default=8, help="requests per mode and prompt length")
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: the small preset)")
+    parser.add_argument("--kv-transport", default="tcp", choices=("tcp", "cma", "nccl"),
+                        help="the workers' data plane, one that streams layers (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     print(f"load average before: {os.getloadavg()}", flush=True)

@@ -1,5 +1,6 @@
 """The decode role: ``Decode`` adopts a prompt's KV pulled from a prefill worker (or prefills
-locally), then streams tokens from the continuous batch.
+locally), then streams tokens from the continuous batch. With a ``prefix_handle`` (cross-worker prefix
+reuse) it pulls only the leased cached prefix from the worker holding it and prefills the rest itself.
 
 The first response carries this worker's ``Timings``: the pull (``transfer_*``), and for a local prefill
 ``queue_ms``, the engine's wait before the first scheduled step. With tracing on (``proto.tracing``) the
@@ -20,7 +21,7 @@ from engine.core.outputs import RequestDelta
 from decode_node.first_tokens import RECOMPUTE
 from engine.errors import InvalidRequest
 from kv_transfer.errors import KVTransferError
-from kv_transfer.transport import choose_uri, uri_kind
+from kv_transfer.transport import TransferStats, choose_uri, uri_kind
 from prefill_node.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
 from prefill_node.servicer import _STATUS, WorkerServicer, abort_with
 from proto import baton_pb2 as pb
@@ -63,7 +64,10 @@ class DecodeServicer(WorkerServicer):
         kwargs = dict(priority=request.priority, cache_salt=request.cache_salt)
         timings = pb.Timings(decode_worker=node.worker_id)
         start = lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs, **kwargs)  # noqa: E731
-        if request.HasField("handle"):
+        if request.HasField("prefix_handle"):
+            _check_prefix_request(request)
+            start = await self._import_prefix(request, prompt, outputs, params, kwargs, timings, marks) or start
+        elif request.HasField("handle"):
             start = await self._import_kv(request, prompt, outputs, params, kwargs, timings, marks, context) or start
         elif request.first_token_pending:
             raise InvalidRequest("first_token_pending needs a KV handle")
@@ -97,10 +101,7 @@ class DecodeServicer(WorkerServicer):
         marks.pull_s = time.perf_counter()
         try:
             try:
-                uri = choose_uri(handle.data_plane_uri, node.kv_kinds)  # the pair's transport
-                client = node.kv_client(uri_kind(uri))
-                stats = await client.pull(uri, layout_from_pb(handle.layout), handle.lease_id, src, node.kv_buffer,
-                                          dst)
+                stats, kind = await self._pull(handle, src, dst)
             except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
                 logger.warning("request_id=%s worker_id=%s KV pull failed (%s); recomputing locally", rid,
                                node.worker_id, exc)
@@ -115,11 +116,59 @@ class DecodeServicer(WorkerServicer):
         if first == RECOMPUTE:  # P failed after the pull: its first token never came
             timings.route_reason = "prefill worker failed; prefilled locally"
             return lambda e: e.fallback_remote(rid)
-        timings.transfer_bytes, timings.transfer_ms = stats.num_bytes, stats.seconds * 1e3
-        timings.transport = uri_kind(uri)
-        node.metrics.kv_transfer(stats.num_bytes, stats.seconds, timings.transport)
-        timings.transfer_gbps, timings.transfer_blocks = stats.gbps, stats.num_blocks
+        _record_transfer(node, timings, stats, kind)
         return lambda e: e.activate_remote(rid, first)
+
+    async def _import_prefix(self, request, prompt, outputs, params, kwargs, timings, marks):
+        """Reserve the request's blocks, pull the leased prefix blocks this worker lacks; returns how to start
+        the request (None: prefill it all locally). Any failure recomputes the prefix here."""
+        node, rid, handle = self.node, request.request_id, request.prefix_handle
+        problem = _prefix_problem(handle, len(prompt) + len(outputs), node.layout.block_size)
+        if problem is not None:
+            timings.route_reason = f"prefix handle unusable ({problem}); prefilled locally"
+            return None
+        try:
+            reservation = await node.async_engine.call(
+                lambda e: e.add_prefix_request(rid, prompt, outputs, params, **kwargs))
+            if reservation is None:
+                timings.route_reason = "no free blocks for the imported prefix; prefilled locally"
+                return None
+            return await self._pull_prefix(rid, handle, reservation, timings, marks)
+        except BaseException:
+            node.async_engine.abort(rid)  # cancelled while reserving or mid-pull: free the reservation
+            raise
+
+    async def _pull_prefix(self, rid: str, handle: pb.KVHandle, reservation, timings, marks):
+        node, n = self.node, len(handle.block_hashes)
+        if reservation.block_hashes[:n] != tuple(handle.block_hashes):
+            timings.route_reason = (f"prefix from {handle.worker_id} is not this prompt's (block hashes differ); "
+                                    "prefilled locally")
+            return lambda e: e.fallback_remote(rid)
+        local = min(reservation.num_local_blocks, n)
+        src, dst = list(handle.block_ids[local:n]), list(reservation.block_ids[local:n])
+        if src:
+            marks.pull_s = time.perf_counter()
+            try:
+                stats, kind = await self._pull(handle, src, dst)
+            except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
+                logger.warning("request_id=%s worker_id=%s prefix pull from %s failed (%s); recomputing locally",
+                               rid, node.worker_id, handle.worker_id, exc)
+                timings.route_reason = f"prefix pull from {handle.worker_id} failed ({exc}); prefilled locally"
+                return lambda e: e.fallback_remote(rid)
+            _record_transfer(node, timings, stats, kind)
+        block_size = node.layout.block_size
+        timings.route_reason = _prefix_reason(len(src) * block_size, local * block_size, handle.worker_id)
+        return lambda e: e.activate_prefix(rid, n * block_size)
+
+    async def _pull(self, handle: pb.KVHandle, src: list[int], dst: list[int]) -> tuple[TransferStats, str]:
+        """Pull ``handle``'s leased blocks ``src`` into this worker's blocks ``dst`` over the pair's transport
+        (the first of this worker's kinds the peer serves); the layouts are compared before any byte moves."""
+        node = self.node
+        uri = choose_uri(handle.data_plane_uri, node.kv_kinds)
+        kind = uri_kind(uri)
+        stats = await node.kv_client(kind).pull(uri, layout_from_pb(handle.layout), handle.lease_id, src,
+                                                node.kv_buffer, dst)
+        return stats, kind
 
     async def _first_token(self, request: pb.DecodeRequest, context) -> int:
         """Layer-wise: wait for P's first token (the router's FirstToken) while the call lives: the router
@@ -127,6 +176,39 @@ class DecodeServicer(WorkerServicer):
         left_s = context.time_remaining()
         return await self.node.first_tokens.wait(request.request_id, MAX_FIRST_TOKEN_WAIT_S if left_s is None
                                                  else min(left_s, MAX_FIRST_TOKEN_WAIT_S))
+
+
+def _check_prefix_request(request: pb.DecodeRequest) -> None:
+    if request.HasField("handle"):
+        raise InvalidRequest("prefix_handle and handle are exclusive: a prompt's KV comes from one place")
+    if request.first_token_pending:
+        raise InvalidRequest("first_token_pending needs a KV handle, not a prefix_handle")
+
+
+def _prefix_problem(handle: pb.KVHandle, num_tokens: int, block_size: int) -> str | None:
+    """Why a prefix handle cannot cover the first whole blocks of a request of ``num_tokens``, if it cannot."""
+    n = len(handle.block_hashes)
+    if n == 0 or len(handle.block_ids) != n:
+        return f"{len(handle.block_ids)} block ids for {n} block hashes"
+    if handle.num_tokens != n * block_size:
+        return f"num_tokens {handle.num_tokens} is not {n} blocks of {block_size} tokens"
+    if n * block_size >= num_tokens:
+        return f"a prefix of {handle.num_tokens} tokens leaves nothing to compute of {num_tokens}"
+    return None
+
+
+def _prefix_reason(num_pulled_tokens: int, num_local_tokens: int, worker_id: str) -> str:
+    if not num_pulled_tokens:
+        return f"the prefix {worker_id} leased was cached here already ({num_local_tokens} tokens); nothing pulled"
+    local = f" ({num_local_tokens} more were cached here)" if num_local_tokens else ""
+    return f"imported {num_pulled_tokens} prefix tokens from {worker_id}{local}"
+
+
+def _record_transfer(node, timings: pb.Timings, stats: TransferStats, kind: str) -> None:
+    timings.transfer_bytes, timings.transfer_ms = stats.num_bytes, stats.seconds * 1e3
+    timings.transfer_gbps, timings.transfer_blocks = stats.gbps, stats.num_blocks
+    timings.transport = kind
+    node.metrics.kv_transfer(stats.num_bytes, stats.seconds, kind)
 
 
 def _response(delta: RequestDelta, timings: pb.Timings | None) -> pb.DecodeResponse:

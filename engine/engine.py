@@ -14,7 +14,7 @@ from engine.attention.base import AttentionBackend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.block_pool import BlockEvent
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import RequestDelta, SchedulerOutput, SchedulerStats
+from engine.core.outputs import CachedPrefix, PrefixReservation, RequestDelta, SchedulerOutput, SchedulerStats
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.errors import CapacityExceeded, InvalidRequest
@@ -120,8 +120,47 @@ class Engine:
             self.scheduler._requests[request_id].append_output_token(first_token)
         self.scheduler.fallback_remote(request_id)
 
+    def hold_cached_prefix(self, token_ids: list[int], cache_salt: str, min_tokens: int) -> CachedPrefix | None:
+        """Pin this engine's longest cached prefix of a prompt (whole blocks, at most prompt - 1 tokens, under
+        ``cache_salt``'s hashes) for another worker to pull; None when shorter than ``min_tokens`` or empty.
+        Free it with ``release_blocks``."""
+        self._validate(token_ids)
+        block_ids, hashes = self.kv_cache_manager.hold_cached_prefix(token_ids, cache_salt)
+        num_tokens = len(block_ids) * self.cache_config.block_size
+        if not block_ids or num_tokens < min_tokens:
+            self.kv_cache_manager.release(block_ids)
+            return None
+        return CachedPrefix(tuple(block_ids), tuple(hashes), num_tokens)
+
+    def add_prefix_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
+        eos_token_ids: frozenset[int] | None = None,
+    ) -> PrefixReservation | None:
+        """Reserve blocks for a request whose cached prefix another worker holds (reusing what is cached
+        here), or None when the pool is full right now. The caller pulls the prefix blocks not cached here
+        into the reserved ids, then ``activate_prefix``; or ``fallback_remote`` to recompute everything."""
+        request = self._new_request(request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,
+                                    output_token_ids)
+        reserved = self.scheduler.add_remote(request, request.num_tokens)
+        if reserved is None:
+            return None
+        num_hit, block_ids = reserved
+        return PrefixReservation(tuple(block_ids), tuple(request.block_hashes), num_hit)
+
+    def activate_prefix(self, request_id: str, num_prefix_tokens: int) -> None:
+        """The first ``num_prefix_tokens`` (whole blocks) of a reserved request's KV are in place: they count as
+        cached and join the prefix cache; the request prefills the rest here, then decodes."""
+        self.scheduler.activate_prefix(request_id, num_prefix_tokens)
+
     def release_blocks(self, block_ids: list[int]) -> None:
-        """Free blocks a ``hold_blocks`` request handed over (its transfer lease ended)."""
+        """Free blocks a ``hold_blocks`` request handed over or ``hold_cached_prefix`` pinned (their lease ended)."""
         self.kv_cache_manager.release(block_ids)
 
     def _new_request(self, request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,

@@ -129,6 +129,33 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             lease_expires_unix_ms=wall_expiry_ms,
         )
 
+    async def LeasePrefix(self, request: pb.LeasePrefixRequest, context) -> pb.LeasePrefixResponse:
+        """Pin this worker's longest cached prefix of the prompt under a transfer lease (released by
+        ``ReleaseLease`` or its expiry) for another worker to pull; no handle when none of ``min_tokens``."""
+        try:
+            held = await self._hold_prefix(list(request.token_ids), request.cache_salt, request.min_tokens)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await abort_with(context, exc)
+        if held is None:
+            return pb.LeasePrefixResponse()
+        lease = self.node.leases.create(held.block_ids, now=time.monotonic())
+        handle = self._handle(lease, held.num_tokens)
+        handle.block_hashes.extend(held.block_hashes)
+        return pb.LeasePrefixResponse(handle=handle)
+
+    async def _hold_prefix(self, token_ids: list[int], cache_salt: str, min_tokens: int):
+        """The engine's pinned prefix; if this call is cancelled meanwhile, its blocks are freed once pinned."""
+        node = self.node
+        job = asyncio.ensure_future(
+            node.async_engine.call(lambda e: e.hold_cached_prefix(token_ids, cache_salt, min_tokens)))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda done: _release_orphan(node, done))
+            raise
+
     async def Decode(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.node.worker_id} is a prefill worker")
 
@@ -165,6 +192,12 @@ def prefill_spans(tracer: Any, parent: Any, started_s: float, timings: pb.Timing
     tracing.record_span(tracer, "prefill.queue", start_ns, queue_ns, span)
     tracing.record_span(tracer, "prefill.compute", start_ns + queue_ns, total_ns - queue_ns, span)
     span.end(end_time=start_ns + total_ns)
+
+
+def _release_orphan(node: WorkerNode, job: asyncio.Future) -> None:
+    """A prefix pinned for a ``LeasePrefix`` call that was cancelled before it could lease it."""
+    if not job.cancelled() and job.exception() is None and job.result() is not None:
+        node.async_engine.submit(lambda e: e.release_blocks(list(job.result().block_ids)))
 
 
 def _real_finish(engine_finish, params, num_prompt_tokens: int, max_model_len: int) -> FinishReason | None:

@@ -393,7 +393,7 @@ class _Flow:
     def _on_decode_progress(self, response: pb.DecodeResponse) -> None:
         self._trace.merge(response.timings)
         timings = response.timings
-        if timings.route_reason:  # D fell back to prefilling itself (pull failed, no blocks)
+        if "prefilled locally" in timings.route_reason:  # D fell back to prefilling itself (pull failed, ...)
             self._relay.metrics.decision(RouteKind.LOCAL.value, timings.route_reason)
         source = self._prefill_worker or (self._prefix[0] if self._decode_has_prefix and self._prefix else None)
         if (timings.transfer_bytes and not timings.kv_layerwise  # a streamed pull also waited on P's layers

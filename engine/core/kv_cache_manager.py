@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from engine.config import CacheConfig
 from engine.core.block_pool import BlockPool
 from engine.core.request import Request
-from kv_transfer.hashing import BlockHash, root_hash
+from kv_transfer.hashing import BlockHash, hash_blocks, root_hash
 
 
 class KVCacheManager:
@@ -42,6 +42,21 @@ class KVCacheManager:
         request.update_block_hashes(self.root(request.cache_salt), self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         return self.pool.longest_cached_prefix(request.block_hashes[:max_blocks])
+
+    def prompt_hashes(self, token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
+        """The full blocks' hashes of ``token_ids``, as a request with ``cache_salt`` computes them."""
+        return hash_blocks(token_ids, self.block_size, self.root(cache_salt))
+
+    def hold_cached_prefix(self, token_ids: Sequence[int], cache_salt: str) -> tuple[list[int], list[BlockHash]]:
+        """Pin (one more reference each) the longest cached prefix of ``token_ids``, at most
+        ``(len - 1) // block_size`` blocks like a local hit; the caller frees them with ``release``."""
+        if not self.enable_caching:
+            return [], []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = self.prompt_hashes(token_ids[: max_blocks * self.block_size], cache_salt)
+        block_ids = self.pool.longest_cached_prefix(hashes)
+        self.pool.touch(block_ids)
+        return block_ids, hashes[: len(block_ids)]
 
     def record_prefix_lookup(self, request: Request, num_hit_blocks: int) -> None:
         """Count one admission's prefix-cache lookup (once per admission, not per attempt)."""

@@ -69,3 +69,22 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """A prompt's longest cached prefix, pinned for another worker to pull (``Engine.hold_cached_prefix``)."""
+
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]  # one per block: the prefix is whole blocks
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixReservation:
+    """Blocks reserved for a request whose prefix KV another worker holds (``Engine.add_prefix_request``):
+    its first ``num_local_blocks`` were cached here already; the caller fills the rest of the prefix."""
+
+    block_ids: tuple[int, ...]  # the request's blocks, every token's
+    block_hashes: tuple[bytes, ...]  # this worker's hashes of the request's full blocks
+    num_local_blocks: int

@@ -85,6 +85,17 @@ class Scheduler:
         request.transition(RequestStatus.RUNNING)
         self.running.append(request)
 
+    def activate_prefix(self, request_id: str, num_prefix_tokens: int) -> None:
+        """A prefix of a reserved request's KV is in place (pulled, or cached here): it counts as cached and
+        the request prefills the rest in the running batch (chunked, within the token budget)."""
+        request = self._requests[request_id]
+        num_computed = max(num_prefix_tokens, request.num_cached_tokens)
+        assert num_computed % self.kv_cache.block_size == 0 and num_computed < request.num_tokens
+        request.num_computed_tokens = request.num_cached_tokens = num_computed
+        self.kv_cache.commit(request)
+        request.transition(RequestStatus.RUNNING)
+        self.running.append(request)
+
     def fallback_remote(self, request_id: str) -> None:
         """The pull failed: free the reserved blocks and prefill locally instead (recompute)."""
         request = self._requests[request_id]
