@@ -115,7 +115,8 @@ class Rates:
     def __init__(self, config: RatesConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or RatesConfig()
         self._clock = clock
-        self._prefill: dict[str, Ewma] = {}
+        self._prefill: dict[str, Ewma] = {}  # prefill workers' measured rates
+        self._local_prefill: dict[str, Ewma] = {}  # decode workers' (a prompt's chunks share steps with decodes)
         self._steps: dict[str, StepFit] = {}
         self._links: dict[tuple[str, str], Ewma] = {}
         self._kv_bytes_per_token = Ewma(self.config.alpha)
@@ -124,10 +125,13 @@ class Rates:
         self._reported_slope: dict[str, tuple[float, float]] = {}  # worker -> (its reported per-seq slope, when)
 
     # ---- updates, from measured timings -------------------------------------------------------
-    def observe_prefill(self, worker_id: str, num_tokens: int, prefill_ms: float) -> None:
-        """A prefill of ``num_tokens`` computed (uncached) tokens took ``prefill_ms``."""
+    def observe_prefill(self, worker_id: str, num_tokens: int, prefill_ms: float, *,
+                        on_decode: bool = False) -> None:
+        """A prefill of ``num_tokens`` computed (uncached) tokens took ``prefill_ms`` (``on_decode``: a decode
+        worker's local prefill)."""
         if num_tokens >= max(self.config.min_prefill_sample_tokens, 1) and prefill_ms > 0:
-            self._ewma(self._prefill, worker_id).add(num_tokens / (prefill_ms * 1e-3), self._clock())
+            table = self._local_prefill if on_decode else self._prefill
+            self._ewma(table, worker_id).add(num_tokens / (prefill_ms * 1e-3), self._clock())
 
     def observe_transfer(self, prefill_id: str, decode_id: str, num_bytes: int, transfer_ms: float,
                          num_tokens: int | None = None) -> None:
@@ -162,17 +166,26 @@ class Rates:
 
     # ---- estimates ----------------------------------------------------------------------------
     def prefill_tokens_per_s(self, worker_id: str, load: WorkerLoad | None, *, on_decode: bool = False) -> float:
-        """Measured, else reported, else (prefill workers) the measured peers' mean, else the default."""
-        measured = self._prefill.get(worker_id)
+        """Measured, else reported, else the measured peers' mean (a decode worker: its measured decode peers',
+        else the prefill workers' times ``decode_prefill_factor``), else the default. Peers first: the same
+        model on the same kind of machine, where a default can be 10x off (a CPU) and would make an
+        unmeasured worker look fast beside a measured one."""
+        table = self._local_prefill if on_decode else self._prefill
+        measured = table.get(worker_id)
         if measured is not None and self._fresh(measured.updated_s):
             return measured.value
         if load is not None and load.prefill_tokens_per_s:
             return load.prefill_tokens_per_s
+        if peers := self._fresh_mean(table):
+            return peers
         factor = self.config.decode_prefill_factor if on_decode else 1.0
-        peers = [e.value for e in self._prefill.values() if self._fresh(e.updated_s)]
-        if peers and not on_decode:
-            return sum(peers) / len(peers)
+        if on_decode and (prefill_peers := self._fresh_mean(self._prefill)):
+            return prefill_peers * factor
         return self.config.prefill_tokens_per_s * factor
+
+    def _fresh_mean(self, table: dict[str, Ewma]) -> float | None:
+        values = [e.value for e in table.values() if self._fresh(e.updated_s)]
+        return sum(values) / len(values) if values else None
 
     def decode_step_s(self, worker_id: str, load: WorkerLoad | None, batch_size: int, kv_blocks: int = 0,
                       *, total_blocks: int | None = None) -> float:

@@ -472,7 +472,7 @@ class _Flow:
         rates.observe_ttft(decision.kind.value, timings.ttft_ms * 1e-3, timings.prefill_ms * 1e-3)
         if decision.kind is RouteKind.LOCAL:
             computed = request.num_prompt_tokens - self._cached_prompt_tokens
-            rates.observe_prefill(decision.decode_id, computed, timings.prefill_ms - timings.queue_ms)
+            rates.observe_prefill(decision.decode_id, computed, timings.prefill_ms - timings.queue_ms, on_decode=True)
         decode = next((c for c in self._candidates if c.worker_id == decision.decode_id), None)
         if decode is not None and timings.decode_tokens_per_s > 0:
             kv_blocks = used_kv_blocks(decode) + request.blocks_to_admit

@@ -224,8 +224,10 @@ def test_reported_rates_are_used_until_measured():
     assert decision.predicted_ttft_s == pytest.approx(400 / 40_000 + 400 * 131072 / 1e10)
     rates = Rates(BASE)
     rates.observe_prefill("p0", num_tokens=400, prefill_ms=100.0)  # measured 4,000 tok/s wins over the report
+    # (and prices the unmeasured d0 at half of it: local 400 / 2,000 = 0.2 s loses to remote 0.1 + the pull)
     decision = route(req(400), [worker("d0"), p0], COST, state=state(rates=rates))
-    assert decision.kind is RouteKind.LOCAL and decision.predicted_ttft_s == pytest.approx(400 / 5000)
+    assert decision.kind is RouteKind.REMOTE and decision.predicted_ttft_s == pytest.approx(
+        400 / 4000 + 400 * 131072 / 1e10)
 
 
 def test_rates_converge_to_measured_values_and_go_stale():
@@ -251,10 +253,22 @@ def test_rates_converge_to_measured_values_and_go_stale():
 def test_a_prefill_of_a_few_tokens_teaches_no_rate():
     # 9 tokens in 15 ms is a step's fixed cost, not 600 tok/s: the rate keeps its default
     rates = Rates(BASE)
-    rates.observe_prefill("d0", num_tokens=9, prefill_ms=15.0)
+    rates.observe_prefill("d0", num_tokens=9, prefill_ms=15.0, on_decode=True)
     assert rates.prefill_tokens_per_s("d0", None, on_decode=True) == 5_000.0
-    rates.observe_prefill("d0", num_tokens=64, prefill_ms=32.0)
+    rates.observe_prefill("d0", num_tokens=64, prefill_ms=32.0, on_decode=True)
     assert rates.prefill_tokens_per_s("d0", None, on_decode=True) == pytest.approx(2_000.0)
+
+
+def test_an_unmeasured_decode_worker_is_priced_like_its_measured_peers():
+    # a CPU: P measured at 400 tok/s. An unmeasured D must not keep the 5,000 tok/s default (it would take
+    # a 1,000-token prompt locally, predicted 0.2 s, measured 10 s): P's rate x decode_prefill_factor.
+    rates = Rates(BASE)
+    rates.observe_prefill("p0", num_tokens=1000, prefill_ms=2500.0)
+    assert rates.prefill_tokens_per_s("d0", None, on_decode=True) == pytest.approx(200.0)
+    assert rates.prefill_tokens_per_s("p1", None) == pytest.approx(400.0)
+    rates.observe_prefill("d1", num_tokens=100, prefill_ms=1000.0, on_decode=True)  # a measured decode peer
+    assert rates.prefill_tokens_per_s("d0", None, on_decode=True) == pytest.approx(100.0)
+    assert rates.prefill_tokens_per_s("p1", None) == pytest.approx(400.0)  # decode workers' rates stay apart
 
 
 def test_ewma_tracks_a_change():

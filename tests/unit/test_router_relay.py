@@ -237,9 +237,10 @@ def stub(loop, model_dir, redis_server) -> Iterator[pb_grpc.GenerationStub]:
 def fresh_rates(request) -> None:
     """Each test starts from the rates' defaults: what earlier tests' fake workers taught the router (their
     speeds depend on this machine's load) must not change this test's routing decisions."""
-    if "stub" in request.fixturenames:
-        stub = request.getfixturevalue("stub")
-        stub.running.relay.routing.rates = Rates(stub.running.relay.policy.rates)
+    for name in ("stub", "layerwise_stub"):
+        if name in request.fixturenames:
+            stub = request.getfixturevalue(name)
+            stub.running.relay.routing.rates = Rates(stub.running.relay.policy.rates)
 
 
 @pytest.fixture
@@ -666,7 +667,9 @@ def test_generate_cli_reports_errors_without_a_traceback():
 def layerwise_stub(loop, model_dir, redis_server) -> Iterator[pb_grpc.GenerationStub]:
     running = loop.run(start_router(router_config(model_dir, redis_server.url, kv_layerwise=True)))
     with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
+        generation = pb_grpc.GenerationStub(channel)
+        generation.running = running  # fresh_rates resets its learned rates before each test
+        yield generation
     loop.run(running.stop(0.5))
 
 
