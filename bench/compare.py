@@ -103,24 +103,30 @@ def slo_grid(agg: list[dict], disagg: list[dict], ttfts_ms: list[float], tpots_m
                                  "goodput": good / run["duration_s"] if run["duration_s"] > 0 else 0.0}
                 row["goodput_ratio"] = _ratio(row["disaggregated"]["goodput"], row["aggregated"]["goodput"])
                 rows.append(row)
-            knee = next((r for r in sorted(rows, key=lambda r: r["rate"])
-                         if r["aggregated"]["attainment"] < attainment), None)
+            ordered = sorted(rows, key=lambda r: r["rate"])
+            knee = next((r for r in ordered if r["aggregated"]["attainment"] < attainment), None)
+            sustained = {name: _max_rate([{"rate": r["rate"], "slo_attainment": r[name]["attainment"]}
+                                          for r in ordered], attainment) for name in ("aggregated", "disaggregated")}
             out.append({"slo_ttft_ms": ttft, "slo_tpot_ms": tpot, "per_rate": rows,
-                        "knee_rate": knee and knee["rate"], "goodput_ratio_at_knee": knee and knee["goodput_ratio"]})
+                        "knee_rate": knee and knee["rate"], "goodput_ratio_at_knee": knee and knee["goodput_ratio"],
+                        "max_rate_meeting_attainment": sustained})
     return out
 
 
 def print_slo_grid(grid: list[dict]) -> None:
     tpots = sorted({g["slo_tpot_ms"] for g in grid})
     print("\ngoodput ratio (disaggregated / aggregated) where aggregated first falls below the attainment, per SLO:")
-    print(f"{'TTFT SLO':>10} | " + " ".join(f"{f'TPOT {t:g} ms':>18}" for t in tpots))
+    print(f"{'TTFT SLO':>10} | " + " ".join(f"{f'TPOT {t:g} ms':>24}" for t in tpots))
     for ttft in sorted({g["slo_ttft_ms"] for g in grid}):
         cells = []
         for tpot in tpots:
             g = next(x for x in grid if x["slo_ttft_ms"] == ttft and x["slo_tpot_ms"] == tpot)
-            cells.append("no knee" if g["knee_rate"] is None
-                         else f"{_fmt(g['goodput_ratio_at_knee'])} @ {g['knee_rate']:g}/s")
-        print(f"{ttft:>8g} ms | " + " ".join(f"{c:>18}" for c in cells))
+            rates = g["max_rate_meeting_attainment"]
+            knee = "no knee" if g["knee_rate"] is None else f"{_fmt(g['goodput_ratio_at_knee'])} @ {g['knee_rate']:g}"
+            cells.append(f"{knee}; {_fmt(rates['aggregated'], 'g')}/{_fmt(rates['disaggregated'], 'g')}")
+        print(f"{ttft:>8g} ms | " + " ".join(f"{c:>24}" for c in cells))
+    print("cell: goodput ratio @ the rate where aggregated first falls below the attainment; then the highest rate "
+          "(req/s) each layout sustains at that attainment, aggregated/disaggregated (DistServe's goodput)")
 
 
 def _max_rate(runs: list[dict], attainment: float) -> float | None:

@@ -52,6 +52,24 @@ def test_compare_reports_ratios_and_the_goodput_ratio_where_aggregated_first_mis
     compare.print_table(result)  # formats None ratios without failing
 
 
+def test_slo_grid_judges_stored_requests_by_other_slos():
+    def run(rate: float, requests: list[tuple[float, float]]) -> dict:  # (ttft s, e2e s), 11 tokens each
+        return {"rate": rate, "duration_s": 10.0, "requests": [
+            {"ok": True, "ttft_s": t, "e2e_s": e, "output_tokens": 11} for t, e in requests]}
+    fast, slow_start, slow_tokens = (0.5, 1.0), (4.0, 4.5), (0.5, 3.5)  # tpot 50, 50 and 300 ms
+    agg = [run(1, [fast] * 10), run(2, [fast] * 8 + [slow_tokens] * 2)]
+    disagg = [run(1, [fast] * 10), run(2, [fast] * 8 + [slow_start] * 2)]
+    grid = compare.slo_grid(agg, disagg, [3000, 5000], [100], attainment=0.9)
+    strict, loose = grid
+    assert strict["knee_rate"] == 2 and strict["goodput_ratio_at_knee"] == pytest.approx(1.0)  # 8 vs 8 good
+    assert strict["max_rate_meeting_attainment"] == {"aggregated": 1, "disaggregated": 1}
+    # a 5 s TTFT SLO lets the slow starts through, not the slow tokens
+    assert loose["goodput_ratio_at_knee"] == pytest.approx(10 / 8)
+    assert loose["max_rate_meeting_attainment"] == {"aggregated": 1, "disaggregated": 2}
+    assert loose["per_rate"][1]["disaggregated"] == {"attainment": 1.0, "goodput": 1.0}
+    compare.print_slo_grid(grid)
+
+
 def test_parse_rejects_a_layout_without_decode_cores():
     with pytest.raises(SystemExit):
         compare._parse(["--cores", "2", "--prefill", "2"])
