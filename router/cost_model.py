@@ -8,8 +8,9 @@ For a decode worker D, the prompt is computed either
 (with ``--kv-layerwise``, on a pair whose transport streams layers, the pull runs while P computes: only
 ``max(kv_bytes / link - uncached(P) / rate(P), 0)`` is left after P's last layer), and the lower
 ``ttft + stall`` wins, unless local prefill would push D's running decodes past the ITL target (each of
-D's steps then carries a prefill chunk) while the remote plan keeps this request's TTFT within its target
-(past both targets, as when the prefill pool is queued for seconds, the lower ``ttft + stall`` wins again).
+D's steps then carries a prefill chunk) while the remote plan breaks this request's TTFT target by no more
+(relative to each target: a short prompt's one slow step beats a 10 s wait in a queued prefill pool, a long
+prompt's seconds-long stall of D's decodes does not); past both, local must also cost less.
 Under ``floor_tokens`` uncached tokens, always local.
 
 ``stall`` is what a local prefill costs D's *other* sequences: while D computes the prompt's ``uncached``
@@ -307,10 +308,12 @@ def _choose_plan(
     above = f"{uncached} uncached prompt tokens > threshold {floor_tokens}"
     if local.itl_s > config.itl_target_s:
         breaks_itl = f"local would push itl past target {config.itl_target_s:.4f}"
-        if remote.ttft_s <= config.ttft_target_s or remote.cost_s <= local.cost_s:
+        itl_over, ttft_over = local.itl_s / config.itl_target_s, remote.ttft_s / config.ttft_target_s
+        if ttft_over <= itl_over or remote.cost_s <= local.cost_s:
             return remote, local, f"{breaks_itl}; {above}"
-        # both targets cannot hold (a queued prefill pool): the lower ttft + stall, as without targets
-        return local, remote, (f"{breaks_itl}, remote its ttft past target {config.ttft_target_s:.4f}: local "
+        # both targets cannot hold (a queued prefill pool) and remote breaks its own further: local, cheaper
+        return local, remote, (f"local would push itl {itl_over:.1f}x past its target {config.itl_target_s:.4f}, "
+                               f"remote ttft {ttft_over:.1f}x past its {config.ttft_target_s:.4f}: local "
                                f"predicts the lower ttft + stall")
     if local.cost_s < remote.cost_s:
         return local, remote, "local predicts the lower ttft + stall"

@@ -147,11 +147,16 @@ def test_past_both_targets_the_lower_ttft_plus_stall_wins():
     cands = [worker("d0", running=10), worker("p0", "prefill", queued=20_000)]
     decision = route(req(600), cands, COST, state=state())
     assert decision.kind is RouteKind.LOCAL and decision.predicted_ttft_s == pytest.approx(0.15)
-    assert decision.reason.endswith("local would push itl past target 0.1000, remote its ttft past target 1.0000: "
-                                    "local predicts the lower ttft + stall")
+    assert decision.reason.endswith("local would push itl 1.2x past its target 0.1000, remote ttft 2.1x past its "
+                                    "1.0000: local predicts the lower ttft + stall")
     # a remote plan past the TTFT target that still costs less than the local one keeps the ITL target
     busy = [worker("d0", running=20), worker("p0", "prefill", queued=10_000)]
     assert route(req(600), busy, COST, state=state()).kind is RouteKind.REMOTE  # 1.07 s vs 0.19 + 2.4
+    # a long prompt: its chunks push d0's step 5.7x past a 20 ms target, the queue only 5.1x past the TTFT
+    # target: remote (5.1 s), although local costs less (0.222 s + a stall of 2 x 0.2 s)
+    long_wait = [worker("d0", running=2), worker("p0", "prefill", queued=50_000)]
+    decision = route(req(1000), long_wait, with_cost(itl_target_s=0.02), state=state())
+    assert decision.kind is RouteKind.REMOTE and "local would push itl past target 0.0200" in decision.reason
     with pytest.raises(ValueError, match="ttft_target_s"):
         CostConfig(ttft_target_s=0.0)
 
