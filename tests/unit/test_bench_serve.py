@@ -73,7 +73,9 @@ def test_workloads_fit_the_context_and_share_prefixes():
     assert len(chats) == 12
     assert sum(c.prompt[:32] == chats[0].prompt[:32] for c in chats) >= 6
     mixed = serve.long_prompt(200, vocab_size=384, seed=0, long_tokens=900)
-    assert 5 <= sum(len(p.prompt) == 900 for p in mixed) <= 40
+    assert sum(len(p.prompt) == 900 for p in mixed) == 20  # exactly 10%, at seeded positions
+    assert [len(p.prompt) == 900 for p in mixed] != [len(p.prompt) == 900 for p in serve.long_prompt(
+        200, vocab_size=384, seed=1, long_tokens=900)]
     fitted = serve.fit(mixed, max_model_len=512, max_prompt=None, max_output=8)
     assert all(len(p.prompt) + p.max_tokens <= 512 and p.max_tokens <= 8 for p in fitted)
     assert all(4 <= t < 384 for p in fitted for t in p.prompt)
