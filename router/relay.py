@@ -121,6 +121,7 @@ class _Flow:
         self._prefill_pending = False
         self._prefilled_remotely = False  # P produced the first token
         self._handle: pb.KVHandle | None = None
+        # the lease a decode worker is handed: P's handle, or a prefix holder's (``_lease_holder``)
         self._lease_consumed = False  # a decode worker answered a request carrying the handle (and was acked)
         self._lease_settled = False  # its release is already queued
         self._decode_worker: WorkerInfo | None = None
@@ -130,8 +131,6 @@ class _Flow:
         self._early_decode: Any = None  # layer-wise: D's Decode call, started on P's handle, not yet read
         # prefix reuse (router.prefix_reuse): another worker's lease on its cached prefix, for D to pull
         self._prefix: tuple[WorkerInfo, pb.KVHandle] | None = None
-        self._prefix_released = False
-        self._decode_has_prefix = False
         self._done = False  # the final message was built
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
         self._decision: RouteDecision | None = None
@@ -295,17 +294,6 @@ class _Flow:
         if handle is not None:
             self._prefix = source, handle
 
-    def _prefix_lease(self) -> tuple[WorkerInfo, str] | None:
-        """(source, lease id) of the prefix lease while nobody released it yet."""
-        if self._prefix is None or self._prefix_released:
-            return None
-        return self._prefix[0], self._prefix[1].lease_id
-
-    def _release_prefix(self) -> None:
-        if (lease := self._prefix_lease()) is not None:
-            self._prefix_released = True
-            self._relay.control.release_lease(*lease)
-
     # ---- decode ------------------------------------------------------------------------------
     async def _decode(self, decode_id: str) -> AsyncIterator[pb.GenerateResponse]:
         worker, excluded = self._info(decode_id), []
@@ -339,24 +327,20 @@ class _Flow:
         call = self._relay.directory.stub(worker).Decode(self._decode_request(pending), timeout=self._remaining_s(),
                                                          metadata=metadata)
         self._decode_worker, self._decode_call, self._decode_active = worker, call, True
-        self._decode_has_handle = self._handle is not None
-        self._decode_has_prefix = self._handle is None and self._prefix_lease() is not None
+        self._decode_has_handle = self._handle is not None or self._unconsumed_lease() is not None
         return call
 
     async def _decode_on(self, worker: WorkerInfo) -> AsyncIterator[pb.GenerateResponse]:
-        with_handle = self._handle is not None
         if self._early_decode is not None and self._decode_worker is not None \
                 and worker.worker_id == self._decode_worker.worker_id:
             call, self._early_decode = self._early_decode, None
         else:
             call = self._start_decode(worker)
-        num_tokens = 0
+        with_handle, num_tokens = self._decode_has_handle, 0
         try:
             async for response in call:
                 if with_handle:
                     self._lease_done()
-                elif self._decode_has_prefix:  # D's pull of the prefix is over
-                    self._release_prefix()
                 self._on_decode_progress(response)
                 num_tokens += len(response.token_ids)
                 if response.token_ids:
@@ -386,7 +370,7 @@ class _Flow:
         )
         if self._handle is not None:
             request.handle.CopyFrom(self._handle)
-        elif self._prefix_lease() is not None:
+        elif self._prefix is not None and self._unconsumed_lease() is not None:
             request.prefix_handle.CopyFrom(self._prefix[1])
         return request
 
@@ -395,7 +379,7 @@ class _Flow:
         timings = response.timings
         if "prefilled locally" in timings.route_reason:  # D fell back to prefilling itself (pull failed, ...)
             self._relay.metrics.decision(RouteKind.LOCAL.value, timings.route_reason)
-        source = self._prefill_worker or (self._prefix[0] if self._decode_has_prefix and self._prefix else None)
+        source = (self._lease_holder() or (None, None))[0]
         if (timings.transfer_bytes and not timings.kv_layerwise  # a streamed pull also waited on P's layers
                 and source is not None and self._decode_worker is not None):
             self._relay.routing.rates.observe_transfer(  # learn the link from P (or the prefix's holder) to D
@@ -411,12 +395,11 @@ class _Flow:
         self._decode_call.cancel()
         lease = self._unconsumed_lease() if self._decode_has_handle else None
         self._lease_settled |= lease is not None
-        if lease is None and self._decode_has_prefix and (lease := self._prefix_lease()) is not None:
-            self._prefix_released = True  # D may be pulling it: released once D confirmed the abort
         self._relay.control.abort(self._decode_worker, self._job.worker_request_id, then_release=lease)
 
     def _lease_done(self) -> None:
-        """D answered a request carrying the handle, so its pull is over: P may unpin the blocks now.
+        """D answered a request carrying the handle, so its pull is over: P (or the prefix holder) may unpin
+        the blocks now.
 
         This is the ack of DESIGN.md's pull model, sent on D's behalf (D streams only after its import);
         if D or the transport acked already, P answers found=false.
@@ -426,11 +409,19 @@ class _Flow:
             self._spans.end("kv.lease")
         self._lease_consumed = True
 
+    def _lease_holder(self) -> tuple[WorkerInfo, pb.KVHandle] | None:
+        """The worker whose lease a decode worker is handed, and the handle: P's after a remote prefill,
+        else the prefix holder's (prefix reuse); None when there is none."""
+        if self._handle is not None:
+            return None if self._prefill_worker is None else (self._prefill_worker, self._handle)
+        return self._prefix
+
     def _unconsumed_lease(self) -> tuple[WorkerInfo, str] | None:
-        """(P, lease id) of a handle no decode worker has consumed and nobody releases yet."""
-        if self._handle is None or self._lease_consumed or self._lease_settled or self._prefill_worker is None:
+        """(holder, lease id) of a handle no decode worker has consumed and nobody releases yet."""
+        held = self._lease_holder()
+        if held is None or self._lease_consumed or self._lease_settled:
             return None
-        return self._prefill_worker, self._handle.lease_id
+        return held[0], held[1].lease_id
 
     # ---- output ------------------------------------------------------------------------------
     def _tokens(self, token_ids: list[int], logprobs: list[pb.Logprobs]) -> pb.GenerateResponse:
@@ -502,4 +493,3 @@ class _Flow:
         self._stop_decode()
         if (lease := self._unconsumed_lease()) is not None:
             self._relay.control.release_lease(*lease)
-        self._release_prefix()
