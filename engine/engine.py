@@ -210,6 +210,39 @@ class Engine:
         finally:
             pool.free(block_ids)
 
+    def calibrate(self, num_tokens: int = 256) -> tuple[float, float] | None:
+        """Time one prefill of ``num_tokens`` (capped by the step budget, the model length and the free pool)
+        and one decode step after it, on scratch blocks freed at once, and seed ``step_rates`` with them:
+        a worker reports its speed from its first heartbeat, so the router never prices a fresh worker at a
+        default that can be 10x off (what vLLM's start-up profile run is for memory, this is for time). One
+        small untimed forward first pays the first-call costs. Returns (prefill tokens/s, decode step s), or
+        None when the pool has too little room. Call before the engine loop starts."""
+        size = self.cache_config.block_size
+        pool = self.kv_cache_manager.pool
+        num_tokens = min(num_tokens, self.scheduler_config.max_num_batched_tokens, self.max_model_len - 2,
+                         (pool.num_free_blocks - 1) * size)
+        if num_tokens < size:
+            return None
+        block_ids = pool.allocate(self.kv_cache_manager.blocks_needed(num_tokens + 1))
+        try:
+            tokens = [(7 * i + 3) % self.model_config.vocab_size for i in range(num_tokens + 1)]
+            self._timed_forward(tokens[:size], block_ids)  # warm-up
+            prefill_s = self._timed_forward(tokens[:num_tokens], block_ids)
+            decode_s = self._timed_forward(tokens[num_tokens:], block_ids, start=num_tokens)
+        finally:
+            pool.free(block_ids)
+        rates = (num_tokens / prefill_s, decode_s)
+        self.step_rates.seed(*rates)
+        logger.info("calibrated: prefill %.0f tokens/s (%d tokens), decode step %.1f ms", rates[0], num_tokens,
+                    decode_s * 1e3)
+        return rates
+
+    def _timed_forward(self, token_ids: list[int], block_ids: list[int], start: int = 0) -> float:
+        started = time.perf_counter()
+        logits = self.runner.prompt_logits(token_ids, block_ids, start=start, last_only=True)
+        logits.argmax().item()  # waits for the device
+        return time.perf_counter() - started
+
     # ---- the loop ------------------------------------------------------------------------
     def step(
         self, *, on_scheduled: ScheduledHook | None = None, on_layer: LayerHook | None = None

@@ -58,14 +58,17 @@ class ModelRunner:
         return SampledTokens(result.token_ids.tolist(), _logprob_lists(result))
 
     @torch.inference_mode()
-    def prompt_logits(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> torch.Tensor:
-        """Logits at every position of one prompt [T, vocab], its KV written into ``block_ids``."""
-        slices = [SeqSlice(0, len(token_ids), block_ids)]
+    def prompt_logits(self, token_ids: Sequence[int], block_ids: Sequence[int], *, start: int = 0,
+                      last_only: bool = False) -> torch.Tensor:
+        """Logits of one sequence's tokens at positions [start, start + T) [T, vocab] (``last_only``: the last
+        position's [1, vocab], as a step computes them), their KV written into ``block_ids``, which hold the
+        first ``start`` tokens' KV already."""
+        slices = [SeqSlice(start, len(token_ids), block_ids)]
         metadata = self.backend.build_metadata(slices, self.block_size, self.device)
-        positions = torch.arange(len(token_ids), device=self.device)
+        positions = torch.arange(start, start + len(token_ids), device=self.device)
         input_ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, ForwardBatch(positions, self.kv_layers, self.backend, metadata))
-        return self.model.compute_logits(hidden)  # [T, vocab]
+        return self.model.compute_logits(hidden[-1:] if last_only else hidden)  # [T or 1, vocab]
 
     def _device_hook(self, on_layer: LayerHook | None) -> LayerHook | None:
         """``on_layer`` itself on CPU; on CUDA, first record layer i's event on the current stream."""

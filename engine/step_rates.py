@@ -52,5 +52,14 @@ class StepRates:
                 slope = (self._by - self.decode_batch_size * self.decode_step_s) / var
                 self.decode_step_per_seq_s = max(slope, 0.0)
 
+    def seed(self, prefill_tokens_per_s: float, decode_step_s: float) -> None:
+        """Start-up figures (``Engine.calibrate``: one prefill, one decode step at batch size 1), counted
+        as first samples: the steps that follow move them."""
+        if self.prefill_tokens_per_s is None and prefill_tokens_per_s > 0:
+            self.prefill_tokens_per_s = prefill_tokens_per_s
+        if self.decode_step_s is None and decode_step_s > 0:
+            self.decode_step_s, self.decode_batch_size = decode_step_s, 1.0
+            self._bb, self._by = 1.0, decode_step_s
+
     def _ewma(self, value: float | None, sample: float) -> float:
         return sample if value is None else value + self.alpha * (sample - value)

@@ -53,6 +53,9 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (CPU)")
+    p.add_argument("--calibrate-tokens", type=int, default=256,
+                   help="at start, time a prefill of this many tokens and one decode step, so the router prices "
+                   "this worker from its first heartbeat (default: %(default)s; 0: learn from traffic only)")
     p.add_argument("--lease-ttl-s", type=float, default=30.0, help="how long unpulled KV stays pinned")
     p.add_argument("--heartbeat-ttl-s", type=float, default=6.0)
     p.add_argument("--metrics-port", type=int, default=9400,
@@ -91,7 +94,7 @@ def worker_config(role: str, args: argparse.Namespace):
         grpc_port=args.port, kv_transport=args.kv_transport, kv_port=args.kv_port, worker_id=args.worker_id,
         kv_advertise_uri=args.kv_advertise_uri, kv_checksum=args.kv_checksum, kv_io_timeout_s=args.kv_io_timeout_s,
         kv_secret=load_secret(args.kv_secret_file),
-        lease_ttl_s=args.lease_ttl_s, heartbeat_ttl_s=args.heartbeat_ttl_s,
+        calibrate_tokens=args.calibrate_tokens, lease_ttl_s=args.lease_ttl_s, heartbeat_ttl_s=args.heartbeat_ttl_s,
         heartbeat_interval_s=min(2.0, args.heartbeat_ttl_s / 3), metrics_port=args.metrics_port,
         on_drain=args.on_drain, drain_settle_s=args.drain_settle_s, tls=tls_config,
     )

@@ -59,6 +59,7 @@ class WorkerConfig:
     kv_io_timeout_s: float = 10.0  # the longest a pull waits on its peer at any one point (decode role)
     kv_secret: bytes | None = field(default=None, repr=False)  # data-plane HMAC secret (kv_transfer/auth.py)
     worker_id: str | None = None
+    calibrate_tokens: int = 256  # Engine.calibrate at start, before registering (0: no calibration)
     lease_ttl_s: float = 30.0
     heartbeat_ttl_s: float = 6.0
     heartbeat_interval_s: float = 2.0
@@ -87,6 +88,8 @@ class WorkerNode:
         loop = asyncio.get_running_loop()
         self.loop = loop
         self.engine: Engine = await asyncio.to_thread(Engine, self.config.engine)
+        if self.config.calibrate_tokens > 0:  # before the engine loop runs: the thread has the engine to itself
+            await asyncio.to_thread(self.engine.calibrate, self.config.calibrate_tokens)
         self.layout = _layout(self.engine)
         self.layerwise = LayerwiseHooks(loop, self.layout.num_layers, self._on_admitted, self._ready_probe)
         self.async_engine = AsyncEngine(self.engine, on_held=self._on_held, step_hooks=self.layerwise)

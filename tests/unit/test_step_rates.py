@@ -62,3 +62,45 @@ def test_the_engine_fits_its_decode_step_slope_over_batch_size():
     flat = StepRates()
     flat.observe(step((reqs[0], 12, 1)), 0.01)
     assert flat.decode_step_per_seq_s is None  # one batch size: no slope to tell
+
+
+def test_seed_counts_as_a_first_sample_and_never_overrides_a_measurement():
+    rates = StepRates(alpha=0.5)
+    rates.seed(1000.0, 0.02)
+    assert rates.prefill_tokens_per_s == 1000.0 and rates.decode_step_s == 0.02 and rates.decode_batch_size == 1.0
+    rates.observe(step((request("a", 100), 0, 64)), 0.032)  # 2000 tokens/s moves the seed half way
+    assert rates.prefill_tokens_per_s == pytest.approx(1500.0)
+    rates.seed(9.0, 9.0)  # a second seed changes nothing measured
+    assert rates.prefill_tokens_per_s == pytest.approx(1500.0) and rates.decode_step_s == 0.02
+
+
+def test_calibrate_seeds_the_rates_on_scratch_blocks_and_leaves_the_engine_as_it_was(tmp_path):
+    model = str(build_model("tiny", tmp_path, train_steps=5, progress=lambda _: None))
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    prompt = list(range(5, 45))
+
+    def tokens(engine: Engine) -> list[int]:
+        engine.add_request("r", prompt, params)
+        out = []
+        while engine.has_unfinished():
+            out += [t for d in engine.step() for t in d.new_token_ids]
+        return out
+
+    engine = Engine(EngineConfig(model=model, num_blocks=64, block_size=4, num_threads=1))
+    free = engine.stats().num_free_blocks
+    prefill_rate, decode_s = engine.calibrate(64)
+    assert engine.step_rates.prefill_tokens_per_s == prefill_rate > 0
+    assert engine.step_rates.decode_step_s == decode_s > 0 and engine.step_rates.decode_batch_size == 1.0
+    assert engine.stats().num_free_blocks == free and engine.take_block_events() == []  # nothing cached, nothing leaked
+    assert engine.stats().prefix_cache_queries == 0
+    fresh = Engine(EngineConfig(model=model, num_blocks=64, block_size=4, num_threads=1))
+    assert tokens(engine) == tokens(fresh)  # the scratch KV is never read as anybody's prefix
+
+
+def test_calibrate_fits_what_the_pool_and_step_budget_allow(tmp_path):
+    model = str(build_model("tiny", tmp_path, train_steps=5, progress=lambda _: None))
+    small = Engine(EngineConfig(model=model, num_blocks=3, block_size=4, num_threads=1))
+    assert small.calibrate(256) is not None  # capped to (3 - 1) blocks x 4 = 8 tokens: still a sample
+    assert small.stats().num_free_blocks == 3
+    tiny_pool = Engine(EngineConfig(model=model, num_blocks=1, block_size=4, num_threads=1))
+    assert tiny_pool.calibrate(256) is None and tiny_pool.step_rates.prefill_tokens_per_s is None
