@@ -13,6 +13,13 @@ open-loop at Poisson arrivals (seeded, identical for every policy). Reports per 
 rate (sum of ``usage.cached_prompt_tokens`` / sum of prompt tokens) against the oracle (each request's
 longest block-aligned prefix seen in any earlier request), TTFT p50/p90, ITL p50/p99 (per-token arrival
 times of the streams) and output tokens/s. Writes bench/results/routing.json and routing.png.
+
+``--repeats N`` runs N workloads (seeds ``--seed`` .. ``--seed + N - 1``; each policy on the same arrivals
+within a repeat, the policies' order rotated from one repeat to the next), pools every request of a policy
+for its figures, and compares the first policy with each other one on every figure with a paired bootstrap
+over requests (resampled within each repeat, the same requests for both policies): the 95% interval of the
+difference is the run-to-run noise the comparison has to beat. "Worse by more than noise" = the whole
+interval on the worse side.
 """
 
 from __future__ import annotations
@@ -112,17 +119,19 @@ def _free_port() -> int:
 
 
 def start_platform(redis_url: str, model: str, policy: str, log_dir: Path, children: list[Child],
-                   num_blocks: int = 2048) -> str:
-    """2 prefill + 2 decode workers and a router in namespace ``bench-{policy}``; the router's address."""
-    common = ["--redis-url", redis_url, "--model", model, "--namespace", f"bench-{policy}"]
+                   num_blocks: int = 2048, tag: str | None = None) -> str:
+    """2 prefill + 2 decode workers and a router in namespace ``bench-{tag}`` (default: the policy's name);
+    the router's address."""
+    tag = tag or policy
+    common = ["--redis-url", redis_url, "--model", model, "--namespace", f"bench-{tag}"]
     for role in ("prefill", "decode"):
         for i in range(2):
-            worker_id = f"{policy}-{role[0]}{i}"
+            worker_id = f"{tag}-{role[0]}{i}"
             spawn(worker_id, [role, *common, "--port", str(_free_port()), "--worker-id", worker_id,
                               "--num-threads", "1", "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks)],
                   log_dir, children)
     port = _free_port()
-    spawn(f"router-{policy}", ["router", *common, "--port", str(port), "--policy", policy,
+    spawn(f"router-{tag}", ["router", *common, "--port", str(port), "--policy", policy,
                                      "--http-port", "0", "--metrics-port", "0"], log_dir, children)
     return f"127.0.0.1:{port}"
 
@@ -174,19 +183,56 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def summarize(outcomes: list[Outcome]) -> dict:
+def figures(outcomes: list[Outcome]) -> dict[str, float]:
+    """The compared figures of a set of requests (also of a bootstrap resample)."""
     ttft = [o.ttft_s for o in outcomes]
     itl = [x for o in outcomes for x in o.itl_s]
-    kinds = {k: sum(o.route_kind == k for o in outcomes) for k in ("remote", "local")}
-    decodes = sorted({o.decode_worker for o in outcomes})
     return {
-        "requests": len(outcomes),
         "hit_rate": sum(o.cached_tokens for o in outcomes) / sum(o.prompt_tokens for o in outcomes),
         "ttft_p50_ms": _pct(ttft, 0.5) * 1e3, "ttft_p90_ms": _pct(ttft, 0.9) * 1e3,
         "itl_p50_ms": _pct(itl, 0.5) * 1e3, "itl_p99_ms": _pct(itl, 0.99) * 1e3,
-        "output_tokens_per_s": sum(o.output_tokens for o in outcomes) / max(o.finished_s for o in outcomes),
+    }
+
+
+HIGHER_IS_BETTER = {"hit_rate"}
+
+
+def summarize(outcomes: list[Outcome], runs: list[list[Outcome]] | None = None) -> dict:
+    """``outcomes``: every request of a policy; ``runs``: the same split per repeat (throughput is per run)."""
+    runs = runs or [outcomes]
+    kinds = {k: sum(o.route_kind == k for o in outcomes) for k in ("remote", "local")}
+    decodes = sorted({o.decode_worker for o in outcomes})
+    tokens_per_s = [sum(o.output_tokens for o in run) / max(o.finished_s for o in run) for run in runs]
+    return {
+        "requests": len(outcomes), **figures(outcomes),
+        "output_tokens_per_s": sum(tokens_per_s) / len(tokens_per_s),
         "routes": kinds, "per_decode": {d: sum(o.decode_worker == d for o in outcomes) for d in decodes},
     }
+
+
+def paired_bootstrap(a_runs: list[list[Outcome]], b_runs: list[list[Outcome]], *, samples: int = 1000,
+                     seed: int = 0) -> dict[str, dict[str, float]]:
+    """Per figure: ``a - b`` on every request pooled, and its 95% interval over ``samples`` resamples of the
+    requests (within each repeat; the same indices for both policies, which saw the same arrivals)."""
+    rng = random.Random(seed)
+    point_a = figures([o for run in a_runs for o in run])
+    point_b = figures([o for run in b_runs for o in run])
+    diffs: dict[str, list[float]] = {k: [] for k in point_a}
+    for _ in range(samples):
+        picks = [[rng.randrange(len(run)) for _ in run] for run in a_runs]
+        fa = figures([run[i] for run, idx in zip(a_runs, picks) for i in idx])
+        fb = figures([run[i] for run, idx in zip(b_runs, picks) for i in idx])
+        for k in diffs:
+            diffs[k].append(fa[k] - fb[k])
+    out = {}
+    for k, values in diffs.items():
+        low, high = _pct(values, 0.025), _pct(values, 0.975)
+        worse = low > 0 if k not in HIGHER_IS_BETTER else high < 0
+        better = high < 0 if k not in HIGHER_IS_BETTER else low > 0
+        out[k] = {"a": point_a[k], "b": point_b[k], "diff": point_a[k] - point_b[k], "ci95": [low, high],
+                  "ratio": point_a[k] / point_b[k] if point_b[k] else float("nan"),
+                  "verdict": "worse" if worse else "better" if better else "within noise"}
+    return out
 
 
 def per_request(outcome: Outcome, oracle_cached: int) -> dict:
@@ -200,13 +246,21 @@ def per_request(outcome: Outcome, oracle_cached: int) -> dict:
 
 def print_table(report: dict) -> None:
     print(f"\noracle hit rate {report['oracle_hit_rate']:.3f} ({report['requests']} requests, "
-          f"{report['arrival_rate_per_s']} req/s)")
+          f"{report['arrival_rate_per_s']} req/s, {report.get('repeats', 1)} repeat(s) pooled)")
     head = f"{'policy':<16}{'hit':>7}{'/oracle':>9}{'ttft p50':>10}{'p90':>8}{'itl p50':>9}{'p99':>8}{'tok/s':>8}"
     print(head + "   (ms)")
     for name, s in report["policies"].items():
         print(f"{name:<16}{s['hit_rate']:>7.3f}{s['hit_rate'] / report['oracle_hit_rate']:>9.2f}"
               f"{s['ttft_p50_ms']:>10.1f}{s['ttft_p90_ms']:>8.1f}{s['itl_p50_ms']:>9.1f}{s['itl_p99_ms']:>8.1f}"
               f"{s['output_tokens_per_s']:>8.1f}")
+
+
+def print_comparisons(report: dict) -> None:
+    for pair, figs in report.get("comparisons", {}).items():
+        print(f"\n{pair}: difference on the pooled requests [95% paired-bootstrap interval]")
+        for k, c in figs.items():
+            print(f"  {k:<12} {c['a']:>9.3f} vs {c['b']:>9.3f}  ratio {c['ratio']:.2f}  "
+                  f"diff {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]  {c['verdict']}")
 
 
 def plot(ttfts: dict[str, list[float]], path: Path, model: str = "tiny") -> bool:
@@ -243,6 +297,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="workloads (seeds --seed, --seed + 1, ...) per policy, pooled; with several, the first policy "
+                   "is compared with each other one by a paired bootstrap")
     p.add_argument("--num-blocks", type=int, default=2048,
                    help="KV blocks of 16 tokens per worker; fewer than the workload's prefixes make caches evict")
     p.add_argument("--model", default="tiny", help="tiny | small (built offline on first use) | a checkpoint folder")
@@ -253,31 +310,52 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def rotated(policies: list[str], repeat: int) -> list[str]:
+    """Repeat r runs the policies starting at the r-th: no policy always runs first (or last) on the machine."""
+    k = repeat % len(policies)
+    return policies[k:] + policies[:k]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     from engine.tiny import ensure_model
 
     model = str(ensure_model(args.model)) if args.model in ("tiny", "small") else args.model
-    planned = build_workload(args)
-    oracle = sum(oracle_cached_tokens(planned)) / sum(len(r.prompt) for r in planned)
+    policies = args.policies.split(",")
+    workloads = [build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + r}))
+                 for r in range(args.repeats)]
+    oracles = [oracle_cached_tokens(planned) for planned in workloads]
+    oracle = sum(map(sum, oracles)) / sum(len(r.prompt) for planned in workloads for r in planned)
     log_dir = Path(tempfile.mkdtemp(prefix="baton-bench-routing-"))
-    print(f"{len(planned)} requests over {planned[-1].arrival_s:.1f} s; oracle hit rate {oracle:.3f}; "
-          f"logs in {log_dir}", flush=True)
+    print(f"{args.repeats} x {len(workloads[0])} requests over ~{workloads[0][-1].arrival_s:.1f} s each; oracle hit "
+          f"rate {oracle:.3f}; logs in {log_dir}", flush=True)
     redis_children: list[Child] = []
-    outcomes: dict[str, list[Outcome]] = {}
+    runs: dict[str, list[list[Outcome]]] = {name: [] for name in policies}
     try:
         redis_url = start_redis(log_dir, redis_children)
-        for policy in args.policies.split(","):
-            outcomes[policy] = _run_one(redis_url, model, policy, planned, args.max_tokens, log_dir, args.num_blocks)
+        for r, planned in enumerate(workloads):
+            for policy in rotated(policies, r):
+                if args.repeats > 1:
+                    print(f"[repeat {r + 1}/{args.repeats}, seed {args.seed + r}]", flush=True)
+                runs[policy].append(_run_one(redis_url, model, policy, planned, args.max_tokens, log_dir,
+                                             args.num_blocks, tag=f"{policy}-{r}"))
     finally:
         stop_all(redis_children)
-    report = {"requests": len(planned), "arrival_rate_per_s": args.rate, "oracle_hit_rate": oracle,
-              "workload": {k: v for k, v in vars(args).items() if k != "policies"},
-              "policies": {name: summarize(o) for name, o in outcomes.items()},
-              # every request of every policy, in arrival order: where each one went and why, what it cost
-              "per_request": {name: [per_request(o, cached) for o, cached in zip(out, oracle_cached_tokens(planned))]
-                              for name, out in outcomes.items()}}
+    outcomes = {name: [o for run in rs for o in run] for name, rs in runs.items()}
+    report = {"requests": sum(map(len, workloads)), "repeats": args.repeats, "arrival_rate_per_s": args.rate,
+              "oracle_hit_rate": oracle, "workload": {k: v for k, v in vars(args).items() if k != "policies"},
+              "policies": {name: summarize(outcomes[name], runs[name]) for name in policies},
+              "per_repeat": [{name: summarize(runs[name][r]) for name in policies} for r in range(args.repeats)],
+              # every request of every policy, in arrival order per repeat: where it went and why, what it cost
+              "per_request": {name: [{**per_request(o, cached), "repeat": r}
+                                     for r, (run, oracle_r) in enumerate(zip(runs[name], oracles))
+                                     for o, cached in zip(run, oracle_r)] for name in policies}}
+    if len(policies) > 1:
+        first = policies[0]
+        report["comparisons"] = {f"{first} vs {other}": paired_bootstrap(runs[first], runs[other])
+                                 for other in policies[1:]}
     print_table(report)
+    print_comparisons(report)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "routing.json").write_text(json.dumps(report, indent=2))
     ttfts = {name: [o.ttft_s for o in out] for name, out in outcomes.items()}
@@ -287,13 +365,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_one(redis_url: str, model: str, policy: str, planned: list[Planned], max_tokens: int,
-             log_dir: Path, num_blocks: int = 2048) -> list[Outcome]:
-    """A fresh platform for ``policy`` (cold caches), the workload, then the platform stopped."""
+             log_dir: Path, num_blocks: int = 2048, tag: str | None = None) -> list[Outcome]:
+    """A fresh platform for ``policy`` (cold caches, namespace ``bench-{tag}``), the workload, then the
+    platform stopped."""
     children: list[Child] = []
+    tag = tag or policy
     try:
         started = time.monotonic()
-        router = start_platform(redis_url, model, policy, log_dir, children, num_blocks)
-        asyncio.run(wait_for_workers(redis_url, f"bench-{policy}", 4, children))
+        router = start_platform(redis_url, model, policy, log_dir, children, num_blocks, tag=tag)
+        asyncio.run(wait_for_workers(redis_url, f"bench-{tag}", 4, children))
         print(f"[{policy}] platform up in {time.monotonic() - started:.1f} s; sending ...", flush=True)
         grpc.channel_ready_future(grpc.insecure_channel(router)).result(timeout=60)
         outcomes = asyncio.run(run_policy(router, planned, max_tokens))

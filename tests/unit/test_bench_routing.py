@@ -1,0 +1,46 @@
+"""The routing benchmark's pure parts: repeats, pooling, and the paired bootstrap that says what is noise."""
+
+from __future__ import annotations
+
+import random
+
+from bench.routing import Outcome, figures, paired_bootstrap, rotated, summarize
+
+
+def outcome(ttft_s: float, cached: int = 0, itl_s: float = 0.03) -> Outcome:
+    return Outcome(ttft_s=ttft_s, itl_s=[itl_s] * 3, prompt_tokens=100, cached_tokens=cached, output_tokens=4,
+                   finished_s=1.0 + ttft_s, route_kind="remote", decode_worker="d0")
+
+
+def test_rotation_puts_every_policy_first_once_per_cycle():
+    policies = ["cost", "round_robin", "prefix_overlap"]
+    assert [rotated(policies, r)[0] for r in range(4)] == ["cost", "round_robin", "prefix_overlap", "cost"]
+    assert sorted(rotated(policies, 2)) == sorted(policies)
+
+
+def test_pooled_figures_and_per_run_throughput():
+    runs = [[outcome(0.1, 50), outcome(0.3, 0)], [outcome(0.2, 100), outcome(0.4, 50)]]
+    s = summarize([o for run in runs for o in run], runs)
+    assert s["requests"] == 4 and s["hit_rate"] == 200 / 400
+    assert s["ttft_p50_ms"] == 300.0  # the pooled median (upper of the two middle values)
+    assert s["output_tokens_per_s"] == (8 / 1.3 + 8 / 1.4) / 2  # the mean of the runs' rates
+
+
+def test_a_clear_difference_is_outside_the_noise_and_identical_policies_are_within_it():
+    rng = random.Random(1)
+    base = [[rng.uniform(0.1, 1.0) for _ in range(40)] for _ in range(3)]
+    slow = [[outcome(t + 0.5, cached=10) for t in run] for run in base]
+    fast = [[outcome(t, cached=60) for t in run] for run in base]
+    cmp = paired_bootstrap(fast, slow, samples=300)
+    assert cmp["ttft_p50_ms"]["verdict"] == "better" and cmp["ttft_p50_ms"]["ci95"][1] < 0
+    assert cmp["hit_rate"]["verdict"] == "better"  # higher is better for the hit rate
+    assert paired_bootstrap(slow, fast, samples=300)["hit_rate"]["verdict"] == "worse"
+    same = paired_bootstrap(fast, [[outcome(t, cached=60) for t in run] for run in base], samples=300)
+    assert {c["verdict"] for c in same.values()} == {"within noise"}
+    shuffled = [[outcome(t, cached=60) for t in rng.sample(run, len(run))] for run in base]  # same spread, unpaired
+    assert paired_bootstrap(fast, shuffled, samples=300)["ttft_p90_ms"]["verdict"] == "within noise"
+
+
+def test_figures_of_a_resample_match_the_definitions():
+    f = figures([outcome(0.1, 100, itl_s=0.01), outcome(0.2, 0, itl_s=0.05)])
+    assert f["hit_rate"] == 0.5 and f["itl_p50_ms"] == 50.0 and f["ttft_p90_ms"] == 200.0
