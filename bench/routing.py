@@ -16,10 +16,10 @@ times of the streams) and output tokens/s. Writes bench/results/routing.json and
 
 ``--repeats N`` runs N workloads (seeds ``--seed`` .. ``--seed + N - 1``; each policy on the same arrivals
 within a repeat, the policies' order rotated from one repeat to the next), pools every request of a policy
-for its figures, and compares the first policy with each other one on every figure with a paired bootstrap
-over requests (resampled within each repeat, the same requests for both policies): the 95% interval of the
-difference is the run-to-run noise the comparison has to beat. "Worse by more than noise" = the whole
-interval on the worse side.
+for its figures, and compares the first policy with each other one on every figure with a paired two-level
+bootstrap (repeats with replacement, then requests within each; the same picks for both policies): the 95%
+interval of the difference is the noise, run to run and request to request, that a comparison has to beat.
+"Worse by more than noise" = the whole interval on the worse side.
 """
 
 from __future__ import annotations
@@ -212,16 +212,18 @@ def summarize(outcomes: list[Outcome], runs: list[list[Outcome]] | None = None) 
 
 def paired_bootstrap(a_runs: list[list[Outcome]], b_runs: list[list[Outcome]], *, samples: int = 1000,
                      seed: int = 0) -> dict[str, dict[str, float]]:
-    """Per figure: ``a - b`` on every request pooled, and its 95% interval over ``samples`` resamples of the
-    requests (within each repeat; the same indices for both policies, which saw the same arrivals)."""
+    """Per figure: ``a - b`` on every request pooled, and its 95% interval over ``samples`` two-level
+    resamples: repeats with replacement (run-to-run noise: the machine, the order), then requests within
+    each (the same picks for both policies, which saw the same arrivals in a repeat)."""
     rng = random.Random(seed)
     point_a = figures([o for run in a_runs for o in run])
     point_b = figures([o for run in b_runs for o in run])
     diffs: dict[str, list[float]] = {k: [] for k in point_a}
     for _ in range(samples):
-        picks = [[rng.randrange(len(run)) for _ in run] for run in a_runs]
-        fa = figures([run[i] for run, idx in zip(a_runs, picks) for i in idx])
-        fb = figures([run[i] for run, idx in zip(b_runs, picks) for i in idx])
+        repeats = [rng.randrange(len(a_runs)) for _ in a_runs]
+        picks = [(r, [rng.randrange(len(a_runs[r])) for _ in a_runs[r]]) for r in repeats]
+        fa = figures([a_runs[r][i] for r, idx in picks for i in idx])
+        fb = figures([b_runs[r][i] for r, idx in picks for i in idx])
         for k in diffs:
             diffs[k].append(fa[k] - fb[k])
     out = {}
@@ -239,7 +241,8 @@ def per_request(outcome: Outcome, oracle_cached: int) -> dict:
     """One request's record for the JSON (its ITL gaps summarized)."""
     record = {k: getattr(outcome, k) for k in Outcome.__slots__ if k != "itl_s"}
     record.update(ttft_ms=round(outcome.ttft_s * 1e3, 1), oracle_cached_tokens=oracle_cached,
-                  itl_max_ms=round(max(outcome.itl_s, default=0.0) * 1e3, 1))
+                  itl_max_ms=round(max(outcome.itl_s, default=0.0) * 1e3, 1),
+                  itl_ms=[round(x * 1e3, 2) for x in outcome.itl_s])
     del record["ttft_s"]
     return record
 
