@@ -258,7 +258,34 @@ def print_table(report: dict) -> None:
               f"{s['output_tokens_per_s']:>8.1f}")
 
 
+def oracle_ttft_floor(runs: dict[str, list[list[Outcome]]], oracles: list[list[int]],
+                      max_computed: int = 300) -> dict[str, float] | None:
+    """What a router that hits every prefix the oracle does could reach on TTFT p50, on this machine: a line
+    ``ttft = a + b x computed tokens`` fitted over every policy's requests that computed at most
+    ``max_computed`` tokens (no cold prompt: those also queue), applied to each request's oracle-uncached
+    tokens. Below ``floor_p50 / baseline_p50``, a TTFT ratio is out of any router's reach here."""
+    points = [(o.prompt_tokens - o.cached_tokens, o.ttft_s * 1e3) for rs in runs.values() for run in rs for o in run
+              if o.prompt_tokens - o.cached_tokens <= max_computed]
+    if len(points) < 3 or len({x for x, _ in points}) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    intercept = my - slope * mx
+    some_policy = next(iter(runs.values()))
+    floor = [intercept + slope * (o.prompt_tokens - cached)
+             for run, oracle in zip(some_policy, oracles) for o, cached in zip(run, oracle)]
+    return {"ttft_p50_ms": _pct(floor, 0.5), "fit_intercept_ms": intercept, "fit_ms_per_token": slope,
+            "fit_requests": len(points)}
+
+
 def print_comparisons(report: dict) -> None:
+    if floor := report.get("oracle_ttft_floor"):
+        line = f"\noracle-cache TTFT p50 estimate {floor['ttft_p50_ms']:.0f} ms (ttft = {floor['fit_intercept_ms']:.0f} ms"
+        line += f" + {floor['fit_ms_per_token']:.2f} ms x computed tokens, fitted over {floor['fit_requests']} requests)"
+        for name, s in report["policies"].items():
+            line += f"; / {name} {floor['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}"
+        print(line)
     for pair, figs in report.get("comparisons", {}).items():
         print(f"\n{pair}: difference on the pooled requests [95% paired-bootstrap interval]")
         for k, c in figs.items():
@@ -353,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
               "per_request": {name: [{**per_request(o, cached), "repeat": r}
                                      for r, (run, oracle_r) in enumerate(zip(runs[name], oracles))
                                      for o, cached in zip(run, oracle_r)] for name in policies}}
+    report["oracle_ttft_floor"] = oracle_ttft_floor(runs, oracles)
     if len(policies) > 1:
         first = policies[0]
         report["comparisons"] = {f"{first} vs {other}": paired_bootstrap(runs[first], runs[other])

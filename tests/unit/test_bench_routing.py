@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from bench.routing import Outcome, figures, paired_bootstrap, rotated, summarize
+from bench.routing import Outcome, figures, oracle_ttft_floor, paired_bootstrap, rotated, summarize
 
 
 def outcome(ttft_s: float, cached: int = 0, itl_s: float = 0.03) -> Outcome:
@@ -44,3 +44,17 @@ def test_a_clear_difference_is_outside_the_noise_and_identical_policies_are_with
 def test_figures_of_a_resample_match_the_definitions():
     f = figures([outcome(0.1, 100, itl_s=0.01), outcome(0.2, 0, itl_s=0.05)])
     assert f["hit_rate"] == 0.5 and f["itl_p50_ms"] == 50.0 and f["ttft_p90_ms"] == 200.0
+
+
+def test_oracle_floor_applies_the_fitted_line_to_the_oracles_uncached_tokens():
+    def req(computed: int, cached: int = 0) -> Outcome:  # ttft = 20 ms + 2 ms per computed token, exactly
+        o = outcome((20 + 2 * computed) / 1e3, cached=cached)
+        o.prompt_tokens = computed + cached
+        return o
+
+    runs = {"a": [[req(10, 90), req(50, 50), req(100, 0)]], "b": [[req(30, 70), req(60, 40), req(400, 0)]]}
+    floor = oracle_ttft_floor(runs, oracles=[[96, 64, 0]])
+    assert floor["fit_requests"] == 5  # the 400-token prompt is left out of the fit
+    assert abs(floor["fit_intercept_ms"] - 20) < 1e-9 and abs(floor["fit_ms_per_token"] - 2) < 1e-9
+    assert abs(floor["ttft_p50_ms"] - (20 + 2 * 36)) < 1e-9  # policy a's prompts: 4, 36 and 100 uncached
+    assert oracle_ttft_floor({"a": [[req(10)]]}, [[0]]) is None
