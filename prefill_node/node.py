@@ -268,7 +268,11 @@ def _sample(engine: Engine) -> tuple[SchedulerStats, WorkerLoad]:
 
 
 def _load(engine: Engine, stats: SchedulerStats) -> WorkerLoad:
-    queued = sum(r.num_tokens - r.num_computed_tokens for r in engine.scheduler.waiting)
+    """The worker's load as the router prices it; queued prompt tokens are what is left to compute: a waiting
+    request's cached prefix does not count (it is found when the request is scheduled)."""
+    cache, size = engine.kv_cache_manager, engine.cache_config.block_size
+    queued = sum(r.num_tokens - max(r.num_computed_tokens, len(cache.get_computed_blocks(r)) * size)
+                 for r in engine.scheduler.waiting)
     queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in engine.scheduler.running)
     rates = engine.step_rates
     return WorkerLoad(running=stats.num_running, waiting=stats.num_waiting, free_blocks=stats.num_free_blocks,

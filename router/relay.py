@@ -72,7 +72,7 @@ class Relay:
         # Requests this router sent to each decode worker and not yet finished: heartbeats report load
         # every ~2 s, so a burst would otherwise pile onto whichever worker looked idlest.
         self.inflight: Counter[str] = Counter()
-        self.inflight_prefill_tokens: Counter[str] = Counter()  # sent to each prefill worker, not yet answered
+        self.inflight_prefill_tokens: Counter[str] = Counter()  # uncached tokens sent to each prefill worker, unanswered
         self.routing = RoutingState.for_config(policy)  # learned rates, RNG, round-robin cursor
         self.tracer = tracer if tracer is not None else current_tracer()  # None: no spans at all
 
@@ -211,7 +211,10 @@ class _Flow:
         )
         self._prefill_worker, self._prefill_pending = worker, True
         pending = self._relay.inflight_prefill_tokens
-        num_tokens = len(job.prompt_token_ids)
+        # what P will compute, not the prompt: a prefix hit on P queues only its tail
+        num_tokens = decision.prefill_uncached_tokens
+        if num_tokens is None:
+            num_tokens = len(job.prompt_token_ids)
         pending[worker.worker_id] += num_tokens
         metadata = self._spans.call("prefill", worker.worker_id)
         decode = self._info(decision.decode_id)

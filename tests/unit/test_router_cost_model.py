@@ -81,7 +81,7 @@ def test_saturated_prefill_pool_sends_short_and_medium_prompts_local():
     idle = [worker("d0"), worker("p0", "prefill")]
     decision = route(req(300), idle, COST, state=state())
     # remote 300/10000 + 300 x 131072 / 1e10 = 0.0339 s beats local 300/5000 = 0.06 s
-    assert (decision.kind, decision.prefill_id) == (RouteKind.REMOTE, "p0")
+    assert (decision.kind, decision.prefill_id, decision.prefill_uncached_tokens) == (RouteKind.REMOTE, "p0", 300)
     assert decision.predicted_ttft_s == pytest.approx(0.03 + 300 * 131072 / 1e10)
     assert decision.reason.endswith(
         "remote predicts the lower ttft + stall; 300 uncached prompt tokens > threshold 64")

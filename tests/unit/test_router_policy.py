@@ -108,6 +108,15 @@ def test_long_prompt_prefills_remotely_on_least_queued_prefill_worker():
     assert decision.reason == "65 uncached prompt tokens > threshold 64"
 
 
+def test_a_remote_decision_carries_what_the_prefill_worker_must_compute():
+    # p1 holds 10 of the prompt's blocks: it queues only the 40-token tail, which the router counts as in flight
+    cands = [worker("d0"), worker("p0", "prefill", queued=50), worker("p1", "prefill", queued=50, cached=10)]
+    for config in (CONFIG, PolicyConfig(disagg_threshold_tokens=64, policy="prefix_overlap")):
+        decision = route(req(200), cands, config)
+        assert (decision.kind, decision.prefill_id, decision.prefill_uncached_tokens) == (RouteKind.REMOTE, "p1", 40)
+    assert route(req(200), cands[:1], CONFIG).prefill_uncached_tokens is None  # local: nothing queued on a P
+
+
 def test_decode_prefix_cache_makes_a_long_prompt_local():
     # 200 tokens, d0 holds 9 blocks (144 tokens): 56 uncached <= 64.
     decision = route(req(200), [worker("d0", cached=9), worker("p0", "prefill")], CONFIG)

@@ -104,3 +104,17 @@ def test_calibrate_fits_what_the_pool_and_step_budget_allow(tmp_path):
     assert small.stats().num_free_blocks == 3
     tiny_pool = Engine(EngineConfig(model=model, num_blocks=1, block_size=4, num_threads=1))
     assert tiny_pool.calibrate(256) is None and tiny_pool.step_rates.prefill_tokens_per_s is None
+
+
+def test_a_waiting_requests_cached_prefix_is_not_reported_as_queued_work(tmp_path):
+    from prefill_node.node import _load
+
+    engine = Engine(EngineConfig(model=str(build_model("tiny", tmp_path, train_steps=5, progress=lambda _: None)),
+                                 num_blocks=64, block_size=4, num_threads=1))
+    prompt = list(range(5, 45))  # 40 tokens: 10 blocks
+    engine.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("b", prompt + [7, 8, 9, 10, 11], SamplingParams(max_tokens=1))  # 40 of 45 tokens cached
+    engine.add_request("c", list(range(100, 120)), SamplingParams(max_tokens=1))  # nothing cached
+    assert _load(engine, engine.stats()).queued_prefill_tokens == 5 + 20
