@@ -149,6 +149,7 @@ class PricedDecode:
     cost_s: float
     verdict: str  # why this plan
     alternative: PrefillPlan | None = None  # the plan it was compared with
+    decode_wait_s: float = 0.0  # remote: D's queued prompts, before its first decode step for this request
 
     def describe(self) -> str:
         """The decision's terms and values (built only for the chosen worker)."""
@@ -157,8 +158,9 @@ class PricedDecode:
             pair = (self.plan, self.alternative)
             remote, local = pair if self.plan.kind == "remote" else pair[::-1]
             plans = f"{remote.describe()} vs {local.describe()}"
+        wait = f" + wait for D's queue {self.decode_wait_s:.4f}" if self.decode_wait_s else ""
         return (f"{self.decode.worker_id}: cost {self.cost_s:.4f} s = ttft {self.plan.ttft_s:.4f} + stall "
-                f"{self.plan.stall_s:.4f} + {self.decode_steps} x itl {self.itl_s:.4f}; {plans}; {self.verdict}")
+                f"{self.plan.stall_s:.4f}{wait} + {self.decode_steps} x itl {self.itl_s:.4f}; {plans}; {self.verdict}")
 
 
 def decode_steps(request: RouteRequest, config: CostConfig) -> int:
@@ -290,8 +292,12 @@ def price_decode(
         request, decode, local, quotes, rates, config, floor_tokens=floor_tokens, no_remote_reason=no_remote_reason
     )
     steps = decode_steps(request, config)
+    # a remote plan's first token comes from P, but D decodes the next one only after the prompts queued on D
+    # (a local prefill's step can take seconds): one gap, priced once (a local plan has it in its ttft)
+    wait_s = local.queue_s if plan.kind == "remote" and steps else 0.0
     return PricedDecode(decode=decode, plan=plan, itl_s=itl_s, decode_steps=steps,
-                        cost_s=plan.cost_s + steps * itl_s, verdict=verdict, alternative=alternative)
+                        cost_s=plan.cost_s + wait_s + steps * itl_s, verdict=verdict, alternative=alternative,
+                        decode_wait_s=wait_s)
 
 
 def _choose_plan(

@@ -59,7 +59,7 @@ class Candidate:
     cached_blocks: int = 0  # leading blocks of this prompt's hash chain the worker holds
     draining: bool = False
     inflight: int = 0  # requests this router sent here and that have not finished
-    inflight_prefill_tokens: int = 0  # uncached prompt tokens this router sent here to prefill, not yet answered
+    inflight_prefill_tokens: int = 0  # prompt tokens this router sent here to compute (either role), not yet answered
 
     @property
     def num_active(self) -> int:
@@ -115,8 +115,9 @@ class RouteDecision:
     # local only: pull this worker's cached prefix (LeasePrefix) of ``prefix_tokens`` before prefilling
     prefix_source_id: str | None = None
     prefix_tokens: int = 0
-    # remote only: the prompt tokens P must compute (its cached prefix per the index); None: all of them
-    prefill_uncached_tokens: int | None = None
+    # the prompt tokens the computing worker computes, per the index: P's for remote, D's (after any import)
+    # for local; the router counts them as that worker's queue until it answers. None: the whole prompt
+    computed_tokens: int | None = None
 
     def __post_init__(self) -> None:
         assert (self.prefill_id is not None) == (self.kind is RouteKind.REMOTE), self
@@ -170,7 +171,7 @@ def route_least_loaded(
     return RouteDecision(
         kind=RouteKind.REMOTE, decode_id=decode.worker_id, prefill_id=prefill.worker_id,
         reason=f"{uncached} uncached prompt tokens > threshold {threshold}{note}",
-        decode_cached_tokens=request.cached_tokens(decode), prefill_uncached_tokens=request.uncached_tokens(prefill),
+        decode_cached_tokens=request.cached_tokens(decode), computed_tokens=request.uncached_tokens(prefill),
     )
 
 
@@ -205,7 +206,7 @@ def route_by_cost(
                f"tokens cached on {best.decode.worker_id}{runner_up}; {best.describe()}{note}",
         decode_cached_tokens=request.cached_tokens(best.decode), predicted_ttft_s=plan.ttft_s,
         prefix_source_id=plan.import_from, prefix_tokens=plan.import_tokens,
-        prefill_uncached_tokens=plan.uncached_tokens if kind is RouteKind.REMOTE else None,
+        computed_tokens=plan.uncached_tokens,
     )
 
 
@@ -228,7 +229,7 @@ def _route_baseline(
     return RouteDecision(
         kind=RouteKind.REMOTE, decode_id=decode.worker_id, prefill_id=prefill.worker_id,
         reason=f"{prefix}{uncached} uncached prompt tokens > threshold {threshold}{note}",
-        decode_cached_tokens=request.cached_tokens(decode), prefill_uncached_tokens=request.uncached_tokens(prefill),
+        decode_cached_tokens=request.cached_tokens(decode), computed_tokens=request.uncached_tokens(prefill),
     )
 
 
@@ -333,7 +334,7 @@ def _prefill_key(c: Candidate) -> tuple[int, int, str]:
 def _local(decode: Candidate, request: RouteRequest, reason: str) -> RouteDecision:
     return RouteDecision(
         kind=RouteKind.LOCAL, decode_id=decode.worker_id, prefill_id=None, reason=reason,
-        decode_cached_tokens=request.cached_tokens(decode),
+        decode_cached_tokens=request.cached_tokens(decode), computed_tokens=request.uncached_tokens(decode),
     )
 
 

@@ -72,7 +72,9 @@ class Relay:
         # Requests this router sent to each decode worker and not yet finished: heartbeats report load
         # every ~2 s, so a burst would otherwise pile onto whichever worker looked idlest.
         self.inflight: Counter[str] = Counter()
-        self.inflight_prefill_tokens: Counter[str] = Counter()  # uncached tokens sent to each prefill worker, unanswered
+        # prompt tokens sent to each worker to compute and not answered yet: remote prefills on P until P answers,
+        # local ones on D until its first token (D's heartbeat lags; a second prompt must see the first's queue)
+        self.inflight_prefill_tokens: Counter[str] = Counter()
         self.routing = RoutingState.for_config(policy)  # learned rates, RNG, round-robin cursor
         self.tracer = tracer if tracer is not None else current_tracer()  # None: no spans at all
 
@@ -134,6 +136,7 @@ class _Flow:
         self._done = False  # the final message was built
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
         self._decision: RouteDecision | None = None
+        self._local_prefill: tuple[str, int] | None = None  # (D, tokens) counted in relay.inflight_prefill_tokens
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
         try:  # Overloaded if the slot Relay.generate saw free was taken meanwhile
@@ -165,8 +168,10 @@ class _Flow:
                 if self._finish:
                     yield self._final()
                     return
-        elif decision.prefix_source_id is not None:
-            await self._lease_prefix(decision)
+        else:
+            self._count_local_prefill(decision)
+            if decision.prefix_source_id is not None:
+                await self._lease_prefix(decision)
         async for response in self._decode(decision.decode_id):
             yield response
         yield self._final()
@@ -195,6 +200,23 @@ class _Flow:
                   decision.kind.value, decision.decode_id, decision.prefill_id, decision.reason)
         return decision
 
+    def _count_local_prefill(self, decision: RouteDecision) -> None:
+        num_tokens = decision.computed_tokens
+        if num_tokens is None:
+            num_tokens = len(self._job.prompt_token_ids)
+        self._local_prefill = (decision.decode_id, num_tokens)
+        self._relay.inflight_prefill_tokens[decision.decode_id] += num_tokens
+
+    def _settle_local_prefill(self) -> None:
+        """D answered (or the request ended): its local prefill no longer counts as D's queue."""
+        if self._local_prefill is None:
+            return
+        (worker_id, num_tokens), self._local_prefill = self._local_prefill, None
+        pending = self._relay.inflight_prefill_tokens
+        pending[worker_id] -= num_tokens
+        if pending[worker_id] <= 0:
+            del pending[worker_id]
+
     def _info(self, worker_id: str) -> WorkerInfo:
         info = self._snapshot.info(worker_id) if self._snapshot else None
         assert info is not None, f"routed to unknown worker {worker_id}"
@@ -212,7 +234,7 @@ class _Flow:
         self._prefill_worker, self._prefill_pending = worker, True
         pending = self._relay.inflight_prefill_tokens
         # what P will compute, not the prompt: a prefix hit on P queues only its tail
-        num_tokens = decision.prefill_uncached_tokens
+        num_tokens = decision.computed_tokens
         if num_tokens is None:
             num_tokens = len(job.prompt_token_ids)
         pending[worker.worker_id] += num_tokens
@@ -378,6 +400,8 @@ class _Flow:
         return request
 
     def _on_decode_progress(self, response: pb.DecodeResponse) -> None:
+        if response.token_ids:
+            self._settle_local_prefill()
         self._trace.merge(response.timings)
         timings = response.timings
         if "prefilled locally" in timings.route_reason:  # D fell back to prefilling itself (pull failed, ...)
@@ -487,6 +511,7 @@ class _Flow:
 
     def _cleanup(self) -> None:
         request_id = self._job.worker_request_id
+        self._settle_local_prefill()
         if self._counted_decode_id is not None:
             self._relay.inflight[self._counted_decode_id] -= 1
             if self._relay.inflight[self._counted_decode_id] <= 0:

@@ -81,7 +81,7 @@ def test_saturated_prefill_pool_sends_short_and_medium_prompts_local():
     idle = [worker("d0"), worker("p0", "prefill")]
     decision = route(req(300), idle, COST, state=state())
     # remote 300/10000 + 300 x 131072 / 1e10 = 0.0339 s beats local 300/5000 = 0.06 s
-    assert (decision.kind, decision.prefill_id, decision.prefill_uncached_tokens) == (RouteKind.REMOTE, "p0", 300)
+    assert (decision.kind, decision.prefill_id, decision.computed_tokens) == (RouteKind.REMOTE, "p0", 300)
     assert decision.predicted_ttft_s == pytest.approx(0.03 + 300 * 131072 / 1e10)
     assert decision.reason.endswith(
         "remote predicts the lower ttft + stall; 300 uncached prompt tokens > threshold 64")
@@ -92,6 +92,17 @@ def test_saturated_prefill_pool_sends_short_and_medium_prompts_local():
         assert decision.predicted_ttft_s == pytest.approx(num_tokens / 5000)
         assert "queue 100.0000" in decision.reason
         assert decision.reason.endswith("local predicts the lower ttft + stall")
+
+
+def test_a_remote_plan_pays_for_the_prompts_queued_on_its_decode_worker():
+    # d0 and d1 alike but d0 has 5,000 prompt tokens queued (a local prefill): a 1,000-token prompt's remote plan
+    # gets its first token from p0 either way, but d0 decodes the second only after 5000/5000 = 1 s
+    cands = [worker("d0", queued=5000), worker("d1"), worker("p0", "prefill")]
+    decision = route(req(1000), cands, COST, state=state())
+    assert (decision.kind, decision.decode_id) == (RouteKind.REMOTE, "d1")
+    assert "(next: d0 cost " in decision.reason
+    only_d0 = route(req(1000), [cands[0], cands[2]], COST, state=state())
+    assert only_d0.kind is RouteKind.REMOTE and "+ wait for D's queue 1.0000 + 64 x itl" in only_d0.reason
 
 
 def test_least_queued_prefill_worker_is_the_remote_choice():

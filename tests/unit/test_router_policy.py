@@ -113,8 +113,9 @@ def test_a_remote_decision_carries_what_the_prefill_worker_must_compute():
     cands = [worker("d0"), worker("p0", "prefill", queued=50), worker("p1", "prefill", queued=50, cached=10)]
     for config in (CONFIG, PolicyConfig(disagg_threshold_tokens=64, policy="prefix_overlap")):
         decision = route(req(200), cands, config)
-        assert (decision.kind, decision.prefill_id, decision.prefill_uncached_tokens) == (RouteKind.REMOTE, "p1", 40)
-    assert route(req(200), cands[:1], CONFIG).prefill_uncached_tokens is None  # local: nothing queued on a P
+        assert (decision.kind, decision.prefill_id, decision.computed_tokens) == (RouteKind.REMOTE, "p1", 40)
+    local = route(req(200), [worker("d0", cached=4)], CONFIG)  # local: D computes what it lacks
+    assert (local.kind, local.computed_tokens) == (RouteKind.LOCAL, 136)
 
 
 def test_decode_prefix_cache_makes_a_long_prompt_local():

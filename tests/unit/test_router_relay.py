@@ -443,6 +443,29 @@ def test_client_cancel_aborts_the_decode_worker(stub, cluster, tokens):
     wait_until(lambda: d0.aborts == [d0.decode_requests[0].request_id] and d0.decode_cancelled.is_set())
 
 
+def test_a_local_prefill_counts_as_the_decode_workers_queue_until_its_first_token(stub, cluster, tokens):
+    d0 = cluster.add("d0", "decode")
+    release = threading.Event()
+
+    async def slow_prefill(request: pb.DecodeRequest, context: Any) -> AsyncIterator[pb.DecodeResponse]:
+        while not release.is_set():  # D computing the prompt: no token yet
+            await asyncio.sleep(0.01)
+        yield pb.DecodeResponse(token_ids=tokens[:1])
+        await asyncio.sleep(3600)
+
+    d0.decode = slow_prefill
+    pending = stub.running.relay.inflight_prefill_tokens
+    call = stub.Generate(request(SHORT_PROMPT, max_tokens=50), timeout=10)
+    wait_until(lambda: len(d0.decode_requests) == 1)
+    assert pending["d0"] == len(d0.decode_requests[0].token_ids)  # nothing cached on d0: the whole prompt
+    release.set()
+    assert list(next(call).token_ids) == tokens[:1]
+    wait_until(lambda: "d0" not in pending)  # answered: D's own report takes over
+    call.cancel()
+    wait_until(lambda: d0.aborts == [d0.decode_requests[0].request_id])
+    assert "d0" not in pending
+
+
 def test_cancel_before_decode_answers_releases_the_lease(stub, cluster, tokens):
     d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
     d0.decode = hang_forever
