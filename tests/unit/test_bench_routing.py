@@ -46,15 +46,14 @@ def test_figures_of_a_resample_match_the_definitions():
     assert f["hit_rate"] == 0.5 and f["itl_p50_ms"] == 50.0 and f["ttft_p90_ms"] == 200.0
 
 
-def test_oracle_floor_applies_the_fitted_line_to_the_oracles_uncached_tokens():
+def test_oracle_floor_prices_the_oracles_uncached_tokens_at_measured_ttfts():
     def req(computed: int, cached: int = 0) -> Outcome:  # ttft = 20 ms + 2 ms per computed token, exactly
         o = outcome((20 + 2 * computed) / 1e3, cached=cached)
         o.prompt_tokens = computed + cached
         return o
 
-    runs = {"a": [[req(10, 90), req(50, 50), req(100, 0)]], "b": [[req(30, 70), req(60, 40), req(400, 0)]]}
-    floor = oracle_ttft_floor(runs, oracles=[[96, 64, 0]])
-    assert floor["fit_requests"] == 5  # the 400-token prompt is left out of the fit
-    assert abs(floor["fit_intercept_ms"] - 20) < 1e-9 and abs(floor["fit_ms_per_token"] - 2) < 1e-9
-    assert abs(floor["ttft_p50_ms"] - (20 + 2 * 36)) < 1e-9  # policy a's prompts: 4, 36 and 100 uncached
-    assert oracle_ttft_floor({"a": [[req(10)]]}, [[0]]) is None
+    a = [req(10, 90), req(50, 50), req(100, 0), req(30, 70), req(60, 40), req(400, 0)]
+    floor = oracle_ttft_floor({"a": [a]}, oracles=[[96, 64, 0, 70, 96, 0]], neighbours=1)
+    # the oracle leaves 4, 36, 100, 30, 4, 400 tokens: nearest measured 10, 30, 100, 30, 10, 400
+    assert floor["ttft_p50_ms"] == 20 + 2 * 30 and floor["measured_requests"] == 6  # of 40, 40, 80, 80, 220, 820
+    assert oracle_ttft_floor({"a": [a]}, [[0] * 6], neighbours=7) is None  # too few measurements

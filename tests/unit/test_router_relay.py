@@ -561,7 +561,8 @@ def test_first_token_that_finishes_skips_decode_and_releases_the_lease(stub, clu
 
 
 def test_routing_follows_the_kv_index_and_skips_draining_workers(stub, cluster, tokenizer):
-    d0, d1 = cluster.add("d0", "decode"), cluster.add("d1", "decode")
+    d0 = cluster.add("d0", "decode")
+    cluster.add("d1", "decode")
     p0 = cluster.add("p0", "prefill")
     prompt_ids = tokenizer.encode(LONG_PROMPT)
     hashes = hash_blocks(prompt_ids, BLOCK_SIZE, root_hash(bytes.fromhex(FINGERPRINT), BLOCK_SIZE, b""))
@@ -592,7 +593,7 @@ def test_a_prefix_cached_elsewhere_is_leased_for_the_decode_worker_and_released_
     sent = d0.decode_requests[0]
     assert sent.prefix_handle.lease_id == "prefix-1" and not sent.HasField("handle")
     t = responses[-1].timings
-    assert t.route_kind == "local" and f"tokens from p0)" in t.route_reason, t.route_reason
+    assert t.route_kind == "local" and "tokens from p0)" in t.route_reason, t.route_reason
     wait_until(lambda: p0.releases == ["prefix-1"])  # D answered: its pull is over
 
 
