@@ -200,22 +200,20 @@ class _Flow:
                   decision.kind.value, decision.decode_id, decision.prefill_id, decision.reason)
         return decision
 
+    def _computed_tokens(self, decision: RouteDecision) -> int:
+        """The prompt tokens the computing worker will compute (what it queues), per the decision."""
+        n = decision.computed_tokens
+        return len(self._job.prompt_token_ids) if n is None else n
+
     def _count_local_prefill(self, decision: RouteDecision) -> None:
-        num_tokens = decision.computed_tokens
-        if num_tokens is None:
-            num_tokens = len(self._job.prompt_token_ids)
-        self._local_prefill = (decision.decode_id, num_tokens)
-        self._relay.inflight_prefill_tokens[decision.decode_id] += num_tokens
+        self._local_prefill = (decision.decode_id, self._computed_tokens(decision))
+        self._relay.inflight_prefill_tokens[decision.decode_id] += self._local_prefill[1]
 
     def _settle_local_prefill(self) -> None:
         """D answered (or the request ended): its local prefill no longer counts as D's queue."""
-        if self._local_prefill is None:
-            return
-        (worker_id, num_tokens), self._local_prefill = self._local_prefill, None
-        pending = self._relay.inflight_prefill_tokens
-        pending[worker_id] -= num_tokens
-        if pending[worker_id] <= 0:
-            del pending[worker_id]
+        if self._local_prefill is not None:
+            _uncount(self._relay.inflight_prefill_tokens, *self._local_prefill)
+            self._local_prefill = None
 
     def _info(self, worker_id: str) -> WorkerInfo:
         info = self._snapshot.info(worker_id) if self._snapshot else None
@@ -233,10 +231,7 @@ class _Flow:
         )
         self._prefill_worker, self._prefill_pending = worker, True
         pending = self._relay.inflight_prefill_tokens
-        # what P will compute, not the prompt: a prefix hit on P queues only its tail
-        num_tokens = decision.computed_tokens
-        if num_tokens is None:
-            num_tokens = len(job.prompt_token_ids)
+        num_tokens = self._computed_tokens(decision)  # a prefix hit on P queues only its tail
         pending[worker.worker_id] += num_tokens
         metadata = self._spans.call("prefill", worker.worker_id)
         decode = self._info(decision.decode_id)
@@ -254,9 +249,7 @@ class _Flow:
                 self._relay.control.first_token(decode, job.worker_request_id, None)
             return None
         finally:
-            pending[worker.worker_id] -= num_tokens
-            if pending[worker.worker_id] <= 0:
-                del pending[worker.worker_id]
+            _uncount(pending, worker.worker_id, num_tokens)
         self._prefill_pending = False
         self._spans.end("prefill")
         if self._early_decode is not None and not response.finish_reason:
@@ -513,11 +506,16 @@ class _Flow:
         request_id = self._job.worker_request_id
         self._settle_local_prefill()
         if self._counted_decode_id is not None:
-            self._relay.inflight[self._counted_decode_id] -= 1
-            if self._relay.inflight[self._counted_decode_id] <= 0:
-                del self._relay.inflight[self._counted_decode_id]
+            _uncount(self._relay.inflight, self._counted_decode_id, 1)
         if self._prefill_pending and self._prefill_worker is not None:
             self._relay.control.abort(self._prefill_worker, request_id)
         self._stop_decode()
         if (lease := self._unconsumed_lease()) is not None:
             self._relay.control.release_lease(*lease)
+
+
+def _uncount(counter: Counter[str], key: str, n: int) -> None:
+    """Take ``n`` off ``counter[key]``, dropping the key at zero (a worker that left leaves no entry)."""
+    counter[key] -= n
+    if counter[key] <= 0:
+        del counter[key]
