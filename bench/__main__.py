@@ -11,6 +11,7 @@ _BENCHMARKS = {
     "router-overhead": "bench.router_overhead",
     "decision-latency": "bench.decision_latency",
     "routing": "bench.routing",
+    "routing-sweep": "bench.routing_sweep",
     "serve": "bench.serve",
     "compare": "bench.compare",
     "faults": "bench.faults",

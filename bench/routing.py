@@ -12,7 +12,7 @@ each, multi-turn conversations (each turn's prompt = system prompt + history + n
 open-loop at Poisson arrivals (seeded, identical for every policy). Reports per policy: prefix cache hit
 rate (sum of ``usage.cached_prompt_tokens`` / sum of prompt tokens) against the oracle (each request's
 longest block-aligned prefix seen in any earlier request), TTFT p50/p90, ITL p50/p99 (per-token arrival
-times of the streams) and output tokens/s. Writes bench/results/routing.json and routing.png.
+times of the streams) and output tokens/s. Writes bench/results/routing.json and routing.png (``--out``).
 
 ``--repeats N`` runs N workloads (seeds ``--seed`` .. ``--seed + N - 1``; each policy on the same arrivals
 within a repeat, the policies' order rotated from one repeat to the next), pools every request of a policy
@@ -252,8 +252,9 @@ def print_table(report: dict) -> None:
           f"{report['arrival_rate_per_s']} req/s, {report.get('repeats', 1)} repeat(s) pooled)")
     head = f"{'policy':<16}{'hit':>7}{'/oracle':>9}{'ttft p50':>10}{'p90':>8}{'itl p50':>9}{'p99':>8}{'tok/s':>8}"
     print(head + "   (ms)")
+    oracle = report["oracle_hit_rate"] or float("nan")  # no prefix repeats in the workload: no ratio
     for name, s in report["policies"].items():
-        print(f"{name:<16}{s['hit_rate']:>7.3f}{s['hit_rate'] / report['oracle_hit_rate']:>9.2f}"
+        print(f"{name:<16}{s['hit_rate']:>7.3f}{s['hit_rate'] / oracle:>9.2f}"
               f"{s['ttft_p50_ms']:>10.1f}{s['ttft_p90_ms']:>8.1f}{s['itl_p50_ms']:>9.1f}{s['itl_p99_ms']:>8.1f}"
               f"{s['output_tokens_per_s']:>8.1f}")
 
@@ -333,6 +334,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=2048,
                    help="KV blocks of 16 tokens per worker; fewer than the workload's prefixes make caches evict")
     p.add_argument("--model", default="tiny", help="tiny | small (built offline on first use) | a checkpoint folder")
+    p.add_argument("--out", default="routing", help="results file name: bench/results/OUT.json and OUT.png")
     args = p.parse_args(argv)
     unknown = set(args.policies.split(",")) - set(POLICIES)
     if unknown:
@@ -348,6 +350,20 @@ def rotated(policies: list[str], repeat: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    report, outcomes, model = run(args)
+    print_table(report)
+    print_comparisons(report)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = RESULTS / f"{args.out}.json", RESULTS / f"{args.out}.png"
+    json_path.write_text(json.dumps(report, indent=2))
+    ttfts = {name: [o.ttft_s for o in out] for name, out in outcomes.items()}
+    if plot(ttfts, png_path, Path(model).name):
+        print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> tuple[dict, dict[str, list[Outcome]], str]:
+    """Every policy on every repeat's workload: (the report, each policy's pooled outcomes, the model path)."""
     from engine.tiny import ensure_model
 
     model = str(ensure_model(args.model)) if args.model in ("tiny", "small") else args.model
@@ -358,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     oracle = sum(map(sum, oracles)) / sum(len(r.prompt) for planned in workloads for r in planned)
     log_dir = Path(tempfile.mkdtemp(prefix="baton-bench-routing-"))
     print(f"{args.repeats} x {len(workloads[0])} requests over ~{workloads[0][-1].arrival_s:.1f} s each; oracle hit "
-          f"rate {oracle:.3f}; logs in {log_dir}", flush=True)
+          f"rate {oracle:.3f}; {args.num_blocks} KV blocks per worker; logs in {log_dir}", flush=True)
     redis_children: list[Child] = []
     runs: dict[str, list[list[Outcome]]] = {name: [] for name in policies}
     try:
@@ -373,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_all(redis_children)
     outcomes = {name: [o for run in rs for o in run] for name, rs in runs.items()}
     report = {"requests": sum(map(len, workloads)), "repeats": args.repeats, "arrival_rate_per_s": args.rate,
-              "oracle_hit_rate": oracle, "workload": {k: v for k, v in vars(args).items() if k != "policies"},
+              "oracle_hit_rate": oracle,
+              "workload": {k: v for k, v in vars(args).items() if k not in ("policies", "out")},
               "policies": {name: summarize(outcomes[name], runs[name]) for name in policies},
               "per_repeat": [{name: summarize(runs[name][r]) for name in policies} for r in range(args.repeats)],
               # every request of every policy, in arrival order per repeat: where it went and why, what it cost
@@ -385,14 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         first = policies[0]
         report["comparisons"] = {f"{first} vs {other}": paired_bootstrap(runs[first], runs[other])
                                  for other in policies[1:]}
-    print_table(report)
-    print_comparisons(report)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "routing.json").write_text(json.dumps(report, indent=2))
-    ttfts = {name: [o.ttft_s for o in out] for name, out in outcomes.items()}
-    if plot(ttfts, RESULTS / "routing.png", Path(model).name):
-        print(f"wrote {RESULTS / 'routing.json'} and {RESULTS / 'routing.png'}")
-    return 0
+    return report, outcomes, model
 
 
 def _run_one(redis_url: str, model: str, policy: str, planned: list[Planned], max_tokens: int,

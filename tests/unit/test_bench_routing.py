@@ -57,3 +57,35 @@ def test_oracle_floor_prices_the_oracles_uncached_tokens_at_measured_ttfts():
     # the oracle leaves 4, 36, 100, 30, 4, 400 tokens: nearest measured 10, 30, 100, 30, 10, 400
     assert floor["ttft_p50_ms"] == 20 + 2 * 30 and floor["measured_requests"] == 6  # of 40, 40, 80, 80, 220, 820
     assert oracle_ttft_floor({"a": [a]}, [[0] * 6], neighbours=7) is None  # too few measurements
+
+
+def _report(oracle: float, floor_ms: float | None, **policies: tuple[float, float]) -> dict:
+    """A routing report with only what the sweep reads: per policy (hit rate, TTFT p50 ms)."""
+    figs = {name: {"hit_rate": hit, "ttft_p50_ms": p50, "ttft_p90_ms": 2 * p50, "itl_p50_ms": 30.0,
+                   "itl_p99_ms": 90.0} for name, (hit, p50) in policies.items()}
+    return {"oracle_hit_rate": oracle, "policies": figs,
+            "oracle_ttft_floor": None if floor_ms is None else {"ttft_p50_ms": floor_ms}}
+
+
+def test_sweep_rows_take_ratios_over_the_baseline_at_each_size():
+    from bench.routing_sweep import prompt_blocks_per_worker, sweep_rows
+
+    reports = {1024: _report(0.8, 180.0, cost=(0.76, 200.0), round_robin=(0.72, 250.0)),
+               320: _report(0.8, 180.0, cost=(0.74, 240.0), round_robin=(0.40, 2400.0))}
+    rows = sweep_rows(reports)
+    assert [(r["num_blocks"], r["policy"]) for r in rows] == [
+        (320, "cost"), (320, "round_robin"), (1024, "cost"), (1024, "round_robin")]
+    small_cost, _, big_cost, big_rr = rows
+    assert small_cost["ttft_p50_vs_baseline"] == 0.1 and big_cost["ttft_p50_vs_baseline"] == 0.8
+    assert big_rr["ttft_p50_vs_baseline"] == 1.0 and big_rr["floor_vs_baseline"] == 180.0 / 250.0
+    assert small_cost["hit_of_oracle"] == 0.74 / 0.8
+    no_baseline = sweep_rows({320: _report(0.8, None, cost=(0.7, 200.0))})
+    assert no_baseline[0]["ttft_p50_vs_baseline"] is None and no_baseline[0]["floor_vs_baseline"] is None
+    assert prompt_blocks_per_worker(8, 1000) == 8 * 63  # 1,000 tokens span 63 blocks of 16
+
+
+def test_routing_out_names_the_results_file_and_stays_out_of_the_workload():
+    from bench.routing import _parse
+
+    assert _parse([]).out == "routing"
+    assert _parse(["--out", "routing_sweep_320", "--num-blocks", "320"]).out == "routing_sweep_320"
