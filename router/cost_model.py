@@ -250,7 +250,7 @@ def _prefix_import(request: RouteRequest, decode: Candidate, source: Candidate |
                    config: CostConfig) -> tuple[int, float]:
     """(tokens, seconds) of pulling ``source``'s longer cached prefix into D, or (0, 0) when recomputing
     them on D (at ``rate``) is no slower."""
-    if source is None or source is decode or not config.prefix_import:
+    if source is None or source.worker_id == decode.worker_id or not config.prefix_import:
         return 0, 0.0
     extra = request.cached_tokens(source) - request.cached_tokens(decode)
     if extra <= 0:

@@ -91,14 +91,15 @@ def served_scheme(workers: Sequence[WorkerEntry]) -> HashScheme | None:
 def build_candidates(
     snapshot: Snapshot, scheme: HashScheme, cached_blocks: Mapping[str, int],
     inflight: Mapping[str, int] | None = None,
-    inflight_prefill_tokens: Mapping[str, int] | None = None,
+    inflight_prefill_tokens: Mapping[str, int] | None = None, pending_blocks: Mapping[str, int] | None = None,
 ) -> list[Candidate]:
-    inflight, prefill_tokens = inflight or {}, inflight_prefill_tokens or {}
+    inflight, prefill_tokens, pending = inflight or {}, inflight_prefill_tokens or {}, pending_blocks or {}
     return [
         Candidate(
             info=info, load=load, cached_blocks=cached_blocks.get(info.worker_id, 0),
             draining=info.worker_id in snapshot.draining, inflight=inflight.get(info.worker_id, 0),
             inflight_prefill_tokens=prefill_tokens.get(info.worker_id, 0),
+            pending_blocks=pending.get(info.worker_id, 0),
         )
         for info, load in snapshot.workers
         if scheme_of(info) == scheme

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from engine.errors import CapacityExceeded
@@ -60,6 +60,9 @@ class Candidate:
     draining: bool = False
     inflight: int = 0  # requests this router sent here and that have not finished
     inflight_prefill_tokens: int = 0  # prompt tokens this router sent here to compute (either role), not yet answered
+    # leading blocks of this prompt the worker is computing for a request this router sent it, not yet in the
+    # index (router.pending_prefixes); the cost policy prices them as cached, behind the worker's queue
+    pending_blocks: int = 0
 
     @property
     def num_active(self) -> int:
@@ -180,11 +183,17 @@ def route_by_cost(
     exclude: Collection[str] = (),
 ) -> RouteDecision:
     """Price each decode worker that fits (two of them in a large pool) with its best prefill plan."""
+    # a prefix hit may only be pulled from a worker that holds it now (the index), but is priced on one that
+    # is computing it too: the second request waits for those blocks and computes its tail
+    source = cost_model.prefix_source(request, [c for c in candidates if c.worker_id not in exclude])
+    pending = {c.worker_id: c.cached_blocks for c in candidates if c.pending_blocks > c.cached_blocks}
+    if pending:
+        candidates = [replace(c, cached_blocks=c.pending_blocks) if c.worker_id in pending else c
+                      for c in candidates]
     fits, note = _fitting_decodes(request, candidates, exclude)
     prefills, no_remote_reason = _usable_prefills(candidates, config, exclude)
     quotes = cost_model.quote_prefills(request, prefills, state.rates)
     sampled = cost_model.sample_decodes(fits, config.cost, state.rng)
-    source = cost_model.prefix_source(request, [c for c in candidates if c.worker_id not in exclude])
     priced = [
         cost_model.price_decode(request, decode, quotes, state.rates, config.cost, source=source,
                                 floor_tokens=config.disagg_threshold_tokens, no_remote_reason=no_remote_reason)
@@ -200,11 +209,17 @@ def route_by_cost(
                      f"{r.plan.stall_s:.4f} + itl {r.itl_s:.4f}, {request.cached_tokens(r.decode)} cached)")
     plan = best.plan
     kind = RouteKind.REMOTE if plan.kind == "remote" else RouteKind.LOCAL
+    indexed = {w: min(blocks * request.block_size, request.num_prompt_tokens) for w, blocks in pending.items()}
+    computing = [f"{c.worker_id} is computing {request.cached_tokens(c) - indexed[c.worker_id]} of them"
+                 for c in candidates if c.worker_id in indexed and c.worker_id in (best.decode.worker_id, plan.prefill_id)]
+    pending_note = f" ({'; '.join(computing)})" if computing else ""
+    # what D holds now, which a prefix lease must go beyond
+    decode_cached = indexed.get(best.decode.worker_id, request.cached_tokens(best.decode))
     return RouteDecision(
         kind=kind, decode_id=best.decode.worker_id, prefill_id=plan.prefill_id,
         reason=f"cost{sampled_note}: {request.cached_tokens(best.decode)} of {request.num_prompt_tokens} prompt "
-               f"tokens cached on {best.decode.worker_id}{runner_up}; {best.describe()}{note}",
-        decode_cached_tokens=request.cached_tokens(best.decode), predicted_ttft_s=plan.ttft_s,
+               f"tokens cached on {best.decode.worker_id}{pending_note}{runner_up}; {best.describe()}{note}",
+        decode_cached_tokens=decode_cached, predicted_ttft_s=plan.ttft_s,
         prefix_source_id=plan.import_from, prefix_tokens=plan.import_tokens,
         computed_tokens=plan.uncached_tokens,
     )

@@ -42,6 +42,7 @@ from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, error
 from router.frontend import Job
 from router.metrics import RouterMetrics
 from router.output import TextStream
+from router.in_progress import InflightPrefills, PendingPrefixes
 from router.policy import (
     Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, pick_decode, route,
 )
@@ -72,11 +73,27 @@ class Relay:
         # Requests this router sent to each decode worker and not yet finished: heartbeats report load
         # every ~2 s, so a burst would otherwise pile onto whichever worker looked idlest.
         self.inflight: Counter[str] = Counter()
-        # prompt tokens sent to each worker to compute and not answered yet: remote prefills on P until P answers,
-        # local ones on D until its first token (D's heartbeat lags; a second prompt must see the first's queue)
-        self.inflight_prefill_tokens: Counter[str] = Counter()
+        # prompts sent to each worker to compute and not answered yet: remote prefills on P until P answers, local
+        # ones on D until its first token (heartbeats lag; a second prompt must see the first's queue)
+        self.inflight_prefills = InflightPrefills()
         self.routing = RoutingState.for_config(policy)  # learned rates, RNG, round-robin cursor
+        # prompts sent to a worker to compute, until the index shows their blocks
+        self.pending_prefixes = PendingPrefixes()
         self.tracer = tracer if tracer is not None else current_tracer()  # None: no spans at all
+
+    @property
+    def inflight_prefill_tokens(self) -> dict[str, int]:
+        """Per worker, the prompt tokens sent to it to compute and not answered yet."""
+        return self.inflight_prefills.tokens()
+
+    def prefill_backlogs(self, snapshot: Snapshot) -> dict[str, int]:
+        """Per worker with prompts in flight, what is left of them at its learned prefill rate."""
+        rates, inflight, out = self.routing.rates, self.inflight_prefills, {}
+        for info, load in snapshot.workers:
+            if info.worker_id in inflight:
+                rate = rates.prefill_tokens_per_s(info.worker_id, load, on_decode=info.role == "decode")
+                out[info.worker_id] = inflight.backlog(info.worker_id, rate)
+        return out
 
     def generate(self, job: Job, deadline_s: float, trace_parent: Any = None) -> AsyncIterator[pb.GenerateResponse]:
         """Stream ``job``'s responses; ``deadline_s`` is on the event loop's clock. ``trace_parent``: the
@@ -136,7 +153,7 @@ class _Flow:
         self._done = False  # the final message was built
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
         self._decision: RouteDecision | None = None
-        self._local_prefill: tuple[str, int] | None = None  # (D, tokens) counted in relay.inflight_prefill_tokens
+        self._local_prefill: str | None = None  # D, while counted in relay.inflight_prefills
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
         try:  # Overloaded if the slot Relay.generate saw free was taken meanwhile
@@ -184,14 +201,17 @@ class _Flow:
             raise WorkerUnavailable("no decode workers registered")
         prompt = self._job.prompt_token_ids
         root = root_hash(scheme.fingerprint, scheme.block_size, self._job.cache_salt)
-        cached = await self._relay.directory.lookup(hash_blocks(prompt, scheme.block_size, root))
+        hashes = hash_blocks(prompt, scheme.block_size, root)
+        cached = await self._relay.directory.lookup(hashes)
+        pending = self._relay.pending_prefixes
         self._candidates = build_candidates(self._snapshot, scheme, cached, self._relay.inflight,
-                                            self._relay.inflight_prefill_tokens)
+                                            self._relay.prefill_backlogs(self._snapshot), pending.lookup(hashes))
         self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size,
                                            max_tokens=self._job.params.max_tokens)
         decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
+        pending.add(self._job.worker_request_id, decision.prefill_id or decision.decode_id, hashes)
         self._trace.route(decision.kind.value, decision.reason, decision.predicted_ttft_s)
         self._spans.routed(decision.kind.value, decision.reason)
         self._decision = decision
@@ -206,13 +226,14 @@ class _Flow:
         return len(self._job.prompt_token_ids) if n is None else n
 
     def _count_local_prefill(self, decision: RouteDecision) -> None:
-        self._local_prefill = (decision.decode_id, self._computed_tokens(decision))
-        self._relay.inflight_prefill_tokens[decision.decode_id] += self._local_prefill[1]
+        self._local_prefill = decision.decode_id
+        self._relay.inflight_prefills.add(decision.decode_id, self._job.worker_request_id,
+                                          self._computed_tokens(decision))
 
     def _settle_local_prefill(self) -> None:
         """D answered (or the request ended): its local prefill no longer counts as D's queue."""
         if self._local_prefill is not None:
-            _uncount(self._relay.inflight_prefill_tokens, *self._local_prefill)
+            self._relay.inflight_prefills.remove(self._local_prefill, self._job.worker_request_id)
             self._local_prefill = None
 
     def _info(self, worker_id: str) -> WorkerInfo:
@@ -230,9 +251,8 @@ class _Flow:
             cache_salt=job.cache_salt, decode_worker_id=decision.decode_id, priority=job.priority,
         )
         self._prefill_worker, self._prefill_pending = worker, True
-        pending = self._relay.inflight_prefill_tokens
-        num_tokens = self._computed_tokens(decision)  # a prefix hit on P queues only its tail
-        pending[worker.worker_id] += num_tokens
+        inflight = self._relay.inflight_prefills
+        inflight.add(worker.worker_id, job.worker_request_id, self._computed_tokens(decision))  # a hit: its tail
         metadata = self._spans.call("prefill", worker.worker_id)
         decode = self._info(decision.decode_id)
         try:
@@ -249,7 +269,7 @@ class _Flow:
                 self._relay.control.first_token(decode, job.worker_request_id, None)
             return None
         finally:
-            _uncount(pending, worker.worker_id, num_tokens)
+            inflight.remove(worker.worker_id, job.worker_request_id)
         self._prefill_pending = False
         self._spans.end("prefill")
         if self._early_decode is not None and not response.finish_reason:
@@ -395,6 +415,8 @@ class _Flow:
     def _on_decode_progress(self, response: pb.DecodeResponse) -> None:
         if response.token_ids:
             self._settle_local_prefill()
+            if self._decode_worker is not None:  # D holds the prompt's blocks now (computed or pulled)
+                self._relay.pending_prefixes.settle(self._job.worker_request_id, also=[self._decode_worker.worker_id])
         self._trace.merge(response.timings)
         timings = response.timings
         if "prefilled locally" in timings.route_reason:  # D fell back to prefilling itself (pull failed, ...)
@@ -505,6 +527,7 @@ class _Flow:
     def _cleanup(self) -> None:
         request_id = self._job.worker_request_id
         self._settle_local_prefill()
+        self._relay.pending_prefixes.finish(request_id)
         if self._counted_decode_id is not None:
             _uncount(self._relay.inflight, self._counted_decode_id, 1)
         if self._prefill_pending and self._prefill_worker is not None:

@@ -2,7 +2,9 @@
 
 Every step: running requests first (a decode needs 1 token, an unfinished prefill gets the next
 chunk), then waiting requests in (priority, arrival) order while the token budget, ``max_num_seqs``
-and free blocks allow. When a running request cannot grow, the newest lowest-priority running
+and free blocks allow. A waiting request whose next uncached prompt block another admitted request is still
+computing waits for it (SGLang's in-batch prefix caching): admitted at once it would compute the same
+blocks again beside it; a step later it takes them from the prefix cache. When a running request cannot grow, the newest lowest-priority running
 request is preempted by recompute: its blocks are freed (full ones stay in the prefix cache) and it
 goes back to the waiting queue, to resume later mostly from cache.
 """
@@ -38,6 +40,7 @@ class Scheduler:
         self._order: dict[str, tuple[int, int]] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.num_prefix_waits = 0  # steps a waiting request sat out for a prefix another request was computing
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -149,9 +152,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, seqs: list[ScheduledSeq]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        computing = self._blocks_in_progress() if self.waiting and self.kv_cache.enable_caching else None
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
             computed = self.kv_cache.get_computed_blocks(request)
+            if computing and self._waits_for(request, len(computed), computing):
+                self.num_prefix_waits += 1
+                i += 1
+                continue
             num_cached = len(computed) * self.kv_cache.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -159,7 +168,9 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv_cache.allocate_slots(request, num_new, computed) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if computing is not None:  # what it computes now is in progress for the requests behind it
+                computing.update(request.block_hashes[len(computed):])
             self.kv_cache.record_prefix_lookup(request, len(computed))
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
@@ -169,6 +180,21 @@ class Scheduler:
             seqs.append(ScheduledSeq(request, num_cached, num_new, (), False))
             budget -= num_new
         return budget
+
+    def _blocks_in_progress(self) -> set[bytes]:
+        """Hashes of the full blocks running requests have yet to compute (their prompts' uncomputed part)."""
+        block_size = self.kv_cache.block_size
+        computing: set[bytes] = set()
+        for request in self.running:
+            done = request.num_computed_tokens // block_size
+            if done < len(request.block_hashes):
+                computing.update(request.block_hashes[done:])
+        return computing
+
+    def _waits_for(self, request: Request, num_hit: int, computing: set[bytes]) -> bool:
+        """Another admitted request is computing the block after ``request``'s cached prefix."""
+        max_blocks = (request.num_tokens - 1) // self.kv_cache.block_size  # get_computed_blocks' limit
+        return num_hit < max_blocks and request.block_hashes[num_hit] in computing
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

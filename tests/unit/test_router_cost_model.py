@@ -583,3 +583,27 @@ def test_the_prefix_source_is_the_longest_holder_of_either_role():
              worker("p1", "prefill", cached=40, total=300, free=300)]
     assert prefix_source(req(2000), cands).worker_id == "d1"  # 40 blocks, nothing queued, lowest id
     assert prefix_source(req(2000), [worker("d0", total=300, free=300)]) is None
+
+
+def test_a_prefix_being_computed_is_priced_as_cached_where_it_is_computed_but_never_imported_from_there():
+    # d0 is computing this 2,000-token prompt's first 1,600 tokens for another request (its backlog drained,
+    # not yet in the index): it waits for them and computes 400: 400/5000 + 1 chunk x 0.0105 (the other
+    # request runs) = 0.0905 s, stall 0.08, cost 0.0905 + 0.08 + 64 x 0.011 = 0.8745; d1 computes all 2,000:
+    # 0.4 + 64 x 0.0105 = 1.072.
+    computing = dataclasses.replace(worker("d0", total=300, free=300), pending_blocks=100, inflight=1)
+    cands = [computing, worker("d1", total=300, free=300)]
+    decision = route(req(2000), cands, COST, state=state())
+    assert (decision.kind, decision.decode_id, decision.computed_tokens) == (RouteKind.LOCAL, "d0", 400)
+    assert decision.decode_cached_tokens == 0  # what d0 holds now: a prefix lease would have to go beyond it
+    assert decision.reason.startswith("cost: 1600 of 2000 prompt tokens cached on d0 (d0 is computing 1600 of "
+                                      "them) (next: d1 cost 1.0720 s"), decision.reason
+    # without it, d0 is only the busier worker
+    plain = route(req(2000), [dataclasses.replace(computing, pending_blocks=0), cands[1]], COST, state=state())
+    assert plain.decode_id == "d1"
+
+    # P computing it for another request: the remote plan there computes only the tail, but the blocks are not
+    # there to pull yet, so no local plan imports them from P
+    p0 = dataclasses.replace(worker("p0", "prefill", total=300, free=300), pending_blocks=100)
+    decision = route(req(2000), [worker("d1", total=300, free=300), p0], with_cost(prefix_import=True), state=state())
+    assert (decision.kind, decision.prefill_id, decision.prefix_source_id) == (RouteKind.REMOTE, "p0", None)
+    assert decision.computed_tokens == 400 and "(p0 is computing 1600 of them)" in decision.reason

@@ -20,6 +20,7 @@ from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad, connect
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.config import RouterConfig
+from router.in_progress import PendingPrefixes
 from router.policy import PolicyConfig
 from router.rates import Rates
 from router.server import start_router
@@ -235,12 +236,14 @@ def stub(loop, model_dir, redis_server) -> Iterator[pb_grpc.GenerationStub]:
 
 @pytest.fixture(autouse=True)
 def fresh_rates(request) -> None:
-    """Each test starts from the rates' defaults: what earlier tests' fake workers taught the router (their
-    speeds depend on this machine's load) must not change this test's routing decisions."""
+    """Each test starts from the rates' defaults and no pending prefixes: what earlier tests' fake workers
+    taught the router (their speeds depend on this machine's load), and the prompts it sent them within the
+    last second (fake workers publish nothing to the index), must not change this test's routing decisions."""
     for name in ("stub", "layerwise_stub"):
         if name in request.fixturenames:
-            stub = request.getfixturevalue(name)
-            stub.running.relay.routing.rates = Rates(stub.running.relay.policy.rates)
+            relay = request.getfixturevalue(name).running.relay
+            relay.routing.rates = Rates(relay.policy.rates)
+            relay.pending_prefixes = PendingPrefixes()
 
 
 @pytest.fixture
@@ -454,16 +457,51 @@ def test_a_local_prefill_counts_as_the_decode_workers_queue_until_its_first_toke
         await asyncio.sleep(3600)
 
     d0.decode = slow_prefill
-    pending = stub.running.relay.inflight_prefill_tokens
+    relay = stub.running.relay
     call = stub.Generate(request(SHORT_PROMPT, max_tokens=50), timeout=10)
     wait_until(lambda: len(d0.decode_requests) == 1)
-    assert pending["d0"] == len(d0.decode_requests[0].token_ids)  # nothing cached on d0: the whole prompt
+    # nothing cached on d0: the whole prompt
+    assert relay.inflight_prefill_tokens["d0"] == len(d0.decode_requests[0].token_ids)
     release.set()
     assert list(next(call).token_ids) == tokens[:1]
-    wait_until(lambda: "d0" not in pending)  # answered: D's own report takes over
+    wait_until(lambda: "d0" not in relay.inflight_prefill_tokens)  # answered: D's own report takes over
     call.cancel()
     wait_until(lambda: d0.aborts == [d0.decode_requests[0].request_id])
-    assert "d0" not in pending
+    assert "d0" not in relay.inflight_prefill_tokens
+
+
+def test_a_prompt_being_computed_is_priced_as_cached_on_its_worker_until_the_index_shows_it(
+        stub, cluster, tokenizer, tokens):
+    d0, d1 = cluster.add("d0", "decode"), cluster.add("d1", "decode")
+    release = threading.Event()
+
+    async def slow_prefill(request: pb.DecodeRequest, context: Any) -> AsyncIterator[pb.DecodeResponse]:
+        while not release.is_set():  # computing the prompt: no token yet, nothing in the index
+            await asyncio.sleep(0.01)
+        yield pb.DecodeResponse(token_ids=tokens[:1], finish_reason=pb.FINISH_REASON_LENGTH)
+
+    d0.decode = d1.decode = slow_prefill
+    relay = stub.running.relay
+    pending = relay.pending_prefixes
+    first = stub.Generate(request(LONG_PROMPT, max_tokens=1), timeout=10)
+    wait_until(lambda: len(d0.decode_requests) + len(d1.decode_requests) == 1)
+    computing = "d0" if d0.decode_requests else "d1"
+    prompt_ids = tokenizer.encode(LONG_PROMPT)
+    hashes = hash_blocks(prompt_ids, BLOCK_SIZE, root_hash(bytes.fromhex(FINGERPRINT), BLOCK_SIZE, b""))
+    assert pending.lookup(hashes) == {computing: len(hashes)}
+    # long enough for its worker to have computed it at its learned rate: no backlog left, the prefix only pending
+    wait_until(lambda: relay.prefill_backlogs(relay.directory._snapshot) == {computing: 0})
+    second = stub.Generate(request(LONG_PROMPT, max_tokens=1), timeout=10)
+    wait_until(lambda: len(d0.decode_requests) + len(d1.decode_requests) == 2)
+    pending.grace_s = 0.0  # answered, the blocks are the index's at once
+    release.set()
+    reason = list(second)[-1].timings.route_reason
+    assert list(first)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    # the other decode worker computes the whole prompt; the one computing it only waits, then its tail
+    assert f"{len(hashes) * BLOCK_SIZE} of {len(prompt_ids)} prompt tokens cached on {computing} ({computing} is " \
+           f"computing {len(hashes) * BLOCK_SIZE} of them)" in reason, reason
+    assert (d0 if computing == "d0" else d1).decode_requests[1].token_ids == prompt_ids
+    wait_until(lambda: not pending.lookup(hashes) and len(pending) == 0)
 
 
 def test_cancel_before_decode_answers_releases_the_lease(stub, cluster, tokens):

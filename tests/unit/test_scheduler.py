@@ -136,6 +136,46 @@ def test_decode_and_prefill_share_one_token_budget():
     assert_drained(sched)
 
 
+def test_a_request_waits_for_the_prefix_another_is_computing_then_takes_it_from_the_cache():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    shared = list(range(12))  # 3 full blocks
+    sched.add_request(make_request("a", shared + [50, 51], max_tokens=1))
+    sched.add_request(make_request("b", shared + [60, 61, 62], max_tokens=1))
+    sched.add_request(make_request("c", range(100, 103), max_tokens=1))  # no full block: never held back
+    out, _ = step(sched)
+    assert view(out) == [("a", 0, 8, (0, 1))]  # a's first chunk takes the whole budget
+    out, deltas = step(sched)
+    # a's blocks 0-1 are cached now, block 2 is in a's last chunk: b waits for it, c takes the rest
+    assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.seqs] == [("a", 8, 6), ("c", 0, 2)]
+    assert sched.num_prefix_waits == 1 and deltas["a"].finished
+    out, deltas = step(sched)
+    assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.seqs] == [("c", 2, 1), ("b", 12, 3)]
+    assert deltas["b"].num_cached_tokens == 12  # all three shared blocks from the cache: only its tail computed
+    assert_drained(sched)
+
+
+def test_two_waiting_requests_with_a_new_prefix_compute_it_once():
+    sched = make_scheduler(max_num_batched_tokens=64)
+    sched.add_request(make_request("a", range(9), max_tokens=1))
+    sched.add_request(make_request("b", range(10), max_tokens=1))
+    sched.add_request(make_request("other-tenant", range(10), max_tokens=1, cache_salt="t2"))
+    out, deltas = step(sched)
+    assert [s.request.request_id for s in out.seqs] == ["a", "other-tenant"]  # another salt shares no block
+    out, deltas = step(sched)
+    assert view(out)[0][:3] == ("b", 8, 2) and deltas["b"].num_cached_tokens == 8
+    assert_drained(sched)
+
+
+def test_without_prefix_caching_nothing_waits():
+    kv = KVCacheManager(CacheConfig(block_size=BS, num_blocks=10, enable_prefix_caching=False), FINGERPRINT)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=40), kv)
+    sched.add_request(make_request("a", range(9), max_tokens=1))
+    sched.add_request(make_request("b", range(10), max_tokens=1))
+    out, _ = step(sched)
+    assert [s.request.request_id for s in out.seqs] == ["a", "b"] and sched.num_prefix_waits == 0
+    assert_drained(sched)
+
+
 def test_max_num_seqs_is_respected():
     sched = make_scheduler(max_num_seqs=2)
     for rid in "abc":
