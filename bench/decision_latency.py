@@ -5,9 +5,11 @@
 One decision is what ``router.relay`` does between the registry snapshot and the first RPC: pick the
 served hash scheme, hash the prompt's blocks (``hash_blocks``, a 4,096-token prompt, block size 16: 256
 hashes), build the candidates (8 prefill + 8 decode, hand-built loads, some holding a cached prefix) and
-run ``router.policy.route`` with one long-lived ``RoutingState``. No processes, no Redis: the index round
-trip (``KVIndex.lookup`` of the 256 hashes) is timed separately against a private redis-server, beside
-the same lookup answered by the in-memory mirror (``baton router --index-mirror``) synced from it.
+run ``router.policy.route`` with one long-lived ``RoutingState``, with the relay's bookkeeping read as it
+reads it (every worker with prompts in flight, four decode workers computing prompts of the cycle). No
+processes, no Redis: the index round trip (``KVIndex.lookup`` of the 256 hashes) is timed separately
+against a private redis-server, beside the same lookup answered by the in-memory mirror (``baton router
+--index-mirror``) synced from it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kv_transfer.hashing import hash_blocks, root_hash
@@ -26,6 +29,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.registry import WorkerInfo, WorkerLoad
 from router.cost_model import CostConfig
 from router.directory import Snapshot, build_candidates, served_scheme
+from router.in_progress import InflightPrefills, PendingPrefixes
 from router.policy import POLICIES, PolicyConfig, RouteRequest, RoutingState, route
 
 RESULTS = Path(__file__).parent / "results" / "decision_latency.json"
@@ -68,30 +72,55 @@ def cached_map(num_blocks: int) -> dict[str, int]:
     return {"d2": num_blocks, "d5": num_blocks // 2, "d7": num_blocks // 8, "p1": num_blocks // 2, "p4": 16}
 
 
+@dataclass(slots=True)
+class InProgress:
+    """What the relay keeps between decisions and reads in each: in-flight counts, prompts sent to compute
+    (``InflightPrefills``), prefixes being computed (``PendingPrefixes``)."""
+
+    inflight: dict[str, int] = field(default_factory=dict)
+    prefills: InflightPrefills = field(default_factory=InflightPrefills)
+    pending: PendingPrefixes = field(default_factory=PendingPrefixes)
+
+
+def in_progress(prompts: list[list[int]], fingerprint: bytes) -> InProgress:
+    """Every worker busy with a few prompts: 4 of them computing the bench's prompts (prefixes pending)."""
+    state = InProgress(inflight={f"d{i}": 2 for i in range(8)})
+    root = root_hash(fingerprint, BLOCK_SIZE, "")
+    for i in range(8):
+        for role in "pd":
+            for k in range(3):
+                state.prefills.add(f"{role}{i}", f"{role}{i}-{k}", 1024 * (k + 1))
+    for i, prompt in enumerate(prompts[:4]):
+        state.pending.add(f"busy-{i}", f"d{i}", hash_blocks(prompt, BLOCK_SIZE, root))
+    return state
+
+
 def decide(snapshot: Snapshot, prompt: list[int], cached: dict[str, int], config: PolicyConfig,
-           state: RoutingState, inflight: dict[str, int]) -> str:
+           state: RoutingState, busy: InProgress) -> str:
     """One routing decision as the relay makes it, minus the Redis round trip (``cached`` stands in)."""
     scheme = served_scheme(snapshot.workers)
     assert scheme is not None
     root = root_hash(scheme.fingerprint, scheme.block_size, "")
     hashes = hash_blocks(prompt, scheme.block_size, root)
     assert len(hashes) == PROMPT_TOKENS // BLOCK_SIZE
-    candidates = build_candidates(snapshot, scheme, cached, inflight)
+    candidates = build_candidates(snapshot, scheme, cached, busy.inflight,
+                                  busy.prefills.backlogs(snapshot.workers, state.rates), busy.pending.lookup(hashes))
     request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size)
     return route(request, candidates, config, state=state).decode_id
 
 
-def time_policy(config: PolicyConfig, snapshot: Snapshot, prompts: list[list[int]], n: int) -> list[float]:
+def time_policy(config: PolicyConfig, snapshot: Snapshot, prompts: list[list[int]], n: int,
+                fingerprint: bytes) -> list[float]:
     """Per-decision milliseconds over ``n`` decisions (prompts cycled, a fresh prompt hash each time)."""
     state = RoutingState.for_config(config, seed=0)
     cached = cached_map(PROMPT_TOKENS // BLOCK_SIZE)
-    inflight: dict[str, int] = {}
+    busy = in_progress(prompts, fingerprint)
     for prompt in prompts[:20]:  # warm up
-        decide(snapshot, prompt, cached, config, state, inflight)
+        decide(snapshot, prompt, cached, config, state, busy)
     out = []
     for i in range(n):
         started = time.perf_counter_ns()
-        decide(snapshot, prompts[i % len(prompts)], cached, config, state, inflight)
+        decide(snapshot, prompts[i % len(prompts)], cached, config, state, busy)
         out.append((time.perf_counter_ns() - started) / 1e6)
     return out
 
@@ -188,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = {}
     for name, config in VARIANTS:
         print(f"timing {args.decisions} decisions: {name} ...", flush=True)
-        policies[name] = summary(time_policy(config, snapshot, prompts, args.decisions))
+        policies[name] = summary(time_policy(config, snapshot, prompts, args.decisions, fingerprint))
     hashing = summary(time_hashing(prompts, args.decisions, fingerprint))
     lookups = time_redis_lookup(hash_blocks(prompts[0], BLOCK_SIZE, root_hash(fingerprint, BLOCK_SIZE, "")),
                                   args.lookups)

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kv_transfer.hashing import BlockHash
+from kv_transfer.registry import WorkerInfo, WorkerLoad
+from router.rates import Rates
 
 
 @dataclass(slots=True)
@@ -55,6 +57,15 @@ class InflightPrefills:
     def tokens(self) -> dict[str, int]:
         """Per worker, every prompt token sent and not answered (workers with none left out)."""
         return {w: sum(n for n, _ in sent.values()) for w, sent in self._sent.items()}
+
+    def backlogs(self, workers: Iterable[tuple[WorkerInfo, WorkerLoad | None]], rates: Rates) -> dict[str, int]:
+        """Per worker with prompts in flight, what is left of them at its learned prefill rate."""
+        out = {}
+        for info, load in workers:
+            if info.worker_id in self._sent:
+                rate = rates.prefill_tokens_per_s(info.worker_id, load, on_decode=info.role == "decode")
+                out[info.worker_id] = self.backlog(info.worker_id, rate)
+        return out
 
     def backlog(self, worker_id: str, tokens_per_s: float) -> int:
         """What is left of them at ``tokens_per_s``: the largest, over each prompt, of the tokens sent since it

@@ -86,15 +86,6 @@ class Relay:
         """Per worker, the prompt tokens sent to it to compute and not answered yet."""
         return self.inflight_prefills.tokens()
 
-    def prefill_backlogs(self, snapshot: Snapshot) -> dict[str, int]:
-        """Per worker with prompts in flight, what is left of them at its learned prefill rate."""
-        rates, inflight, out = self.routing.rates, self.inflight_prefills, {}
-        for info, load in snapshot.workers:
-            if info.worker_id in inflight:
-                rate = rates.prefill_tokens_per_s(info.worker_id, load, on_decode=info.role == "decode")
-                out[info.worker_id] = inflight.backlog(info.worker_id, rate)
-        return out
-
     def generate(self, job: Job, deadline_s: float, trace_parent: Any = None) -> AsyncIterator[pb.GenerateResponse]:
         """Stream ``job``'s responses; ``deadline_s`` is on the event loop's clock. ``trace_parent``: the
         client's trace context (``proto.tracing.extract``), which the request's spans continue.
@@ -205,7 +196,9 @@ class _Flow:
         cached = await self._relay.directory.lookup(hashes)
         pending = self._relay.pending_prefixes
         self._candidates = build_candidates(self._snapshot, scheme, cached, self._relay.inflight,
-                                            self._relay.prefill_backlogs(self._snapshot), pending.lookup(hashes))
+                                            self._relay.inflight_prefills.backlogs(self._snapshot.workers,
+                                                                                   self._relay.routing.rates),
+                                            pending.lookup(hashes))
         self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size,
                                            max_tokens=self._job.params.max_tokens)
         decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)

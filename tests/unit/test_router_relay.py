@@ -490,7 +490,8 @@ def test_a_prompt_being_computed_is_priced_as_cached_on_its_worker_until_the_ind
     hashes = hash_blocks(prompt_ids, BLOCK_SIZE, root_hash(bytes.fromhex(FINGERPRINT), BLOCK_SIZE, b""))
     assert pending.lookup(hashes) == {computing: len(hashes)}
     # long enough for its worker to have computed it at its learned rate: no backlog left, the prefix only pending
-    wait_until(lambda: relay.prefill_backlogs(relay.directory._snapshot) == {computing: 0})
+    wait_until(lambda: relay.inflight_prefills.backlogs(relay.directory._snapshot.workers, relay.routing.rates)
+               == {computing: 0})
     second = stub.Generate(request(LONG_PROMPT, max_tokens=1), timeout=10)
     wait_until(lambda: len(d0.decode_requests) + len(d1.decode_requests) == 2)
     pending.grace_s = 0.0  # answered, the blocks are the index's at once
