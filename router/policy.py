@@ -61,7 +61,7 @@ class Candidate:
     inflight: int = 0  # requests this router sent here and that have not finished
     inflight_prefill_tokens: int = 0  # prompt tokens this router sent here to compute (either role), not yet answered
     # leading blocks of this prompt the worker is computing for a request this router sent it, not yet in the
-    # index (router.pending_prefixes); the cost policy prices them as cached, behind the worker's queue
+    # index (router.in_progress.PendingPrefixes); the cost policy prices them as cached, behind its backlog
     pending_blocks: int = 0
 
     @property
@@ -210,8 +210,9 @@ def route_by_cost(
     plan = best.plan
     kind = RouteKind.REMOTE if plan.kind == "remote" else RouteKind.LOCAL
     indexed = {w: min(blocks * request.block_size, request.num_prompt_tokens) for w, blocks in pending.items()}
+    chosen = (best.decode.worker_id, plan.prefill_id)
     computing = [f"{c.worker_id} is computing {request.cached_tokens(c) - indexed[c.worker_id]} of them"
-                 for c in candidates if c.worker_id in indexed and c.worker_id in (best.decode.worker_id, plan.prefill_id)]
+                 for c in candidates if c.worker_id in indexed and c.worker_id in chosen]
     pending_note = f" ({'; '.join(computing)})" if computing else ""
     # what D holds now, which a prefix lease must go beyond
     decode_cached = indexed.get(best.decode.worker_id, request.cached_tokens(best.decode))

@@ -2,11 +2,12 @@
 
 Every step: running requests first (a decode needs 1 token, an unfinished prefill gets the next
 chunk), then waiting requests in (priority, arrival) order while the token budget, ``max_num_seqs``
-and free blocks allow. A waiting request whose next uncached prompt block another admitted request is still
-computing waits for it (SGLang's in-batch prefix caching): admitted at once it would compute the same
-blocks again beside it; a step later it takes them from the prefix cache. When a running request cannot grow, the newest lowest-priority running
-request is preempted by recompute: its blocks are freed (full ones stay in the prefix cache) and it
-goes back to the waiting queue, to resume later mostly from cache.
+and free blocks allow. A waiting request whose next uncached prompt block another admitted request is
+still computing waits for it (SGLang's in-batch prefix caching): admitted at once it would compute the
+same blocks again beside it; a step later it takes them from the prefix cache. When a running request
+cannot grow, the newest lowest-priority running request is preempted by recompute: its blocks are freed
+(full ones stay in the prefix cache) and it goes back to the waiting queue, to resume later mostly from
+cache.
 """
 
 from __future__ import annotations
