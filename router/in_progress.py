@@ -149,9 +149,10 @@ class PendingPrefixes:
         entry = self._entries.pop(request_id)
         for worker_id in entry.workers:
             held = self._held[worker_id]
-            held.subtract(entry.hashes)
-            for h in entry.hashes:
-                if held[h] <= 0:
+            for h in entry.hashes:  # one pass: drop a hash with its last request
+                if held[h] > 1:
+                    held[h] -= 1
+                else:
                     del held[h]
             if not held:
                 del self._held[worker_id]
