@@ -12,7 +12,7 @@ import sys
 _COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("deploy.up:main", "start the local platform: redis, router, prefill and decode workers"),
     "deploy": ("deploy.commands:main", "render a BatonGraphDeployment spec; print the CRD; run the operator"),
-    "model": ("engine.tiny:main", "build the tiny (default) or small offline checkpoint"),
+    "model": ("engine.model_cli:main", "build the tiny or small offline checkpoint, or locate smollm2 (a GGUF)"),
     "demo": ("engine.demo:main", "stream an offline generation from the engine (no servers)"),
     "bench": ("bench.__main__:main", "run benchmarks (throughput, kv-transfer, serve, compare, ...)"),
     "router": ("router.main:main", "run the router (public Generate API, routing, orchestration)"),

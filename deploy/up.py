@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.pools import ROLES, PoolManager
+from engine.errors import ModelLoadError
+from engine.model_source import MODEL_HELP, resolve_model
 from kv_transfer.redis_index import RedisKeys
 from kv_transfer.registry import redact_url, with_ca
 from proto import tls
@@ -41,7 +43,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="baton up", description=__doc__)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the tiny model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting a private one")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
@@ -71,7 +73,12 @@ def _tls_flags(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    model = args.model or str(_ensure_tiny())
+    try:
+        source = resolve_model(args.model)  # builds a missing preset first
+    except ModelLoadError as exc:
+        print(f"baton up: {exc}", file=sys.stderr)
+        return 2
+    model = str(source.path)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
@@ -85,8 +92,8 @@ def main(argv: list[str]) -> int:
             pools.redis.set(pools.keys.pool_desired(role), count)  # `baton admin scale` changes these
             for _ in range(count):
                 pools.start(role)
-        router = ["router", *common, "--port", str(args.port), "--metrics-port", str(args.metrics_port),
-                  "--http-port", str(args.http_port)]
+        router = ["router", *common, "--model-name", source.name, "--port", str(args.port),
+                  "--metrics-port", str(args.metrics_port), "--http-port", str(args.http_port)]
         if args.disagg_threshold_tokens is not None:
             router += ["--disagg-threshold-tokens", str(args.disagg_threshold_tokens)]
         spawn("router", router, log_dir, children)
@@ -99,12 +106,6 @@ def main(argv: list[str]) -> int:
         workers = pools.children() if pools is not None else []
         redis_first = sorted(children, key=lambda c: c.name != "redis")
         stop_all(redis_first[:1] + workers + redis_first[1:])  # stops the router, then workers, then redis
-
-
-def _ensure_tiny() -> Path:
-    from engine.tiny import ensure_model
-
-    return ensure_model("tiny")
 
 
 def start_redis(log_dir: Path, children: list[Child]) -> str:

@@ -7,13 +7,15 @@ import logging
 import sys
 import time
 
+from engine.model_source import MODEL_HELP
+
 _DEFAULT_PROMPT = "class Parser:\n    def __init__(self"
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="baton demo", description=__doc__)
     parser.add_argument("prompt", nargs="?", default=_DEFAULT_PROMPT)
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the tiny model)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -32,7 +34,7 @@ def main(argv: list[str]) -> int:
 
     try:
         engine = Engine(EngineConfig(model=args.model))
-        tokenizer = Tokenizer.from_pretrained(engine.model_path)
+        tokenizer = Tokenizer.from_gguf(engine.gguf) if engine.gguf is not None else Tokenizer.from_pretrained(engine.model_path)
         engine.eos_token_ids = engine.eos_token_ids or tokenizer.eos_token_ids
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens

@@ -6,7 +6,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -18,8 +17,9 @@ from engine.core.outputs import CachedPrefix, PrefixReservation, RequestDelta, S
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.errors import CapacityExceeded, InvalidRequest
-from engine.model.config import ModelConfig
-from engine.model.loader import checkpoint_files, load_model, read_model_config, weights_id
+from engine.model.config import ModelConfig, RopeConfig
+from engine.model.loader import load_model, open_gguf, read_model_config
+from engine.model_source import resolve_model
 from engine.runner import LayerHook, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.step_rates import StepRates
@@ -36,12 +36,15 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model_path = resolve_model_path(config.model)
+        self.model_source = resolve_model(config.model)
+        self.model_path = self.model_source.path
         self.device = _pick_device(config.device)
-        self.model_config = read_model_config(self.model_path, _pick_dtype(config.dtype, self.device, self.model_path))
-        self.fingerprint = _fingerprint(self.model_config, self.model_path)
         started = time.perf_counter()
-        model = load_model(self.model_path, self.model_config, self.device)
+        # a GGUF's metadata, read once (config, weights, and the offline API's tokenizer); None for a folder
+        self.gguf = open_gguf(self.model_source) if self.model_source.is_gguf else None
+        self.model_config = read_model_config(self.model_source, _pick_dtype(config.dtype, self.device), self.gguf)
+        model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf)
+        self.fingerprint = _fingerprint(self.model_config, weights_id)
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
         max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                             self.model_config.max_position_embeddings)
@@ -270,21 +273,13 @@ class Engine:
         return self.kv_cache_manager.pool.take_events()
 
 
-def resolve_model_path(model: str | None) -> Path:
-    if model is None:
-        from engine.tiny import ensure_model
-
-        return ensure_model("tiny")
-    return Path(model).expanduser()
-
-
 def _pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
-def _pick_dtype(dtype: str, device: torch.device, folder: Path) -> str | None:
+def _pick_dtype(dtype: str, device: torch.device) -> str | None:
     if dtype != "auto":
         if dtype not in ("float32", "float16", "bfloat16"):
             raise InvalidRequest(f"dtype must be auto|float32|float16|bfloat16, got {dtype!r}")
@@ -305,12 +300,17 @@ def _pick_backend(name: str, device: torch.device) -> AttentionBackend:
     return TorchAttentionBackend()
 
 
-def _fingerprint(config: ModelConfig, folder: Path) -> bytes:
+def _fingerprint(config: ModelConfig, weights_id: str) -> bytes:
     return model_fingerprint(
         architecture=config.architecture, hidden_size=config.hidden_size, num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=config.dtype,
-        vocab_size=config.vocab_size, weights_id=weights_id(checkpoint_files(folder)),
+        vocab_size=config.vocab_size, rope=rope_text(config.rope), weights_id=weights_id,
     )
+
+
+def rope_text(rope: RopeConfig) -> str:
+    """The RoPE configuration as the fingerprint's canonical text (K is cached after RoPE)."""
+    return ":".join(str(getattr(rope, name)) for name in rope.__slots__)
 
 
 def _default_num_blocks(config: EngineConfig, model: ModelConfig, max_model_len: int, device: torch.device) -> int:

@@ -8,7 +8,6 @@ torch and transformers load only while building: ``default_model_dir`` and findi
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -148,18 +147,6 @@ def is_complete(folder: Path, identity: dict[str, object]) -> bool:
     if not isinstance(files, dict) or not files:
         return False
     return all(_size(folder / name) == entry.get("num_bytes") for name, entry in files.items())
-
-
-def main(argv: list[str]) -> int:
-    """CLI: ``baton model tiny|small [--out DIR] [--force]``."""
-    parser = argparse.ArgumentParser(prog="baton model", description="Build a tiny Llama checkpoint offline.")
-    parser.add_argument("preset", choices=sorted(PRESETS))
-    parser.add_argument("--out", type=Path, default=None, help="target folder (default: the cache folder)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
-    args = parser.parse_args(argv)
-    path = build_model(args.preset, args.out, force=args.force)
-    print(path)
-    return 0
 
 
 def _build_into(folder: Path, spec: ModelPreset, train_steps: int, progress: Callable[[str], None]) -> None:
@@ -320,9 +307,3 @@ def _publish(tmp: Path, out: Path, identity: dict[str, object]) -> None:
         if not is_complete(out, identity):
             raise
     shutil.rmtree(old, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(main(sys.argv[1:]))

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
@@ -21,6 +21,9 @@ import jinja2.sandbox
 import tokenizers
 
 from engine.errors import InvalidRequest, ModelLoadError
+
+if TYPE_CHECKING:
+    from engine.gguf_file import GGUFFile
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -63,6 +66,23 @@ class Tokenizer:
         config = _read_json(folder / TOKENIZER_CONFIG_FILE, required=False)
         specials = _load_specials(folder, config, backend)
         return cls(backend, specials, _load_chat_template(folder, config))
+
+    @classmethod
+    def from_model(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a Hugging Face folder (``tokenizer.json``) or of a GGUF file (its metadata)."""
+        return cls.from_gguf(path) if Path(path).is_file() else cls.from_pretrained(path)
+
+    @classmethod
+    def from_gguf(cls, gguf: str | Path | GGUFFile) -> Tokenizer:
+        """Everything from the file's metadata: vocabulary, merges, special tokens, chat template."""
+        from engine import gguf_tokenizer
+        from engine.gguf_file import GGUFFile
+
+        f = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
+        bos_id, eos_ids = gguf_tokenizer.special_ids(f)
+        specials = SpecialTokens(strings=gguf_tokenizer.special_token_strings(f), bos_token_id=bos_id,
+                                 eos_token_ids=eos_ids)
+        return cls(gguf_tokenizer.build_backend(f), specials, gguf_tokenizer.chat_template(f))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):

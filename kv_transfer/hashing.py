@@ -2,12 +2,14 @@
 
 Pure Python, no torch. Only full blocks are hashed::
 
-    root = H(b"baton-kv-v1" || model_fingerprint || u32(block_size) || cache_salt)
+    root = H(b"baton-kv-v2" || model_fingerprint || u32(block_size) || cache_salt)
     h[i] = H(h[i-1] or root || tokens[i*bs:(i+1)*bs] as little-endian int32)
     H    = blake2b(digest_size=16)
 
 The test vectors in ``tests/unit/test_hashing.py`` must never change silently: a new scheme gets a
-new version tag.
+new version tag. v2 (``baton-kv-v2``, fingerprint ``baton-model-v2``): the fingerprint covers the RoPE
+configuration (K is cached after RoPE, so two checkpoints that differ only there must never share KV) and
+``weights_id`` digests every tensor's bytes; v1 left both out.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
-HASH_VERSION = b"baton-kv-v1"
+HASH_VERSION = b"baton-kv-v2"
 DIGEST_SIZE = 16
 
 BlockHash = bytes
@@ -40,14 +42,13 @@ def model_fingerprint(
     head_dim: int,
     dtype: str,
     vocab_size: int,
+    rope: str,
     weights_id: str,
 ) -> bytes:
-    """A stable digest of what makes two workers' KV caches interchangeable."""
-    text = "|".join(
-        str(x)
-        for x in (architecture, hidden_size, num_layers, num_kv_heads, head_dim, dtype, vocab_size, weights_id)
-    )
-    return _h(b"baton-model-v1", text.encode())
+    """A stable digest of what makes two workers' KV caches interchangeable. ``rope``: a canonical text
+    of the RoPE configuration (type, theta, scaling); ``weights_id``: a digest of every tensor's bytes."""
+    fields = (architecture, hidden_size, num_layers, num_kv_heads, head_dim, dtype, vocab_size, rope, weights_id)
+    return _h(b"baton-model-v2", "|".join(str(x) for x in fields).encode())
 
 
 def root_hash(fingerprint: bytes, block_size: int, cache_salt: str | bytes = b"") -> BlockHash:

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from engine.config import EngineConfig
+from engine.model_source import MODEL_HELP
 from kv_transfer.auth import load_secret
 from kv_transfer.transport import parse_kinds
 from kv_transfer.registry import RedisCredentialsError, check_credentials, connect, redact_url, with_ca
@@ -22,7 +23,7 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--redis-url", required=redis_url is None, default=redis_url,
                    help="Redis of the KV index and registry: redis://[:PASSWORD@]HOST:PORT/DB or rediss://... "
                    "for TLS (default: $BATON_REDIS_URL, where a password is safer than on the command line)")
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the tiny model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--namespace", default="baton", help="Redis key namespace")
     p.add_argument("--host", default="127.0.0.1", help="address to serve gRPC and the KV data plane on")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")

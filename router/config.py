@@ -1,4 +1,4 @@
-"""The router's configuration (one frozen dataclass) and the model facts it reads from config.json.
+"""The router's configuration (one frozen dataclass) and the model facts it reads (config.json or GGUF metadata).
 
 Flags and environment variables are read only in ``router.main``; everything here is plain data.
 """
@@ -8,8 +8,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from engine.gguf_file import GGUFFile
 from router.planner import PlannerConfig
 from router.policy import PolicyConfig
 
@@ -19,12 +23,12 @@ DEFAULT_ROUTER_ADDRESS = f"localhost:{DEFAULT_PORT}"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RouterConfig:
-    model_dir: Path  # the Hugging Face folder the workers serve; the router reads its tokenizer + config.json
+    model_path: Path  # what the workers serve: a HF folder (tokenizer + config.json) or a GGUF file (its metadata)
     redis_url: str
     ns: str = "baton"
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT  # 0: any free port (tests)
-    model_name: str | None = None  # None: the folder's name; GenerateRequest.model must match when set
+    model_name: str | None = None  # None: the folder's name or the file's stem; GenerateRequest.model must match
     max_model_len: int | None = None  # None: config.json's max_position_embeddings
     request_timeout_s: float = 600.0  # applies when the client sets no shorter deadline
     worker_list_ttl_s: float = 0.5  # how long a listing of the registry is reused
@@ -51,7 +55,7 @@ class RouterConfig:
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or self.model_dir.name
+        return self.model_name or (self.model_path.stem if self.model_path.is_file() else self.model_path.name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,8 +67,15 @@ class ModelCard:
     max_position_embeddings: int
 
     @classmethod
-    def from_folder(cls, folder: Path) -> ModelCard:
-        path = Path(folder) / "config.json"
+    def from_path(cls, model: Path, gguf: GGUFFile | None = None) -> ModelCard:
+        """From a HF folder's config.json, or from a GGUF file's metadata (``gguf``: the file, already opened)."""
+        if gguf is not None or Path(model).is_file():
+            from engine.gguf_file import GGUFFile
+
+            raw = (gguf or GGUFFile(model)).config_dict()
+            return cls(architecture=raw["architectures"][0], vocab_size=raw["vocab_size"],
+                       max_position_embeddings=raw["max_position_embeddings"])
+        path = Path(model) / "config.json"
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
             return cls(

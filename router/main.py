@@ -8,9 +8,9 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
-from engine.errors import BatonError
+from engine.errors import BatonError, ModelLoadError
+from engine.model_source import resolve_model
 from kv_transfer.registry import check_credentials, connect, redact_url, with_ca
 from proto import tls
 from router.config import DEFAULT_PORT, RouterConfig
@@ -35,11 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Redis holding the worker registry and KV index: redis://[:PASSWORD@]HOST:PORT/DB, "
                         "or rediss://... for TLS (a password is safer in $BATON_REDIS_URL than on the command "
                         "line; default: $BATON_REDIS_URL or %(default)s)")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="the Hugging Face checkpoint folder the workers serve (tokenizer + config.json); "
-                        "default: the tiny model `baton model tiny` builds")
+    parser.add_argument("--model", default=None,
+                        help="what the workers serve: a Hugging Face checkpoint folder (tokenizer + config.json), a "
+                        ".gguf file (tokenizer and chat template from its metadata), or a name: tiny, small, smollm2 "
+                        "(default: tiny, which `baton model tiny` builds)")
     parser.add_argument("--model-name", default=None,
-                        help="name clients may send as `model` (default: the folder's name)")
+                        help="name clients may send as `model` (default: the name given to --model, the folder's "
+                        "name or the file's stem)")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="gRPC port (default: %(default)s; 0: any free port)")
@@ -113,10 +115,12 @@ def tls_from_args(args: argparse.Namespace) -> tls.TlsConfig | None:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """Raises ModelLoadError when --model names nothing that exists."""
+    source = resolve_model(args.model, build=False)  # torch-free: a preset is only its cache folder here
     return RouterConfig(
-        model_dir=args.model if args.model is not None else _default_model_dir(),
+        model_path=source.path, model_name=args.model_name or source.name,
         redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
-        ns=args.ns, host=args.host, port=args.port, model_name=args.model_name, max_model_len=args.max_model_len,
+        ns=args.ns, host=args.host, port=args.port, max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror, kv_layerwise=args.kv_layerwise,
         max_inflight_requests=args.max_inflight_requests,
         planner=PlannerConfig(max_workers=args.planner_max_workers, down_cooldown_s=args.planner_down_cooldown_s),
@@ -130,12 +134,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                                             kv_layerwise=args.kv_layerwise,
                                             prefix_import=args.prefix_import)),
     )
-
-
-def _default_model_dir() -> Path:
-    from engine.tiny import default_model_dir  # torch-free: only path logic (the no-torch test covers it)
-
-    return default_model_dir("tiny")
 
 
 async def serve(
@@ -169,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         tls_config = tls_from_args(args)
-    except ValueError as exc:  # TlsConfigError too
+    except (ValueError, ModelLoadError) as exc:  # TlsConfigError too
         parser.error(str(exc))
-    if not (config.model_dir / "tokenizer.json").is_file():
-        parser.error(f"--model {config.model_dir}: no tokenizer.json there (build one with `baton model tiny`)")
+    if not config.model_path.is_file() and not (config.model_path / "tokenizer.json").is_file():
+        parser.error(f"--model {config.model_path}: no tokenizer.json there (build one with `baton model tiny`)")
     from proto.tracing import TracingConfig, setup_tracing
 
     try:

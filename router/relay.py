@@ -41,7 +41,7 @@ from router.directory import Snapshot, WorkerDirectory, build_candidates, served
 from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, error_from_status
 from router.frontend import Job
 from router.metrics import RouterMetrics
-from router.output import TextStream
+from engine.text_stream import TextStream
 from router.in_progress import InflightPrefills, PendingPrefixes
 from router.policy import (
     Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, pick_decode, route,

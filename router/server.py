@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import BatonError
+from engine.gguf_file import GGUFFile
 from engine.tokenizer import Tokenizer
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
@@ -184,8 +185,10 @@ async def start_router(
     ``tls``: serve gRPC, the HTTP front and ``/metrics`` over TLS (mTLS when it has a CA) and call the workers
     over TLS with the same certificate (None: plaintext everywhere).
     """
-    card = ModelCard.from_folder(config.model_dir)
-    tokenizer = tokenizer or Tokenizer.from_pretrained(config.model_dir)
+    gguf = GGUFFile(config.model_path) if config.model_path.is_file() else None  # its metadata, read once
+    card = ModelCard.from_path(config.model_path, gguf)
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_gguf(gguf) if gguf is not None else Tokenizer.from_pretrained(config.model_path)
     limits = ModelLimits(name=config.served_model_name, vocab_size=card.vocab_size,
                          max_model_len=resolve_max_model_len(config, card))
     redis = connect(config.redis_url)

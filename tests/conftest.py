@@ -144,3 +144,24 @@ def tiny_checkpoint(request, tiny_checkpoints) -> TinyCheckpoint:
 def hf_models(tiny_checkpoints) -> dict[str, Any]:
     """The transformers reference models (fp32, eval) by spec name."""
     return {name: checkpoint.model for name, checkpoint in tiny_checkpoints.items()}
+
+
+@dataclass(frozen=True)
+class SmolLM2Reference:
+    path: Path  # the GGUF file
+    prompts: list[list[int]]
+    continuations: list[Any]  # tests.smollm2.Continuation, one per prompt
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> SmolLM2Reference:
+    """transformers' greedy continuations of tests/smollm2.py's prompts on the installed SmolLM2 GGUF (about
+    30 s: loading and dequantizing the file, then 8 x 64 steps), computed once per session."""
+    from engine.model_source import resolve_model
+    from engine.tokenizer import Tokenizer
+    from tests import smollm2
+
+    path = resolve_model("smollm2").path
+    prompts = smollm2.prompts(Tokenizer.from_gguf(path))
+    model = smollm2.transformers_model(path)
+    return SmolLM2Reference(path, prompts, [smollm2.reference(model, prompt) for prompt in prompts])

@@ -45,8 +45,7 @@ class Scheduler:
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self._check_new(request)
         self._requests[request.request_id] = request
         self._order[request.request_id] = (request.priority, next(self._arrivals))
         self._enqueue(request)
@@ -69,6 +68,7 @@ class Scheduler:
         Returns (number of leading blocks already cached here, the request's block ids), or None
         when the pool cannot hold the prompt now (the caller falls back to local prefill).
         """
+        self._check_new(request)  # before any block is allocated: a refused id must not leak them
         computed = self.kv_cache.get_computed_blocks(request)
         num_hit = min(len(computed), num_prompt_tokens // self.kv_cache.block_size)
         computed = computed[:num_hit]
@@ -82,8 +82,18 @@ class Scheduler:
         return num_hit, list(self.kv_cache.block_ids(request.request_id))
 
     def activate_remote(self, request_id: str, num_prompt_tokens: int) -> None:
-        """The pulled KV is in place: the request joins the running batch at its next token."""
+        """The pulled KV is in place: the request joins the running batch at its next token.
+
+        Its first output token (the prefill worker's) must be there already: with none, the next step would
+        schedule 0 new tokens and sample from another sequence's logit row. Refused before any change, so the
+        caller can still ``fallback_remote`` (recompute) or abort.
+        """
         request = self._requests[request_id]
+        if request.num_output_tokens == 0:
+            raise InvalidRequest(
+                f"request {request_id!r}: activating pulled KV needs the prefill worker's first output token; "
+                "none was given (fall back to recompute instead)"
+            )
         request.num_computed_tokens = num_prompt_tokens
         self.kv_cache.commit(request)
         request.transition(RequestStatus.RUNNING)
@@ -107,6 +117,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.transition(RequestStatus.WAITING)
         self._enqueue(request)
+
+    def _check_new(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise InvalidRequest(f"duplicate request id {request.request_id!r}")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,4 +1,10 @@
-"""Load a Hugging Face checkpoint folder: config.json + one or many safetensors shards."""
+"""Load a checkpoint into a model: a Hugging Face folder (config.json + safetensors shards) or a GGUF file.
+
+Both paths feed one ``WeightSink`` with Hugging Face tensor names; it fills the fused parameters, checks
+shapes and completeness, and digests every tensor's bytes as they are read (no second pass over the
+file): that digest is the ``weights_id`` in the model fingerprint, so two different checkpoints never
+share KV in the index.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import json
 import logging
 from hashlib import blake2b
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -14,11 +21,15 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig, parse_model_config, read_config_json
+from engine.model.progress import Progress
 from engine.model.registry import ModelRegistry
+from engine.model_source import ModelSource
+
+if TYPE_CHECKING:
+    from engine.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
-_SAMPLE_BYTES = 1 << 20
 # checkpoint projection -> (fused parameter, shard index); shard order matches the fused layout.
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -27,14 +38,91 @@ _FUSED = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def read_model_config(folder: Path, dtype: str | None = None) -> ModelConfig:
-    raw = read_config_json(folder)
+def read_model_config(source: ModelSource, dtype: str | None = None, gguf: GGUFFile | None = None) -> ModelConfig:
+    """The model's config; ``gguf``: the source's file, already opened (opening one reads its metadata)."""
+    if source.is_gguf:
+        raw = (gguf or open_gguf(source)).config_dict()
+    else:
+        raw = read_config_json(source.path)
     architecture = (raw.get("architectures") or [None])[0]
     if architecture is None:
-        raise ModelLoadError(f"{folder}/config.json has no 'architectures' entry")
+        raise ModelLoadError(f"{source.path}/config.json has no 'architectures' entry")
     cls = ModelRegistry.resolve(architecture)
     config = parse_model_config(raw, **cls.config_overrides(raw))
     return dataclasses.replace(config, dtype=dtype) if dtype else config
+
+
+def load_model(source: ModelSource, config: ModelConfig, device: torch.device,
+               gguf: GGUFFile | None = None) -> tuple[nn.Module, str]:
+    """The model with its weights on ``device``, and the weights' digest (``weights_id``)."""
+    cls = ModelRegistry.resolve(config.architecture)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to_empty(device=device).to(getattr(torch, config.dtype))
+    model.model.rotary.reset_tables(device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    sink = WeightSink(model, config)
+    if source.is_gguf:
+        from engine.model.gguf_loader import load_gguf
+
+        load_gguf(gguf or open_gguf(source), config, sink)
+    else:
+        _load_safetensors(source.path, sink)
+    sink.check_complete()
+    return model.eval(), sink.weights_id()
+
+
+def open_gguf(source: ModelSource) -> GGUFFile:
+    from engine.gguf_file import GGUFFile
+
+    return GGUFFile(source.path)
+
+
+class WeightSink:
+    """Receives checkpoint tensors by Hugging Face name and copies them into the model's parameters."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig) -> None:
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._names = [name for name, _ in model.named_parameters()]
+        self._config = config
+        self._loaded: set[str] = set()
+        self._digest = blake2b(digest_size=16)
+
+    def put(self, key: str, tensor: torch.Tensor, stored: memoryview | bytes | None = None) -> None:
+        """Copy ``tensor`` into the parameter ``key`` names; digest ``stored`` (the bytes as the file holds
+        them, e.g. quantized), else the tensor's own bytes."""
+        if key.endswith(_IGNORED_SUFFIXES):
+            return
+        name, rows = _target(key, self._config)
+        if name not in self._params:
+            raise ModelLoadError(f"unexpected tensor {key!r} for {self._config.architecture}")
+        self._digest.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}|".encode())
+        self._digest.update(_tensor_bytes(tensor) if stored is None else stored)
+        _copy(self._params[name], rows, tensor, key)
+        self._loaded.add(f"{name}#{rows[0] if rows else ''}")
+
+    def weights_id(self) -> str:
+        return self._digest.hexdigest()
+
+    def check_complete(self) -> None:
+        config = self._config
+        expected: set[str] = set()
+        for name in self._names:
+            fused = name.split(".")[-2]
+            if fused == "qkv_proj":
+                expected |= {f"{name}#{s}" for s in (0, config.q_size, config.q_size + config.kv_size)}
+            elif fused == "gate_up_proj":
+                expected |= {f"{name}#0", f"{name}#{config.intermediate_size}"}
+            else:
+                expected.add(f"{name}#")
+        loaded = set(self._loaded)
+        if config.tie_word_embeddings:
+            expected.discard("lm_head.weight#")
+            loaded.discard("lm_head.weight#")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}")
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -55,50 +143,22 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def weights_id(files: list[Path]) -> str:
-    """A cheap, stable identity of the weights: each shard's size, header and first/last MiB."""
-    digest = blake2b(digest_size=16)
-    for path in files:
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            digest.update(f.read(_SAMPLE_BYTES))
-            f.seek(max(0, size - _SAMPLE_BYTES))
-            digest.update(f.read(_SAMPLE_BYTES))
-    return digest.hexdigest()
-
-
-def load_model(folder: Path, config: ModelConfig, device: torch.device) -> nn.Module:
-    cls = ModelRegistry.resolve(config.architecture)
-    dtype = getattr(torch, config.dtype)
-    with torch.device("meta"):
-        model = cls(config)
-    model = model.to_empty(device=device).to(dtype)
-    model.model.rotary.reset_tables(device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+def _load_safetensors(folder: Path, sink: WeightSink) -> None:
     files = checkpoint_files(folder)
-    loaded: set[str] = set()
     for i, path in enumerate(files, 1):
-        logger.info("loading weights %d/%d: %s", i, len(files), path.name)
-        loaded |= _load_file(model, config, path)
-    _check_complete(model, config, loaded)
-    return model.eval()
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys = list(f.keys())
+            for key in Progress(keys, f"loading {path.name} ({i}/{len(files)})", unit="tensors"):
+                try:
+                    sink.put(key, f.get_tensor(key))
+                except ModelLoadError as exc:
+                    raise ModelLoadError(f"{path.name}: {exc}") from None
 
 
-def _load_file(model: nn.Module, config: ModelConfig, path: Path) -> set[str]:
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        for key in f.keys():
-            if key.endswith(_IGNORED_SUFFIXES):
-                continue
-            name, rows = _target(key, config)
-            if name not in params:
-                raise ModelLoadError(f"{path.name}: unexpected tensor {key!r} for {config.architecture}")
-            _copy(params[name], rows, f.get_tensor(key), key)
-            loaded.add(f"{name}#{rows[0] if rows else ''}")
-    return loaded
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (any dtype: viewed as uint8)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
 def _target(key: str, config: ModelConfig) -> tuple[str, tuple[int, int] | None]:
@@ -120,21 +180,3 @@ def _copy(param: nn.Parameter, rows: tuple[int, int] | None, tensor: torch.Tenso
         raise ModelLoadError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
     with torch.no_grad():
         target.copy_(tensor)
-
-
-def _check_complete(model: nn.Module, config: ModelConfig, loaded: set[str]) -> None:
-    expected: set[str] = set()
-    for name, _ in model.named_parameters():
-        fused = name.split(".")[-2]
-        if fused == "qkv_proj":
-            expected |= {f"{name}#{s}" for s in (0, config.q_size, config.q_size + config.kv_size)}
-        elif fused == "gate_up_proj":
-            expected |= {f"{name}#0", f"{name}#{config.intermediate_size}"}
-        else:
-            expected.add(f"{name}#")
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight#")
-        loaded.discard("lm_head.weight#")
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}")

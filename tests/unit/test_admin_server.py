@@ -39,7 +39,7 @@ def loop() -> Iterator[LoopThread]:
 
 
 def start(loop: LoopThread, redis_server: RedisServer, model_dir, ns: str, token: str | None) -> RunningRouter:
-    config = RouterConfig(model_dir=model_dir, redis_url=redis_server.url, ns=ns, host="127.0.0.1", port=0,
+    config = RouterConfig(model_path=model_dir, redis_url=redis_server.url, ns=ns, host="127.0.0.1", port=0,
                           worker_list_ttl_s=0.0)
     return loop.run(start_router(config, admin_token=token))
 

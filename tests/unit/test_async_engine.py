@@ -8,6 +8,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.core.request import RequestStatus
 from engine.engine import Engine
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
@@ -62,11 +63,19 @@ def test_concurrent_streams_match_the_sync_engine(async_engine, engine):
 
 
 def test_cancelling_a_stream_aborts_the_request(async_engine, engine):
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    """Left alone the request would run to the pool's 256-token limit and end as LENGTH; cancelled after its
+    first token, only an abort ends it, as FINISHED_ABORTED, before its last token."""
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    added = []
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in async_engine.stream("long", lambda e: added.append(e.add_request("long", [5, 6, 7], params))):
+            started.set()
 
     async def main():
-        task = asyncio.create_task(collect(async_engine, "long", list(range(5, 30)), params))
-        await asyncio.sleep(0.3)
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), timeout=30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -77,6 +86,9 @@ def test_cancelling_a_stream_aborts_the_request(async_engine, engine):
             await asyncio.sleep(0.02)
 
     asyncio.run(main())
+    (request,) = added
+    assert request.status is RequestStatus.FINISHED_ABORTED
+    assert 0 < request.num_output_tokens < params.max_tokens
     assert not engine.has_unfinished()
 
 

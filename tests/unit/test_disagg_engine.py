@@ -8,6 +8,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
 from engine.tiny import build_model
 
@@ -134,4 +135,30 @@ def test_no_room_for_remote_kv_returns_none(model_dir):
     assert d.add_remote_request("a", list(range(40, 52)), [3], PARAMS[0]) is not None
     assert d.add_remote_request("b", list(range(60, 72)), [3], PARAMS[0]) is None  # a holds 3 of 4 blocks
     d.abort("a")
+    assert_full(d)
+
+
+def test_activating_pulled_kv_without_a_first_token_is_refused(model_dir):
+    """With no output token the next step would schedule 0 tokens and sample another row's logits."""
+    d = make_engine(model_dir, num_blocks=16)
+    d.add_remote_request("r", PROMPTS[3], [], PARAMS[0])
+    with pytest.raises(InvalidRequest, match="first output token"):
+        d.activate_remote("r")
+    assert d.scheduler._requests["r"].status.value == "waiting_for_remote_kv"  # nothing changed
+    d.fallback_remote("r")  # the caller can still recompute: D samples the first token itself
+    single = make_engine(model_dir)
+    single.add_request("r", PROMPTS[3], PARAMS[0])
+    assert run(d)["r"] == run(single)["r"]
+    assert_full(d, single)
+
+
+@pytest.mark.parametrize("reserve", ["add_remote_request", "add_prefix_request"])
+def test_a_duplicate_id_for_pulled_kv_is_refused_before_any_block_is_taken(model_dir, reserve):
+    d = make_engine(model_dir, num_blocks=16)
+    d.add_request("r", PROMPTS[0], PARAMS[0])
+    free = d.kv_cache_manager.pool.num_free_blocks
+    with pytest.raises(InvalidRequest, match="duplicate"):
+        getattr(d, reserve)("r", PROMPTS[4], [9], PARAMS[0])
+    assert d.kv_cache_manager.pool.num_free_blocks == free
+    run(d)
     assert_full(d)

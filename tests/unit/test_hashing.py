@@ -21,26 +21,36 @@ FP = bytes(range(16))  # a fixed 16-byte model fingerprint for the chain vectors
 TOKENS = list(range(10))  # two full blocks of 4 plus a partial block of 2
 
 # ---- committed test vectors (never change silently) -----------------------------------------
-FINGERPRINT_VECTOR = "e58e50f6bfbd14834c808768d3d24dda"
-ROOT_BS4 = "4bf6ee99eaceef533b1d6e72934e32dc"
-ROOT_BS16 = "db4f0146262d842f1b391a03cb9956ad"
-ROOT_BS4_SALT_A = "605a8a1f4a1956d47871577c6b8db969"
-BLOCK_1234 = "01f2682221af9c7dbd0fd18526c6b5de"
-BLOCK_EDGE_INTS = "1185b751302f8515e59932843665a792"
-CHAIN_BS4 = ["a48ca2a88928b7ecfcf02efe713a8fbe", "c9944b8cb63be6bf693339f5bfcf19b1"]
-CHAIN_BS4_SALT_A = ["2fc261483bf9d7469893ed1885615c26", "cde7a9b444283e081b101a72ed077ae0"]
+# v2 (baton-kv-v2): the fingerprint covers the RoPE configuration.
+FINGERPRINT_VECTOR = "470e07b291cd0c6dc440d05db5070a54"
+ROOT_BS4 = "e015fe970eb5cdc06fdb5fa0cab8d776"
+ROOT_BS16 = "97ba3437ae3a699d8874cb425a656d0c"
+ROOT_BS4_SALT_A = "5be900b338839f160e96b0f4e836b5db"
+BLOCK_1234 = "09e2d870c2aba8e1dff401ecce0befff"
+BLOCK_EDGE_INTS = "ca9b6e9f77e39497d0dfc2354988caed"
+CHAIN_BS4 = ["26ba51a40c48e5bb53459e8f2fe8e1da", "d630f396c68e0d9f4d042a97e1f3add0"]
+CHAIN_BS4_SALT_A = ["04626b6a6141f102c59c821bf8c85354", "17ee93f250cee68ad1b7ec0b01ec6b2c"]
+# v1 (baton-kv-v1, retired: its fingerprint left RoPE out), kept to show v2 is a new scheme, not an edit.
+V1_ROOT_BS4 = "4bf6ee99eaceef533b1d6e72934e32dc"
+V1_BLOCK_1234 = "01f2682221af9c7dbd0fd18526c6b5de"
 
 
 def _fingerprint() -> bytes:
     return model_fingerprint(
         architecture="LlamaForCausalLM", hidden_size=64, num_layers=2, num_kv_heads=2, head_dim=16,
-        dtype="float32", vocab_size=512, weights_id="tiny-v1",
+        dtype="float32", vocab_size=512, rope="default:10000.0", weights_id="tiny-v1",
     )
 
 
-def test_version_tag_and_digest_size_are_the_v1_contract():
-    assert HASH_VERSION == b"baton-kv-v1"
+def test_version_tag_and_digest_size_are_the_v2_contract():
+    assert HASH_VERSION == b"baton-kv-v2"
     assert DIGEST_SIZE == 16
+
+
+def test_v1_vectors_are_the_v1_scheme_and_differ_from_v2():
+    v1_root = _blake(b"baton-kv-v1", FP, (4).to_bytes(4, "little"))
+    assert v1_root.hex() == V1_ROOT_BS4 != ROOT_BS4
+    assert _blake(v1_root, struct.pack("<4i", 1, 2, 3, 4)).hex() == V1_BLOCK_1234 != BLOCK_1234
 
 
 def test_model_fingerprint_vector():
@@ -73,7 +83,7 @@ def _blake(*parts: bytes) -> bytes:
 
 
 def test_root_hash_matches_hand_built_blake2b():
-    expected = _blake(b"baton-kv-v1", FP, (4).to_bytes(4, "little"), b"tenant-a")
+    expected = _blake(b"baton-kv-v2", FP, (4).to_bytes(4, "little"), b"tenant-a")
     assert root_hash(FP, 4, "tenant-a") == expected
     assert root_hash(FP, 4, b"tenant-a") == expected  # str and bytes salts agree
 
@@ -157,9 +167,9 @@ def test_same_block_under_different_parents_differs():
 
 def test_model_fingerprint_depends_on_every_field():
     base = dict(architecture="LlamaForCausalLM", hidden_size=64, num_layers=2, num_kv_heads=2, head_dim=16,
-                dtype="float32", vocab_size=512, weights_id="tiny-v1")
+                dtype="float32", vocab_size=512, rope="default:10000.0", weights_id="tiny-v1")
     changed = dict(architecture="Qwen2ForCausalLM", hidden_size=65, num_layers=3, num_kv_heads=1, head_dim=32,
-                   dtype="bfloat16", vocab_size=513, weights_id="tiny-v2")
+                   dtype="bfloat16", vocab_size=513, rope="default:500000.0", weights_id="tiny-v2")
     fingerprints = {model_fingerprint(**base)}
     for key, value in changed.items():
         fingerprints.add(model_fingerprint(**{**base, key: value}))

@@ -87,6 +87,66 @@ def test_bad_input_raises_typed_errors(llm, prompt, params, message):
     assert not llm.engine.has_unfinished()
 
 
+def _greedy(llm, prompt, max_tokens, **params):
+    run = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+    return llm.generate(prompt, run)[0].outputs[0]
+
+
+def test_a_stop_string_the_final_token_completes_is_cut_and_finishes_with_stop(llm):
+    free = _greedy(llm, "def main():", 12)
+    text = free.text
+    last = llm.tokenizer.decode(free.token_ids[-1:])
+    # the longest proper suffix that occurs nowhere earlier: only the final token completes it
+    stop = next(text[k:] for k in range(1, len(text)) if text.find(text[k:]) == k)
+    assert last and len(stop) > len(last), (text, last)
+    out = _greedy(llm, "def main():", 12, stop=[stop])
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == text[: -len(stop)] and out.token_ids == free.token_ids
+
+
+def test_text_held_back_for_a_stop_string_that_never_completes_is_flushed_at_the_end(llm):
+    text = _greedy(llm, "def main():", 12).text
+    out = _greedy(llm, "def main():", 12, stop=[text[-2:] + "\x00never"])  # the text ends with its prefix
+    assert (out.text, out.finish_reason) == (text, "length")
+
+
+def test_an_interrupted_generate_aborts_its_requests_and_the_next_call_works(llm):
+    def interrupt(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["def main():", "import os"], SamplingParams(temperature=0, max_tokens=20), progress=interrupt)
+    assert not llm.engine.has_unfinished()
+    assert len(_greedy(llm, "x = 1", 4).token_ids) == 4
+
+
+def test_vllm_prompt_dicts_are_accepted(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = llm.tokenizer.encode("def main():")
+    plain = llm.generate("def main():", params)[0]
+    as_dicts = llm.generate([{"prompt": "def main():"}, {"prompt_token_ids": ids}, ids], params)
+    assert [o.outputs[0].token_ids for o in as_dicts] == [plain.outputs[0].token_ids] * 3
+    assert as_dicts[0].prompt == "def main():" and as_dicts[1].prompt is None
+    assert llm.generate({"prompt_token_ids": ids}, params)[0].prompt_token_ids == ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (3.5, "got a float"),
+        ([1.5, 2], "got a list of float, int"),
+        ({"prompt": 5}, "'prompt' must be a str, got a int"),
+        ({"prompt_token_ids": "abc"}, "'prompt_token_ids' must be a list of ints, got a str"),
+        ({"text": "hi"}, "unsupported keys \\['text'\\]"),
+        (None, "got a NoneType"),
+    ],
+)
+def test_a_prompt_of_another_type_is_refused_naming_it(llm, prompt, message):
+    with pytest.raises(InvalidRequest, match=message):
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
+
+
 @pytest.mark.parametrize("field", [dict(max_tokens=0), dict(max_tokens=-1), dict(top_p=0.0), dict(top_p=1.5),
                                    dict(temperature=-0.5)])
 def test_bad_sampling_values_name_the_field(field):

@@ -115,7 +115,7 @@ def test_bad_bodies_name_their_parameter(endpoint, body, param, words):
 @pytest.fixture(scope="module")
 def router(redis_server, model_dir) -> Iterator[tuple[LoopThread, RunningRouter]]:  # noqa: F811
     loop = LoopThread()
-    config = RouterConfig(model_dir=model_dir, redis_url=redis_server.url, ns="oai", host="127.0.0.1", port=0,
+    config = RouterConfig(model_path=model_dir, redis_url=redis_server.url, ns="oai", host="127.0.0.1", port=0,
                           worker_list_ttl_s=0.0)
     running = loop.run(start_router(config, http_port=0))
     yield loop, running

@@ -23,12 +23,12 @@ from pathlib import Path
 import grpc
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.config import RouterConfig
-from router.main import _default_model_dir
+from engine.model_source import resolve_model
 from router.server import start_router
 
 async def main(model_dir, redis_url):
-    _default_model_dir()
-    router = await start_router(RouterConfig(model_dir=Path(model_dir), redis_url=redis_url, host="127.0.0.1", port=0))
+    resolve_model("tiny", build=False)
+    router = await start_router(RouterConfig(model_path=Path(model_dir), redis_url=redis_url, host="127.0.0.1", port=0))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
@@ -69,6 +69,14 @@ def test_running_router_has_no_torch(tmp_path, redis_server):
     assert result.returncode == 0 and "NO-TORCH-OK" in result.stdout, result.stderr[-3000:]
 
 
+def test_a_router_serving_a_gguf_reads_its_tokenizer_without_torch(redis_server):
+    from engine.model_source import resolve_model
+
+    gguf = resolve_model("smollm2").path  # make install installs it
+    result = _run(["-c", _RUN_ROUTER, str(gguf), redis_server.url])
+    assert result.returncode == 0 and "NO-TORCH-OK" in result.stdout, result.stderr[-3000:]
+
+
 def test_cli_help_exits_cleanly():
     for module in ("router.main", "router.generate_cli"):
         result = _run(["-m", module, "--help"])
@@ -103,6 +111,9 @@ def test_router_process_serves_then_stops_on_sigterm(tmp_path, redis_server):
 
 def test_router_process_reports_a_bad_model_folder(tmp_path):
     result = _run(["-m", "router.main", "--model", str(tmp_path / "missing"), "--port", "0"])
+    assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
+    (tmp_path / "empty").mkdir()
+    result = _run(["-m", "router.main", "--model", str(tmp_path / "empty"), "--port", "0"])
     assert result.returncode == 2 and "no tokenizer.json" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -220,7 +220,7 @@ def loop() -> Iterator[LoopThread]:
 
 
 def router_config(model_dir: Path, redis_url: str, **overrides: Any) -> RouterConfig:
-    return RouterConfig(model_dir=model_dir, redis_url=redis_url, ns=NS, host="127.0.0.1", port=0,
+    return RouterConfig(model_path=model_dir, redis_url=redis_url, ns=NS, host="127.0.0.1", port=0,
                         worker_list_ttl_s=0.0, policy=PolicyConfig(disagg_threshold_tokens=64), **overrides)
 
 

@@ -74,7 +74,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def router(redis_server, model_dir) -> Iterator[tuple[LoopThread, RunningRouter]]:
     loop = LoopThread()
-    config = RouterConfig(model_dir=model_dir, redis_url=redis_server.url, ns="srv", host="127.0.0.1", port=0,
+    config = RouterConfig(model_path=model_dir, redis_url=redis_server.url, ns="srv", host="127.0.0.1", port=0,
                           worker_list_ttl_s=0.0)
     running = loop.run(start_router(config))
     yield loop, running

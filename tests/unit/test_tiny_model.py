@@ -173,10 +173,12 @@ def test_ensure_model_finds_an_existing_build(builds, monkeypatch: pytest.Monkey
 
 @pytest.mark.usefixtures("short_tiny")
 def test_cli_prints_the_path(builds, capsys: pytest.CaptureFixture[str]) -> None:
-    assert tiny.main(["tiny", "--out", str(builds[0])]) == 0
+    from engine import model_cli
+
+    assert model_cli.main(["tiny", "--out", str(builds[0])]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == str(builds[0])
     with pytest.raises(SystemExit):
-        tiny.main(["huge"])
+        model_cli.main(["huge"])
 
 
 @pytest.mark.slow

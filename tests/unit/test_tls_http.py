@@ -36,7 +36,7 @@ def pki(tmp_path_factory) -> Pki:
 @pytest.fixture(scope="module")
 def router(redis_server, model_dir, pki) -> Iterator[RunningRouter]:  # noqa: F811
     loop = LoopThread()
-    config = RouterConfig(model_dir=model_dir, redis_url=redis_server.url, ns="tls-http", host="127.0.0.1", port=0,
+    config = RouterConfig(model_path=model_dir, redis_url=redis_server.url, ns="tls-http", host="127.0.0.1", port=0,
                           worker_list_ttl_s=0.0)
     server_tls = TlsConfig(cert=pki.node_a.cert, key=pki.node_a.key, ca=pki.ca_a)
     running = loop.run(start_router(config, http_port=0, metrics_port=free_port(), tls=server_tls))

@@ -28,6 +28,7 @@ class TextStream:
         self._text = ""  # everything decoded so far (cut at the stop string once one matched)
         self._num_sent = 0  # chars of _text already returned
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that matched, once one did
 
     @property
     def text(self) -> str:
@@ -52,6 +53,7 @@ class TextStream:
             return TextPiece("", True)
         cut = self._find_stop()
         if cut is not None:
+            self.stop_string = next(s for s in self._stop if self._text.startswith(s, cut))
             self._text, self.stopped = self._text[:cut], True
             return self._send_up_to(cut)
         return self._send_up_to(len(self._text) - (0 if final else self._held_back()))

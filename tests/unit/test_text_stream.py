@@ -9,7 +9,7 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
 from engine.tokenizer import SpecialTokens, Tokenizer
-from router.output import TextStream
+from engine.text_stream import TextStream
 
 CHARS = string.ascii_letters + string.digits + " .,!?\n"
 
