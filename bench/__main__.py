@@ -1,4 +1,4 @@
-"""``baton bench <name>``: run one benchmark (throughput, kv-transfer, ..., serve, compare, faults, soak)."""
+"""``baton bench <name>``: run one benchmark (throughput, kv-transfer, ..., compare, faults, soak, sampler)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ _BENCHMARKS = {
     "layerwise": "bench.layerwise",
     "layerwise-serving": "bench.layerwise_serving",
     "planner": "bench.planner",
+    "sampler": "bench.sampler",
+    "decode-sampling": "bench.decode_sampling",
 }
 
 

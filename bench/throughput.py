@@ -1,11 +1,15 @@
 """Offline throughput: Baton's engine vs transformers ``generate`` with static batches, same run.
 
-    python -m bench.throughput [--requests 128] [--concurrency 32 64] [--hf-batch 32] [--threads 2]
+    python -m bench.throughput [--model small|smollm2|PATH] [--requests 128] [--concurrency 32 64]
+                               [--hf-batch 32] [--threads 2] [--llama-cpp]
 
-Both sides: the "small" preset checkpoint, greedy, ignore_eos, each request's own output length.
-The baseline pads each static batch (left padding) and runs it to the batch's longest output; only
-each request's own tokens count as useful. KV use = slots holding real tokens / slots reserved,
-averaged over decode steps.
+Every side: the same checkpoint (default the "small" preset; ``--model smollm2`` is the real
+SmolLM2-135M-Instruct GGUF, which transformers and Baton both dequantize to float32), greedy, ignore_eos,
+each request's own output length, the same torch threads. The baseline pads each static batch (left padding)
+and runs it to the batch's longest output; only each request's own tokens count as useful. KV use = slots
+holding real tokens / slots reserved, averaged over decode steps. ``--llama-cpp`` (a GGUF model and the
+``llama-cpp-python`` package) adds llama.cpp on the same file and threads: it runs the *quantized* weights,
+one sequence at a time (its Python API decodes one sequence per context).
 """
 
 from __future__ import annotations
@@ -68,7 +72,11 @@ def run_hf(model_dir: Path, requests: list[SyntheticRequest], batch_size: int, t
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if model_dir.is_file():  # a GGUF: transformers dequantizes it to float32, as Baton does
+        model = AutoModelForCausalLM.from_pretrained(model_dir.parent, gguf_file=model_dir.name, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.eval()
     generated, used, reserved = 0, 0, 0
     started = time.perf_counter()
     for b in range(0, len(requests), batch_size):
@@ -80,6 +88,35 @@ def run_hf(model_dir: Path, requests: list[SyntheticRequest], batch_size: int, t
         print(f"  hf batch {b // batch_size + 1}: {generated} tokens, {time.perf_counter() - started:.0f} s",
               flush=True)
     return RunResult("transformers", batch_size, generated, time.perf_counter() - started, used / reserved)
+
+
+def run_llama_cpp(gguf: Path, requests: list[SyntheticRequest], threads: int) -> RunResult:
+    """llama.cpp through llama-cpp-python on the same file: one sequence at a time, greedy, past EOS."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise SystemExit("--llama-cpp needs llama-cpp-python: pip install llama-cpp-python==0.3.36 (it builds from "
+                         "source, ~10 min on 2 cores; where the CPU advertises AMX that the VM does not allow, add "
+                         "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+                         "-DGGML_AVX512=ON'), see docs/benchmarks.md") from None
+
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    llm = Llama(model_path=str(gguf), n_ctx=longest + 8, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False)
+    generated = 0
+    started = time.perf_counter()
+    for i, r in enumerate(requests):
+        llm.reset()
+        llm.eval(r.prompt_token_ids)
+        for _ in range(r.max_tokens):
+            token = llm.sample(temp=0.0)
+            llm.eval([token])
+            generated += 1
+        if (i + 1) % 16 == 0:
+            print(f"  llama.cpp: {i + 1}/{len(requests)} requests, {generated} tokens, "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
+    # One sequence at a time: its KV holds exactly its own tokens.
+    return RunResult("llama.cpp", 1, generated, time.perf_counter() - started, 1.0)
 
 
 def _hf_batch(model, batch: list[SyntheticRequest]) -> tuple[int, int, int]:
@@ -106,27 +143,37 @@ def _hf_batch(model, batch: list[SyntheticRequest]) -> tuple[int, int, int]:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small", help="small (default), tiny, smollm2, a .gguf or a HF folder")
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--hf-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="only run Baton (no baseline, no ratio)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also run llama.cpp (llama-cpp-python) on the same GGUF file and threads")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from engine.tiny import PRESETS, ensure_model
+    from engine.model.loader import read_model_config
+    from engine.model_source import resolve_model
 
-    model_dir = ensure_model("small")
-    requests = sharegpt_like(args.requests, vocab_size=PRESETS["small"].vocab_size, seed=args.seed)
+    source = resolve_model(args.model)
+    model_dir = source.path
+    vocab_size = read_model_config(source).vocab_size
+    if args.llama_cpp and not source.is_gguf:
+        raise SystemExit("--llama-cpp needs a GGUF model (e.g. --model smollm2)")
+    requests = sharegpt_like(args.requests, vocab_size=vocab_size, seed=args.seed)
     print(f"workload: {len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
           f"{sum(r.max_tokens for r in requests)} output tokens; model {model_dir}", flush=True)
     results = [run_baton(model_dir, requests, c, args.threads) for c in args.concurrency]
     if not args.skip_hf:
         results.append(run_hf(model_dir, requests, args.hf_batch, args.threads))
+    if args.llama_cpp:
+        results.append(run_llama_cpp(model_dir, requests, args.threads))
     _report(results, args)
     return 0
 
@@ -140,8 +187,9 @@ def _report(results: list[RunResult], args: argparse.Namespace) -> None:
               f"{ratio:>8}{r.kv_slots_used_frac * 100:>8.1f}%")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     payload = {"args": vars(args), "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results]}
-    (RESULTS_DIR / "throughput.json").write_text(json.dumps(payload, indent=2))
-    print(f"\nwrote {RESULTS_DIR / 'throughput.json'}")
+    name = "throughput.json" if args.model == "small" else f"throughput-{Path(args.model).stem}.json"
+    (RESULTS_DIR / name).write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {RESULTS_DIR / name}")
 
 
 if __name__ == "__main__":

