@@ -5,7 +5,7 @@
 One decision is what ``router.relay`` does between the registry snapshot and the first RPC: pick the
 served hash scheme, hash the prompt's blocks (``hash_blocks``, a 4,096-token prompt, block size 16: 256
 hashes), build the candidates (8 prefill + 8 decode, hand-built loads, some holding a cached prefix) and
-run ``router.policy.route`` with one long-lived ``RoutingState``, with the relay's bookkeeping read as it
+run ``router.routing.policy.route`` with one long-lived ``RoutingState``, with the relay's bookkeeping read as it
 reads it (every worker with prompts in flight, four decode workers computing prompts of the cycle). No
 processes, no Redis: the index round trip (``KVIndex.lookup`` of the 256 hashes) is timed separately
 against a private redis-server, beside the same lookup answered by the in-memory mirror (``baton router
@@ -27,10 +27,10 @@ from pathlib import Path
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.layout import KVLayout
 from kv_transfer.registry import WorkerInfo, WorkerLoad
-from router.cost_model import CostConfig
-from router.directory import Snapshot, build_candidates, served_scheme
-from router.in_progress import InflightPrefills, PendingPrefixes
-from router.policy import POLICIES, PolicyConfig, RouteRequest, RoutingState, route
+from router.routing.cost_model import CostConfig
+from router.routing.directory import Snapshot, build_candidates, served_scheme
+from router.routing.in_progress import InflightPrefills, PendingPrefixes
+from router.routing.policy import POLICIES, PolicyConfig, RouteRequest, RoutingState, route
 
 RESULTS = Path(__file__).parent / "results" / "decision_latency.json"
 BLOCK_SIZE = 16
@@ -138,7 +138,7 @@ def time_hashing(prompts: list[list[int]], n: int, fingerprint: bytes) -> list[f
 async def _time_lookups(redis_url: str, hashes: list[bytes], n: int) -> tuple[list[float], list[float]]:
     from kv_transfer.redis_index import KVIndex
     from kv_transfer.registry import connect
-    from router.index_mirror import MirrorSync
+    from router.routing.index_mirror import MirrorSync
 
     redis = connect(redis_url)
     try:

@@ -39,7 +39,7 @@ import grpc
 from bench.client import greedy_request, stream_generate
 from deploy.up import Child, spawn, start_redis, stop_all
 from proto import baton_pb2_grpc as pb_grpc
-from router.policy import POLICIES
+from router.routing.policy import POLICIES
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZE = 16

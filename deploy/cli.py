@@ -17,7 +17,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench.__main__:main", "run benchmarks (throughput, kv-transfer, serve, compare, ...)"),
     "router": ("router.main:main", "run the router (public Generate API, routing, orchestration)"),
     "generate": ("router.generate_cli:main", "stream a generation from a running router, with timings"),
-    "admin": ("router.admin_cli:main", "inspect workers and pools, scale, drain, and plan pool sizes from SLOs"),
+    "admin": ("router.admin.cli:main", "inspect workers and pools, scale, drain, and plan pool sizes from SLOs"),
     "prefill": ("prefill_node.main:main", "run a prefill worker"),
     "decode": ("decode_node.main:main", "run a decode worker"),
 }

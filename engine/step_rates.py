@@ -1,6 +1,6 @@
 """The engine's own speed, measured on its steps and reported with the worker's heartbeat.
 
-The router prices every route with a prefill rate and a decode step time per worker (``router/rates.py``).
+The router prices every route with a prefill rate and a decode step time per worker (``router/routing/rates.py``).
 It learns them from the timings it sees, but a new worker, or one the router has not used yet, would be
 priced at a guess; so each engine keeps exponential moving averages of what its steps actually took and
 the worker reports them (``WorkerLoad.prefill_tokens_per_s`` / ``decode_step_s``):

@@ -14,8 +14,8 @@ from engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from engine.gguf_file import GGUFFile
-from router.planner import PlannerConfig
-from router.policy import PolicyConfig
+from router.admin.planner import PlannerConfig
+from router.routing.policy import PolicyConfig
 
 DEFAULT_PORT = 50051
 DEFAULT_ROUTER_ADDRESS = f"localhost:{DEFAULT_PORT}"

@@ -16,7 +16,7 @@ import grpc
 
 from kv_transfer.registry import WorkerInfo
 from proto import baton_pb2 as pb
-from router.directory import WorkerDirectory
+from router.routing.directory import WorkerDirectory
 
 log = logging.getLogger(__name__)
 

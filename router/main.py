@@ -14,9 +14,9 @@ from engine.model_source import resolve_model
 from kv_transfer.registry import check_credentials, connect, redact_url, with_ca
 from proto import tls
 from router.config import DEFAULT_PORT, RouterConfig
-from router.cost_model import CostConfig
-from router.planner import PlannerConfig
-from router.policy import POLICIES, PolicyConfig
+from router.routing.cost_model import CostConfig
+from router.admin.planner import PlannerConfig
+from router.routing.policy import POLICIES, PolicyConfig
 from router.server import start_router
 
 log = logging.getLogger(__name__)

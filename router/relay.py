@@ -36,17 +36,17 @@ from proto.tracing import current_tracer
 from router.admission import AdmissionGate
 from router.control import WorkerControl
 from router.convert import worker_sampling
-from router.cost_model import used_kv_blocks
-from router.directory import Snapshot, WorkerDirectory, build_candidates, served_scheme
+from router.routing.cost_model import used_kv_blocks
+from router.routing.directory import Snapshot, WorkerDirectory, build_candidates, served_scheme
 from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, error_from_status
 from router.frontend import Job
 from router.metrics import RouterMetrics
 from engine.text_stream import TextStream
-from router.in_progress import InflightPrefills, PendingPrefixes
-from router.policy import (
+from router.routing.in_progress import InflightPrefills, PendingPrefixes
+from router.routing.policy import (
     Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, pick_decode, route,
 )
-from router.prefix_reuse import lease_prefix
+from router.routing.prefix_reuse import lease_prefix
 from router.trace import RequestTrace
 from router.tracing import RequestSpans
 
@@ -139,7 +139,7 @@ class _Flow:
         self._decode_active = False
         self._decode_has_handle = False
         self._early_decode: Any = None  # layer-wise: D's Decode call, started on P's handle, not yet read
-        # prefix reuse (router.prefix_reuse): another worker's lease on its cached prefix, for D to pull
+        # prefix reuse (router.routing.prefix_reuse): another worker's lease on its cached prefix, for D to pull
         self._prefix: tuple[WorkerInfo, pb.KVHandle] | None = None
         self._done = False  # the final message was built
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup

@@ -27,14 +27,14 @@ from proto import tracing
 from proto.tls import TlsConfig, add_port, describe
 from proto.malformed import MalformedRequestInterceptor
 from proto.metrics_http import MetricsServer, serve_metrics
-from router.admin import ADMIN_SERVICE, AdminServicer
+from router.admin.servicer import ADMIN_SERVICE, AdminServicer
 from router.config import ModelCard, RouterConfig, resolve_max_model_len
-from router.directory import WorkerDirectory, served_scheme
-from router.index_mirror import MirrorSync
+from router.routing.directory import WorkerDirectory, served_scheme
+from router.routing.index_mirror import MirrorSync
 from router.errors import WorkerUnavailable, retry_metadata, status_for
 from router.frontend import Frontend, ModelLimits
 from router.metrics import RouterMetrics
-from router.openai_http import HttpServer, OpenAIHandlers, serve_openai
+from router.openai.http import HttpServer, OpenAIHandlers, serve_openai
 from router.relay import Relay
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import pytest
 import redis as redis_lib
 
 from engine.tiny import build_model
-from router import admin_cli
+from router.admin import cli as admin_cli
 from tests.integration.test_e2e import start_cluster
 
 

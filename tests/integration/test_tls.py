@@ -23,7 +23,7 @@ from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto import tls
 from proto.tls import TlsConfig
 from router import generate_cli
-from router.admin_convert import worker_rates
+from router.admin.convert import worker_rates
 from tests.integration.cluster import Cluster, Proc, free_port
 from tests.redis_server import RedisServer, require_redis_server
 from tests.tls_certs import KeyPair, Pki, make_pki

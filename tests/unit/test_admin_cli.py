@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from kv_transfer.registry import WorkerLoad
-from router import admin_cli
-from router.admin_cli import table
+from router.admin import cli as admin_cli
+from router.admin.cli import table
 from router.server import RunningRouter
 from tests.redis_server import RedisServer, require_redis_server
 from tests.unit.test_admin_server import NS, TOKEN, register, start, worker

@@ -16,7 +16,7 @@ import yaml
 
 from deploy.render import render
 from deploy.spec import load_spec
-from router.admin_kube import KubeError, KubeTarget, deployment_name, scale_deployment
+from router.admin.kube import KubeError, KubeTarget, deployment_name, scale_deployment
 from tests.unit.test_admin_cli import cli, loop, redis_server, router  # noqa: F401 - fixtures
 from tests.unit.test_admin_server import NS
 

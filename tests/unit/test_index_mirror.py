@@ -11,8 +11,8 @@ import pytest
 
 from kv_transfer.redis_index import IndexEvent, KVIndex
 from kv_transfer.registry import Registry, WorkerInfo, connect
-from router.directory import WorkerDirectory
-from router.index_mirror import IndexMirror, MirrorSync
+from router.routing.directory import WorkerDirectory
+from router.routing.index_mirror import IndexMirror, MirrorSync
 from tests.redis_server import RedisServer, require_redis_server
 
 CHAIN = [bytes([0xC0 + i]) * 16 for i in range(10)]

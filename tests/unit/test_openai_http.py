@@ -14,7 +14,7 @@ import pytest
 
 from proto import baton_pb2 as pb
 from router.config import RouterConfig
-from router.openai_request import Endpoint, InvalidParam, parse
+from router.openai.request import Endpoint, InvalidParam, parse
 from router.server import RunningRouter, start_router
 from tests.unit.test_router_server import LoopThread, make_model_folder, model_dir, redis_server  # noqa: F401
 

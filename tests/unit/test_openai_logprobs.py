@@ -6,7 +6,7 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from proto import baton_pb2 as pb
-from router.openai_logprobs import LogprobsBuilder
+from router.openai.logprobs import LogprobsBuilder
 from tests.unit.test_router_server import make_model_folder
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from engine.errors import InvalidRequest
-from router.planner import (
+from router.admin.planner import (
     Corrections, DecodeProfile, PlannerConfig, PoolState, PrefillProfile, Slo, Traffic, itl_row_at_context,
     max_batch_at_itl,
     plan_pools, prefill_ttft_p90_s,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.profile import Model, ProfileConfig, fits, monotone, steady_itl_s
+from router.admin.profile import Model, ProfileConfig, fits, monotone, steady_itl_s
 
 
 def test_steady_itl_ignores_gaps_before_every_stream_has_its_first_token():

@@ -17,9 +17,9 @@ import random
 import pytest
 
 from kv_transfer.registry import WorkerLoad
-from router.cost_model import CostConfig, decode_steps, local_plan, sample_decodes
-from router.policy import Candidate, PolicyConfig, RouteKind, RoutingState, route
-from router.rates import Rates, RatesConfig
+from router.routing.cost_model import CostConfig, decode_steps, local_plan, sample_decodes
+from router.routing.policy import Candidate, PolicyConfig, RouteKind, RoutingState, route
+from router.routing.rates import Rates, RatesConfig
 from tests.unit.test_router_policy import req, worker
 
 BASE = RatesConfig(remote_overhead_s=0.0, local_overhead_s=0.0, decode_step_per_kv_block_s=0.0)
@@ -577,7 +577,7 @@ def test_no_import_when_the_link_is_too_slow_or_the_feature_is_off():
 
 
 def test_the_prefix_source_is_the_longest_holder_of_either_role():
-    from router.cost_model import prefix_source
+    from router.routing.cost_model import prefix_source
     cands = [worker("d0", cached=10, total=300, free=300), worker("d1", cached=40, total=300, free=300),
              worker("p0", "prefill", cached=40, total=300, free=300, queued=100),
              worker("p1", "prefill", cached=40, total=300, free=300)]

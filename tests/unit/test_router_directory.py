@@ -8,7 +8,7 @@ import pytest
 
 from engine.errors import BatonError
 from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad, connect
-from router.directory import HashScheme, Snapshot, WorkerDirectory, build_candidates, served_scheme
+from router.routing.directory import HashScheme, Snapshot, WorkerDirectory, build_candidates, served_scheme
 from tests.redis_server import RedisServer, require_redis_server
 
 

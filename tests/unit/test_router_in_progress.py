@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.in_progress import InflightPrefills, PendingPrefixes
+from router.routing.in_progress import InflightPrefills, PendingPrefixes
 
 
 class Clock:

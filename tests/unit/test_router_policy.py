@@ -7,8 +7,8 @@ import pytest
 from engine.errors import CapacityExceeded
 from kv_transfer.registry import WorkerInfo, WorkerLoad
 from router.errors import WorkerUnavailable
-from router.rates import RatesConfig
-from router.policy import Candidate, PolicyConfig, RouteKind, RouteRequest, pick_decode, pick_prefill, route
+from router.routing.rates import RatesConfig
+from router.routing.policy import Candidate, PolicyConfig, RouteKind, RouteRequest, pick_decode, pick_prefill, route
 
 BS = 16
 CONFIG = PolicyConfig(disagg_threshold_tokens=64, policy="least_loaded")  # the simple policy (cost: its own file)

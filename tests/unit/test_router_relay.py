@@ -20,9 +20,9 @@ from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad, connect
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.config import RouterConfig
-from router.in_progress import PendingPrefixes
-from router.policy import PolicyConfig
-from router.rates import Rates
+from router.routing.in_progress import PendingPrefixes
+from router.routing.policy import PolicyConfig
+from router.routing.rates import Rates
 from router.server import start_router
 from tests.redis_server import RedisServer, free_port, require_redis_server
 from tests.unit.test_router_server import LoopThread, make_model_folder

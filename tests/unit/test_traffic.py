@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
-from router import admin_cli, planner
+from router.admin import cli as admin_cli, planner
 from router.metrics import RouterMetrics
 from router.trace import RequestTrace
-from router.traffic import Histogram, Percentiles, TrafficRecorder, Window, corrections
+from router.admin.traffic import Histogram, Percentiles, TrafficRecorder, Window, corrections
 from tests.redis_server import RedisServer, require_redis_server
 from tests.unit.test_admin_server import NS, register, start, worker
 from tests.unit.test_router_server import LoopThread, make_model_folder

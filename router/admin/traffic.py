@@ -19,7 +19,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from router import planner
+from router.admin import planner
 
 MIN_REQUESTS = 5  # fewer finished requests in the window: no correction
 MIN_GAPS = 20  # fewer inter-token gaps: no decode correction

@@ -2,8 +2,8 @@
 
 Pure logic (no I/O, no asyncio, no proto): the shell hands in every live worker with its last reported
 load and the number of leading prompt blocks the KV index says it holds; this returns a ``RouteDecision``.
-The default policy is the cost model of DESIGN.md "Routing" (``router.cost_model``, rates learned online in
-``router.rates``); the baselines stay selectable for benchmarks: ``least_loaded`` (the simple policy of
+The default policy is the cost model of DESIGN.md "Routing" (``router.routing.cost_model``, rates learned online in
+``router.routing.rates``); the baselines stay selectable for benchmarks: ``least_loaded`` (the simple policy of
 issue 3: least loaded, prefix overlap as the tie-break, fixed threshold), ``round_robin``, ``random`` and
 ``prefix_overlap`` (Dynamo's ``overlap_weight * prefill_blocks + active_blocks``).
 """
@@ -18,10 +18,10 @@ from typing import Literal
 
 from engine.errors import CapacityExceeded
 from kv_transfer.registry import WorkerInfo, WorkerLoad
-from router import cost_model
-from router.cost_model import CostConfig
+from router.routing import cost_model
+from router.routing.cost_model import CostConfig
 from router.errors import WorkerUnavailable
-from router.rates import Rates, RatesConfig
+from router.routing.rates import Rates, RatesConfig
 
 PolicyName = Literal["cost", "least_loaded", "round_robin", "random", "prefix_overlap"]
 POLICIES: tuple[str, ...] = ("cost", "least_loaded", "round_robin", "random", "prefix_overlap")
@@ -61,7 +61,7 @@ class Candidate:
     inflight: int = 0  # requests this router sent here and that have not finished
     inflight_prefill_tokens: int = 0  # prompt tokens this router sent here to compute (either role), not yet answered
     # leading blocks of this prompt the worker is computing for a request this router sent it, not yet in the
-    # index (router.in_progress.PendingPrefixes); the cost policy prices them as cached, behind its backlog
+    # index (router.routing.in_progress.PendingPrefixes); the cost policy prices them as cached, behind its backlog
     pending_blocks: int = 0
 
     @property

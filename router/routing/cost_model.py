@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Literal
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVLayout
 from kv_transfer.transport import streams_layers
-from router.rates import Rates
+from router.routing.rates import Rates
 
 if TYPE_CHECKING:
-    from router.policy import Candidate, RouteRequest
+    from router.routing.policy import Candidate, RouteRequest
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

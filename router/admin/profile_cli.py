@@ -1,4 +1,4 @@
-"""``baton admin profile``: pick the workers, run ``router.profile`` on each, store the curves for ``plan``.
+"""``baton admin profile``: pick the workers, run ``router.admin.profile`` on each, store the curves for ``plan``.
 
 By default one up worker of each role present is profiled (``--worker`` picks them): a prefill worker gives
 the prefill curve, a decode worker the decode curve — and the prefill curve too when no prefill worker is
@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
-from router.profile import Model, ProfileConfig, WorkerProfiler, fits
+from router.admin.profile import Model, ProfileConfig, WorkerProfiler, fits
 
 _DEFAULTS = ProfileConfig()
 

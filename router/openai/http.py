@@ -36,8 +36,8 @@ from proto import tracing
 from proto.tls import TlsConfig, describe, ssl_server_context
 from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, status_for
 from router.frontend import Frontend, Job
-from router.openai_logprobs import LogprobsBuilder
-from router.openai_request import Endpoint, InvalidParam, OpenAIRequest, parse
+from router.openai.logprobs import LogprobsBuilder
+from router.openai.request import Endpoint, InvalidParam, OpenAIRequest, parse
 from router.relay import Relay
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
 
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.config import DEFAULT_ROUTER_ADDRESS
-from router.admin_kube import KubeError, add_kube_arguments, kube_target, scale_deployment
-from router.admin_profile import ProfileError, add_profile_arguments, run_profile
+from router.admin.kube import KubeError, add_kube_arguments, kube_target, scale_deployment
+from router.admin.profile_cli import ProfileError, add_profile_arguments, run_profile
 from proto import tls
 from router.generate_cli import describe_error
 

@@ -22,8 +22,8 @@ from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad
 from proto import baton_pb2_grpc as pb_grpc
 from proto.tls import TlsConfig, aio_channel
 from router.errors import WorkerUnavailable
-from router.index_mirror import MirrorSync
-from router.policy import Candidate
+from router.routing.index_mirror import MirrorSync
+from router.routing.policy import Candidate
 
 log = logging.getLogger(__name__)
 

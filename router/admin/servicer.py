@@ -1,6 +1,6 @@
 """``baton.v1.Admin`` on the router: workers and pools from the Redis registry, scale, drain, plan.
 
-A thin shell (STYLE.md rule 1): the registry holds the state, ``router.planner`` does the math. When an
+A thin shell (STYLE.md rule 1): the registry holds the state, ``router.admin.planner`` does the math. When an
 admin token is configured every call must carry ``authorization: Bearer <token>``; otherwise it is refused
 with UNAUTHENTICATED before anything is read or changed.
 
@@ -8,7 +8,7 @@ Profiles for ``Plan`` come with the request, or from ``{ns}:profile:prefill`` / 
 (JSON, written by ``StoreProfile`` after ``baton admin profile``: ``{"prompt_lens": [...], "tokens_per_s": [...]}``
 and ``{"batch_sizes": [...], "itl_ms": [...], "kv_tokens_per_worker": N, "context_lens": [...],
 "itl_ms_grid": [...]}``; with a grid, the ITLs at the plan's mean context ``isl + osl / 2`` are used).
-``Plan(from_traffic)`` and ``GetTraffic`` read the router's own request histograms (``router.traffic``).
+``Plan(from_traffic)`` and ``GetTraffic`` read the router's own request histograms (``router.admin.traffic``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from engine.errors import InvalidRequest
 from kv_transfer.registry import ROLES, Registry
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto.tls import TlsConfig
-from router import planner, traffic as traffic_mod
-from router.admin_convert import (curve_dict, plan_to_proto, traffic_terms, worker_rates, window_to_proto,
+from router.admin import planner, traffic as traffic_mod
+from router.admin.convert import (curve_dict, plan_to_proto, traffic_terms, worker_rates, window_to_proto,
                                   worker_to_proto)
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Proto conversion for ``router.admin`` (shell helpers: core objects in, ``baton.v1`` messages out)."""
+"""Proto conversion for ``router.admin.servicer`` (shell helpers: core objects in, ``baton.v1`` messages out)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import grpc
 from kv_transfer.registry import WorkerInfo, WorkerLoad
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto.tls import TlsConfig, aio_channel
-from router import planner
-from router.traffic import Percentiles, Window
+from router.admin import planner
+from router.admin.traffic import Percentiles, Window
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The cost policy may route a request local on D with ``prefix_source_id``: another worker X (either role)
 holds a longer cached prefix of the prompt than D, and pulling it is predicted cheaper than computing it
-(``router.cost_model``). Before Decode the router asks X to lease that prefix (``Worker/LeasePrefix``);
+(``router.routing.cost_model``). Before Decode the router asks X to lease that prefix (``Worker/LeasePrefix``);
 D gets the handle as ``DecodeRequest.prefix_handle``, pulls the blocks it lacks over the KV data plane and
 prefills the rest. The lease is released once D answered (its pull is over), or when the request ends —
 after D confirmed an abort, like a remote prefill's lease — and otherwise by its TTL. A failure here costs

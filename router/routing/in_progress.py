@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.hashing import BlockHash
 from kv_transfer.registry import WorkerInfo, WorkerLoad
-from router.rates import Rates
+from router.routing.rates import Rates
 
 
 @dataclass(slots=True)
