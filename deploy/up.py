@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.pools import ROLES, PoolManager
+from deploy.passthrough import add_passthrough, argv_of
+from deploy.pools import PoolManager
 from engine.errors import ModelLoadError
 from engine.model_source import MODEL_HELP, resolve_model
 from kv_transfer.redis_index import RedisKeys
@@ -47,13 +48,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting a private one")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--metrics-port", type=int, default=9400,
+    p.add_argument("--metrics-port", type=int, default=9450,
                    help="router's Prometheus /metrics port; workers take the next ones (default: %(default)s)")
-    p.add_argument("--disagg-threshold-tokens", type=int, default=None)
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp folder)")
     p.add_argument("--namespace", default="baton", help="Redis key namespace")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP front (0: off)")
     tls.add_arguments(p)  # passed to the router and every worker: all gRPC hops use the same CA
+    from prefill_node.main import add_worker_options
+    from router.main import add_routing_options
+
+    p.set_defaults(worker_options=add_passthrough(p, "every worker's engine and KV options (as `baton prefill`)",
+                                                  add_worker_options),
+                   router_options=add_passthrough(p, "the router's options (as `baton router`)", add_routing_options))
     args = p.parse_args(argv)
     try:
         config = tls.from_args(args)
@@ -62,6 +68,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     except tls.TlsConfigError as exc:
         p.error(str(exc))
     return args
+
+
+def _max_model_len(args: argparse.Namespace) -> list[str]:
+    return ["--max-model-len", str(args.max_model_len)] if "max_model_len" in vars(args) else []
 
 
 def _tls_flags(args: argparse.Namespace) -> list[str]:
@@ -86,16 +96,16 @@ def main(argv: list[str]) -> int:
     try:
         redis_url = args.redis_url or start_redis(log_dir, children)
         common = ["--redis-url", redis_url, "--model", model, "--namespace", args.namespace, *_tls_flags(args)]
+        worker_flags = argv_of(args, args.worker_options)
+        router_flags = argv_of(args, args.router_options) + _max_model_len(args)  # the router's limit follows
         redis = _wait_for_redis(with_ca(redis_url, os.environ.get("BATON_REDIS_CA")))
-        pools = _pool_manager(args, common, log_dir, redis)
+        pools = _pool_manager(args, [*common, *worker_flags], log_dir, redis)
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             pools.redis.set(pools.keys.pool_desired(role), count)  # `baton admin scale` changes these
             for _ in range(count):
                 pools.start(role)
         router = ["router", *common, "--model-name", source.name, "--port", str(args.port),
-                  "--metrics-port", str(args.metrics_port), "--http-port", str(args.http_port)]
-        if args.disagg_threshold_tokens is not None:
-            router += ["--disagg-threshold-tokens", str(args.disagg_threshold_tokens)]
+                  "--metrics-port", str(args.metrics_port), "--http-port", str(args.http_port), *router_flags]
         spawn("router", router, log_dir, children)
         _announce(args, redis_url, log_dir)
         return _wait(children, pools)
@@ -156,7 +166,8 @@ def _pool_manager(args, common: list[str], log_dir: Path, redis) -> PoolManager:
                           "--metrics-port", str(next(ports))], log_dir, workers)
         return workers[0]
 
-    return PoolManager(redis=redis, keys=RedisKeys(args.namespace), start_worker=start_worker)
+    return PoolManager(redis=redis, keys=RedisKeys(args.namespace), start_worker=start_worker,
+                       report=lambda message: print(f"baton up: {message}", file=sys.stderr, flush=True))
 
 
 def _wait_for_redis(url: str, timeout_s: float = 10.0):
@@ -186,7 +197,7 @@ def _wait(children: list[Child], pools: PoolManager) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     next_tick = 0.0
     while not stop["signal"]:
-        for child in children + [c for role in ROLES for c in pools.workers[role]]:
+        for child in children:  # redis and the router: without them nothing serves (workers are supervised)
             if child.popen.poll() is not None:
                 print(f"baton up: {child.name} exited with {child.popen.returncode}; stopping", file=sys.stderr)
                 return 1

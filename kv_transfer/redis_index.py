@@ -43,6 +43,11 @@ class RedisKeys:
         return f"{self.ns}:draining"
 
     @property
+    def restarts(self) -> str:
+        """HASH worker id -> how many times its supervisor (``baton up``) restarted it."""
+        return f"{self.ns}:restarts"
+
+    @property
     def kv_prefix(self) -> str:
         return f"{self.ns}:kv:"
 

@@ -17,6 +17,39 @@ from kv_transfer.registry import RedisCredentialsError, check_credentials, conne
 from proto import tls
 
 
+def add_worker_options(group) -> None:
+    """The engine and data-plane options, defined once: each worker's CLI and ``baton up`` (which passes them on)
+    take them from here."""
+    group.add_argument("--kv-transport", default="tcp",
+                       help="KV data plane: auto (every transport that runs here) or a comma-separated list in order of "
+                       "preference, of tcp, ucx, nccl (default: %(default)s). All are served; a pull uses the "
+                       "pulling worker's first transport the serving worker offers")
+    group.add_argument("--kv-secret-file", default=None,
+                       help="file holding the deployment's KV data-plane secret (default: $BATON_KV_SECRET); with one, "
+                       "KV reads must carry its HMAC and this worker's pulls sign theirs")
+    group.add_argument("--kv-checksum", action="store_true",
+                       help="decode role: ask for and verify per-block xxh3 checksums of pulled KV; a mismatch "
+                       "recomputes the prompt locally")
+    group.add_argument("--kv-io-timeout-s", type=float, default=10.0,
+                       help="decode role: the longest a KV pull waits on its peer at any one point (default: %(default)s)")
+    group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-waiting", type=int, default=None,
+                       help="admission control: refuse new requests (RESOURCE_EXHAUSTED) past this many queued")
+    group.add_argument("--dtype", default="auto")
+    group.add_argument("--device", default="auto")
+    group.add_argument("--calibrate-tokens", type=int, default=256,
+                       help="at start, time a prefill of this many tokens and one decode step, so the router prices "
+                       "this worker from its first heartbeat (default: %(default)s; 0: learn from traffic only)")
+    group.add_argument("--lease-ttl-s", type=float, default=30.0, help="how long unpulled KV stays pinned")
+    group.add_argument("--heartbeat-ttl-s", type=float, default=6.0)
+    group.add_argument("--drain-settle-s", type=float, default=5.0,
+                       help="while draining, exit only after this long with nothing in flight (default: %(default)s)")
+
+
 def parser(role: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"baton {role}", description=f"Run a Baton {role} worker.")
     redis_url = os.environ.get("BATON_REDIS_URL") or None
@@ -27,45 +60,18 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="baton", help="Redis key namespace")
     p.add_argument("--host", default="127.0.0.1", help="address to serve gRPC and the KV data plane on")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    p.add_argument("--kv-transport", default="tcp",
-                   help="KV data plane: auto (every transport that runs here) or a comma-separated list in order of "
-                        "preference, of tcp, ucx, nccl (default: %(default)s). All are served; a pull uses the "
-                        "pulling worker's first transport the serving worker offers")
-    p.add_argument("--kv-secret-file", default=None,
-                   help="file holding the deployment's KV data-plane secret (default: $BATON_KV_SECRET); with one, "
-                        "KV reads must carry its HMAC and this worker's pulls sign theirs")
     p.add_argument("--kv-port", type=int, default=0, help="KV data-plane port (0: any free port)")
     p.add_argument("--kv-advertise-uri", default=None,
                    help="the KV data-plane URI to register for peers, e.g. tcp://HOST:PORT of a proxy or NAT "
                    "address (default: the one served)")
-    p.add_argument("--kv-checksum", action="store_true",
-                   help="decode role: ask for and verify per-block xxh3 checksums of pulled KV; a mismatch "
-                   "recomputes the prompt locally")
-    p.add_argument("--kv-io-timeout-s", type=float, default=10.0,
-                   help="decode role: the longest a KV pull waits on its peer at any one point (default: %(default)s)")
     p.add_argument("--worker-id", default=None)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-waiting", type=int, default=None,
-                   help="admission control: refuse new requests (RESOURCE_EXHAUSTED) past this many queued")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (CPU)")
-    p.add_argument("--calibrate-tokens", type=int, default=256,
-                   help="at start, time a prefill of this many tokens and one decode step, so the router prices "
-                   "this worker from its first heartbeat (default: %(default)s; 0: learn from traffic only)")
-    p.add_argument("--lease-ttl-s", type=float, default=30.0, help="how long unpulled KV stays pinned")
-    p.add_argument("--heartbeat-ttl-s", type=float, default=6.0)
-    p.add_argument("--metrics-port", type=int, default=9400,
+    add_worker_options(p.add_argument_group("engine and KV (`baton up` passes these to every worker)"))
+    p.add_argument("--metrics-port", type=int, default=9451,
                    help="serve Prometheus /metrics on --host at this port, over HTTPS with --tls-cert "
                    "(default: %(default)s; 0: no endpoint)")
     p.add_argument("--on-drain", default="exit", choices=["exit", "stay"],
                    help="once drained (baton admin drain) and idle: exit 0 (default) or stay up, idle")
-    p.add_argument("--drain-settle-s", type=float, default=5.0,
-                   help="while draining, exit only after this long with nothing in flight (default: %(default)s)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--otel-console", action="store_true",
                    help="print OpenTelemetry trace spans on stderr (also $BATON_OTEL_CONSOLE=1; OTLP export: "

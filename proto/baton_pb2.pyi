@@ -414,7 +414,7 @@ class StatsResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_open_leases: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class AdminWorker(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_address", "kv_uri", "state", "has_load", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "kv_cache_usage", "load_age_ms", "prefix_cache_hit_rate", "transfer_gbps")
+    __slots__ = ("worker_id", "role", "grpc_address", "kv_uri", "state", "has_load", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "kv_cache_usage", "load_age_ms", "prefix_cache_hit_rate", "transfer_gbps", "restarts")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +430,7 @@ class AdminWorker(_message.Message):
     LOAD_AGE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_GBPS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     grpc_address: str
@@ -445,7 +446,8 @@ class AdminWorker(_message.Message):
     load_age_ms: int
     prefix_cache_hit_rate: float
     transfer_gbps: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_uri: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., has_load: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., load_age_ms: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., transfer_gbps: _Optional[float] = ...) -> None: ...
+    restarts: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_uri: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., has_load: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., load_age_ms: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., transfer_gbps: _Optional[float] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

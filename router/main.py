@@ -21,8 +21,57 @@ from router.server import start_router
 
 log = logging.getLogger(__name__)
 
-DEFAULT_METRICS_PORT = 9400  # deploy/spec.py METRICS_PORT: the pods' `metrics` container port
+DEFAULT_METRICS_PORT = 9450  # deploy/spec.py METRICS_PORT; 9400 is dcgm-exporter's, on every GPU node
 DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP front (vLLM's port); 0 turns it off
+
+
+def add_routing_options(group) -> None:
+    """The routing and serving options, defined once: ``baton router`` and ``baton up`` (which passes them on)
+    take them from here."""
+    group.add_argument("--disagg-threshold-tokens", type=int, default=PolicyConfig().disagg_threshold_tokens,
+                       help="uncached prompt tokens at or below this prefill on the decode worker "
+                       "(default: %(default)s)")
+    group.add_argument("--max-queued-prefill-tokens", type=int, default=None,
+                       help="prefill workers queueing more tokens count as saturated (default: no limit)")
+    group.add_argument("--policy", choices=POLICIES, default=PolicyConfig().policy,
+                       help="routing policy: the cost model, or a baseline for benchmarks (default: %(default)s)")
+    group.add_argument("--planner-max-workers", type=int, default=PlannerConfig().max_workers,
+                       help="the most workers per pool `baton admin plan` may ask for (default: %(default)s)")
+    group.add_argument("--planner-down-cooldown-s", type=float, default=PlannerConfig().down_cooldown_s,
+                       help="after any pool change, wait this long before the planner shrinks a pool "
+                       "(default: %(default)s)")
+    group.add_argument("--kv-layerwise", action="store_true",
+                       help="remote prefills stream the KV to the decode worker layer by layer while the prefill "
+                       "worker computes it (tcp data plane), instead of after the prefill")
+    group.add_argument("--index-mirror", action="store_true",
+                       help="mirror the KV block index in memory from the {ns}:events stream: routing reads no "
+                       "Redis per request, and every router replaying the stream agrees")
+    group.add_argument("--router-temperature", type=float, default=0.0,
+                       help="softmax temperature in seconds over the cost policy's per-worker costs; "
+                       "0 picks the cheapest (default: %(default)s)")
+    group.add_argument("--itl-target-ms", type=float, default=CostConfig().itl_target_s * 1e3,
+                       help="the cost policy prefills remotely rather than push a decode worker's step time "
+                       "past this (default: %(default)s)")
+    group.add_argument("--ttft-target-ms", type=float, default=CostConfig().ttft_target_s * 1e3,
+                       help="...unless the remote prefill's predicted TTFT is past this and it costs more "
+                       "(default: %(default)s)")
+    group.add_argument("--expected-output-tokens", type=int, default=CostConfig().expected_output_tokens,
+                       help="decode steps the cost policy prices a request for: its max_tokens - 1, at most "
+                       "this, and this when it sets none (default: %(default)s)")
+    group.add_argument("--interference-weight", type=float, default=CostConfig().interference_weight,
+                       help="cost per second a local prefill stalls each of the decode worker's running "
+                       "sequences; 1 weighs their delay like the request's own (default: %(default)s)")
+    group.add_argument("--no-prefix-import", dest="prefix_import", action="store_false",
+                       help="never have a decode worker pull a cached prefix from another worker (Worker/"
+                       "LeasePrefix) instead of recomputing it; the cost policy imports when the pull is cheaper")
+    group.add_argument("--max-inflight-requests", type=int, default=None,
+                       help="admission limit: requests past this many in flight on this router get "
+                       "RESOURCE_EXHAUSTED (HTTP 429) with a retry hint, instead of queueing (default: no limit)")
+    group.add_argument("--request-timeout-s", type=float, default=600.0,
+                       help="deadline of requests whose client sets none shorter (default: %(default)s)")
+    group.add_argument("--admin-token", default=os.environ.get("BATON_ADMIN_TOKEN") or None,
+                       help="require `authorization: Bearer TOKEN` on baton.v1.Admin calls "
+                       "(default: $BATON_ADMIN_TOKEN; unset: the admin API is open)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,55 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="gRPC port (default: %(default)s; 0: any free port)")
     parser.add_argument("--ns", "--namespace", dest="ns", default="baton", help="Redis key namespace (default: %(default)s)")
-    parser.add_argument("--disagg-threshold-tokens", type=int, default=PolicyConfig().disagg_threshold_tokens,
-                        help="uncached prompt tokens at or below this prefill on the decode worker "
-                        "(default: %(default)s)")
-    parser.add_argument("--max-queued-prefill-tokens", type=int, default=None,
-                        help="prefill workers queueing more tokens count as saturated (default: no limit)")
-    parser.add_argument("--policy", choices=POLICIES, default=PolicyConfig().policy,
-                        help="routing policy: the cost model, or a baseline for benchmarks (default: %(default)s)")
-    parser.add_argument("--planner-max-workers", type=int, default=PlannerConfig().max_workers,
-                        help="the most workers per pool `baton admin plan` may ask for (default: %(default)s)")
-    parser.add_argument("--planner-down-cooldown-s", type=float, default=PlannerConfig().down_cooldown_s,
-                        help="after any pool change, wait this long before the planner shrinks a pool "
-                             "(default: %(default)s)")
-    parser.add_argument("--kv-layerwise", action="store_true",
-                        help="remote prefills stream the KV to the decode worker layer by layer while the prefill "
-                             "worker computes it (tcp data plane), instead of after the prefill")
-    parser.add_argument("--index-mirror", action="store_true",
-                        help="mirror the KV block index in memory from the {ns}:events stream: routing reads no "
-                             "Redis per request, and every router replaying the stream agrees")
-    parser.add_argument("--router-temperature", type=float, default=0.0,
-                        help="softmax temperature in seconds over the cost policy's per-worker costs; "
-                        "0 picks the cheapest (default: %(default)s)")
-    parser.add_argument("--itl-target-ms", type=float, default=CostConfig().itl_target_s * 1e3,
-                        help="the cost policy prefills remotely rather than push a decode worker's step time "
-                        "past this (default: %(default)s)")
-    parser.add_argument("--ttft-target-ms", type=float, default=CostConfig().ttft_target_s * 1e3,
-                        help="...unless the remote prefill's predicted TTFT is past this and it costs more "
-                        "(default: %(default)s)")
-    parser.add_argument("--expected-output-tokens", type=int, default=CostConfig().expected_output_tokens,
-                        help="decode steps the cost policy prices a request for: its max_tokens - 1, at most "
-                        "this, and this when it sets none (default: %(default)s)")
-    parser.add_argument("--interference-weight", type=float, default=CostConfig().interference_weight,
-                        help="cost per second a local prefill stalls each of the decode worker's running "
-                        "sequences; 1 weighs their delay like the request's own (default: %(default)s)")
-    parser.add_argument("--no-prefix-import", dest="prefix_import", action="store_false",
-                        help="never have a decode worker pull a cached prefix from another worker (Worker/"
-                        "LeasePrefix) instead of recomputing it; the cost policy imports when the pull is cheaper")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    parser.add_argument("--max-inflight-requests", type=int, default=None,
-                        help="admission limit: requests past this many in flight on this router get "
-                        "RESOURCE_EXHAUSTED (HTTP 429) with a retry hint, instead of queueing (default: no limit)")
-    parser.add_argument("--request-timeout-s", type=float, default=600.0,
-                        help="deadline of requests whose client sets none shorter (default: %(default)s)")
-    parser.add_argument("--admin-token", default=os.environ.get("BATON_ADMIN_TOKEN") or None,
-                        help="require `authorization: Bearer TOKEN` on baton.v1.Admin calls "
-                        "(default: $BATON_ADMIN_TOKEN; unset: the admin API is open)")
+    add_routing_options(parser.add_argument_group("routing and serving (`baton up` passes these to its router)"))
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help="serve Prometheus /metrics on this port, over HTTPS with --tls-cert (default: "
-                        "%(default)s; 0: no endpoint)")
+                        "%(default)s; 0: no endpoint; the OpenAI front's port serves /metrics too, as vLLM's does)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) on this port, over HTTPS with --tls-cert (default: %(default)s; 0: off)")

@@ -220,6 +220,7 @@ async def start_router(
     log.info("router serving %s on %s:%d (%s, max_model_len %d)", limits.name, config.host, port,
              describe(tls), limits.max_model_len)
     metrics_server = serve_metrics(metrics.registry, config.host, metrics_port, tls)
-    http_server = await serve_openai(OpenAIHandlers(frontend, relay, request_timeout_s=config.request_timeout_s),
+    http_server = await serve_openai(OpenAIHandlers(frontend, relay, request_timeout_s=config.request_timeout_s,
+                                                    metrics_registry=metrics.registry),
                                      config.host, http_port, tls)
     return RunningRouter(server, port, health_servicer, relay, directory, redis, metrics_server, http_server)

@@ -7,6 +7,7 @@ Talks to the router's ``baton.v1.Admin`` service; ``--token`` (or ``$BATON_ADMIN
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -29,10 +30,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STATE = {pb.WORKER_STATE_UP: ("up", "32"), pb.WORKER_STATE_DRAINING: ("draining", "33")}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="baton admin", description="Workers and pools, scale, drain / undrain, and an SLO plan that shows "
-        "its reasoning, through the router's baton.v1.Admin service.")
+def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", default=os.environ.get("BATON_ROUTER", DEFAULT_ROUTER_ADDRESS),
                         help="router address HOST:PORT (default: $BATON_ROUTER or %(default)s)")
     parser.add_argument("--token", default=os.environ.get("BATON_ADMIN_TOKEN") or None,
@@ -40,18 +38,39 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the raw responses as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-call deadline in seconds (default: 10)")
     tls.add_arguments(parser)
+
+
+def _after_the_verb() -> argparse.ArgumentParser:
+    """The connection options again, for each command: ``baton admin status --json`` as well as ``baton admin
+    --json status`` (kubectl-style). Their defaults are suppressed, so one given before the verb stands."""
+    common = argparse.ArgumentParser(add_help=False)
+    _add_connection_arguments(common)
+    for action in common._actions:
+        if action.help:
+            action.help = action.help.replace("%(default)s", str(action.default))  # what stands when not given
+        action.default = argparse.SUPPRESS
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="baton admin", description="Workers and pools, scale, drain / undrain, and an SLO plan that shows "
+        "its reasoning, through the router's baton.v1.Admin service. Options go before or after the command.")
+    _add_connection_arguments(parser)
+    common = _after_the_verb()
     commands = parser.add_subparsers(dest="command", required=True)
-    status = commands.add_parser("status", help="every worker with its load, the pools (desired vs actual) and "
+    add_command = functools.partial(commands.add_parser, parents=[common])
+    status = add_command("status", help="every worker with its load, the pools (desired vs actual) and "
                                  "the cluster's recent TTFT / ITL")
     status.add_argument("--window", type=float, default=300.0, metavar="S",
                         help="traffic look-back in seconds (default: %(default)s)")
-    scale = commands.add_parser("scale", help="set a pool's desired size")
+    scale = add_command("scale", help="set a pool's desired size")
     scale.add_argument("role", choices=["prefill", "decode"])
     scale.add_argument("size", type=int)
     add_kube_arguments(scale)
     for name, text in (("drain", "stop routing new requests to a worker"), ("undrain", "route to it again")):
-        commands.add_parser(name, help=text).add_argument("worker_id")
-    plan = commands.add_parser("plan", help="recommend pool sizes for SLOs and traffic, with the reasoning")
+        add_command(name, help=text).add_argument("worker_id")
+    plan = add_command("plan", help="recommend pool sizes for SLOs and traffic, with the reasoning")
     plan.add_argument("--ttft-p90", type=float, required=True, metavar="MS", help="TTFT p90 target (ms)")
     plan.add_argument("--itl-p90", type=float, required=True, metavar="MS", help="ITL p90 target (ms)")
     plan.add_argument("--rate", type=float, default=None, help="requests per second")
@@ -67,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--prefill-correction", type=float, default=None, help="measured / predicted TTFT")
     plan.add_argument("--decode-correction", type=float, default=None, help="measured / predicted ITL")
     plan.add_argument("--apply", action="store_true", help="set both pools' desired sizes to the plan")
-    add_profile_arguments(commands.add_parser(
+    add_profile_arguments(add_command(
         "profile", help="measure workers' prefill tok/s vs prompt length and decode ITL vs batch and context, "
         "and store the curves for plan"))
     return parser
@@ -121,8 +140,8 @@ class Printer:
                traffic: pb.TrafficWindow | None) -> None:
         rows = [self._worker_row(w) for w in workers.workers]
         headers = ["WORKER", "ROLE", "ADDRESS", "STATE", "RUN", "WAIT", "KV USED", "FREE/TOTAL", "LOAD AGE",
-                   "PREFIX HIT", "KV GB/S"]
-        self.lines(table(headers, rows, right=(4, 5, 6, 7, 8, 9, 10)) if rows else ["no workers registered"])
+                   "PREFIX HIT", "KV GB/S", "RESTARTS"]
+        self.lines(table(headers, rows, right=(4, 5, 6, 7, 8, 9, 10, 11)) if rows else ["no workers registered"])
         self.out.write("\n")
         pool_rows = [[p.role, str(p.desired) if p.HasField("desired") else "-", str(p.actual), str(p.draining)]
                      for p in pools.pools]
@@ -147,7 +166,8 @@ class Printer:
             load = ["-", "-", "-", f"-/{w.num_total_blocks}", "-"]
         hit = f"{w.prefix_cache_hit_rate:.0%}" if w.HasField("prefix_cache_hit_rate") else "-"
         gbps = f"{w.transfer_gbps:.2f}" if w.HasField("transfer_gbps") else "-"
-        return [w.worker_id, w.role, w.grpc_address, self.paint(state, code), *load, hit, gbps]
+        restarts = self.paint(str(w.restarts), "33") if w.restarts else "0"
+        return [w.worker_id, w.role, w.grpc_address, self.paint(state, code), *load, hit, gbps, restarts]
 
 
 def traffic_lines(t: pb.TrafficWindow) -> list[str]:

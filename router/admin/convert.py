@@ -26,10 +26,12 @@ def curve_dict(curve: pb.PrefillCurve | pb.DecodeCurve) -> dict[str, Any]:
 
 
 def worker_to_proto(info: WorkerInfo, load: WorkerLoad | None, draining: bool, now_ms: int,
-                    prefix_hit_rate: float | None = None, transfer_gbps: float | None = None) -> pb.AdminWorker:
+                    prefix_hit_rate: float | None = None, transfer_gbps: float | None = None, *,
+                    restarts: int = 0) -> pb.AdminWorker:
     worker = pb.AdminWorker(
         worker_id=info.worker_id, role=info.role, grpc_address=info.grpc_address, kv_uri=info.kv_uri,
         state=pb.WORKER_STATE_DRAINING if draining else pb.WORKER_STATE_UP, num_total_blocks=info.total_blocks,
+        restarts=restarts,
     )
     if load is not None:
         worker.has_load, worker.num_running, worker.num_waiting = True, load.running, load.waiting

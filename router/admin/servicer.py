@@ -23,10 +23,13 @@ from typing import Any
 import grpc
 
 from engine.errors import InvalidRequest
+from kv_transfer.errors import KVTransferError
+from kv_transfer.layout import KVLayout
 from kv_transfer.registry import ROLES, Registry
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto.tls import TlsConfig
 from router.admin import planner, traffic as traffic_mod
+from router.admin.calibrated import Calibrated, from_calibration
 from router.admin.convert import (curve_dict, plan_to_proto, traffic_terms, worker_rates, window_to_proto,
                                   worker_to_proto)
 
@@ -54,8 +57,10 @@ class AdminServicer(pb_grpc.AdminServicer):
         draining, now_ms = await self._registry.list_draining(), int(time.time() * 1000)
         listed = await self._registry.list_workers()
         rates = await worker_rates([info for info, _ in listed], self._stats_timeout_s, self._tls)
+        restarts = await self._redis.hgetall(self._registry.keys.restarts)  # kept by `baton up`'s supervisor
         workers = [worker_to_proto(info, load, info.worker_id in draining, now_ms,
-                                   *rates.get(info.worker_id, (None, None)))
+                                   *rates.get(info.worker_id, (None, None)),
+                                   restarts=_count(restarts, info.worker_id))
                    for info, load in listed]
         return pb.ListWorkersResponse(workers=workers)
 
@@ -97,7 +102,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         await self._authorize(context)
         window = self._window(request.traffic_window_s) if request.from_traffic else None
         traffic = _traffic(request, window)
-        prefill, decode = await self._profiles(request, traffic.mean_isl + traffic.mean_osl / 2)
+        prefill, decode, profile_terms = await self._profiles(request, traffic.mean_isl + traffic.mean_osl / 2)
         corrections, extra = _corrections(request), []
         if window is not None:
             live = [info.role for info, _ in await self._registry.list_workers()]
@@ -117,7 +122,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             for role, size in (("prefill", plan.prefill), ("decode", plan.decode)):
                 if size != await self._registry.get_desired_pool_size(role):  # type: ignore[arg-type]
                     await self._set_desired(role, size)
-        return plan_to_proto(plan, applied=request.apply, extra_terms=extra, window=window)
+        return plan_to_proto(plan, applied=request.apply, extra_terms=[*profile_terms, *extra], window=window)
 
     async def StoreProfile(self, request: pb.StoreProfileRequest, context: grpc.aio.ServicerContext) -> Any:
         await self._authorize(context)
@@ -173,22 +178,51 @@ class AdminServicer(pb_grpc.AdminServicer):
         actual = sum(info.role == role for info, _ in await self._registry.list_workers())
         return actual or None
 
-    async def _profiles(self, request: pb.PlanRequest,
-                        context_tokens: float) -> tuple[planner.PrefillProfile, planner.DecodeProfile]:
-        has_p, has_d = request.HasField("prefill_curve"), request.HasField("decode_curve")
-        p_raw = curve_dict(request.prefill_curve) if has_p else await self._stored("prefill")
-        d_raw = curve_dict(request.decode_curve) if has_d else await self._stored("decode")
-        return _parse_profile("prefill", p_raw), _parse_profile("decode", d_raw, context_tokens)
+    async def _profiles(self, request: pb.PlanRequest, context_tokens: float
+                        ) -> tuple[planner.PrefillProfile, planner.DecodeProfile, list[planner.Term]]:
+        """The request's curves, else the stored ones, else the workers' start-up calibration (said in the terms)."""
+        p_raw = curve_dict(request.prefill_curve) if request.HasField("prefill_curve") else await self._stored("prefill")
+        d_raw = curve_dict(request.decode_curve) if request.HasField("decode_curve") else await self._stored("decode")
+        calibrated = await self._calibrated() if p_raw is None or d_raw is None else None
+        prefill = _parse_profile("prefill", p_raw) if p_raw is not None else calibrated.prefill
+        decode = _parse_profile("decode", d_raw, context_tokens) if d_raw is not None else calibrated.decode
+        for role, profile in (("prefill", prefill), ("decode", decode)):
+            if profile is None:
+                key = self._registry.keys.profile(role)
+                raise InvalidRequest(f"no {role} profile: pass one with the request (--profile FILE), store one in "
+                                     f"{key} (`baton admin profile`), or start a worker that calibrates")
+        return prefill, decode, [t for t in (calibrated.terms if calibrated else ())
+                                 if (t.pool == "prefill" and p_raw is None) or (t.pool == "decode" and d_raw is None)]
 
-    async def _stored(self, role: str) -> dict[str, Any]:
+    async def _calibrated(self) -> Calibrated:
+        workers = await self._registry.list_workers()
+        loads = [(info.role, load) for info, load in workers if load is not None]
+        kv = [info.total_blocks * size for info, _ in workers
+              if info.role == "decode" and info.total_blocks and (size := _block_size(info.layout_json))]
+        return from_calibration(loads, min(kv) if kv else None)
+
+    async def _stored(self, role: str) -> dict[str, Any] | None:
         key = self._registry.keys.profile(role)
         raw = await self._redis.get(key)
         if raw is None:
-            raise InvalidRequest(f"no {role} profile: pass one with the request (--profile FILE) or store it in {key}")
+            return None
         try:
             return json.loads(raw)
         except ValueError as exc:
             raise InvalidRequest(f"{key} is not JSON: {exc}") from exc
+
+
+def _count(counts: dict, worker_id: str) -> int:
+    """A worker's count in a Redis HASH read without decoding (bytes keys and values)."""
+    raw = counts.get(worker_id.encode(), counts.get(worker_id, 0))
+    return int(raw)
+
+
+def _block_size(layout_json: str) -> int | None:
+    try:
+        return KVLayout.from_json(layout_json).block_size
+    except KVTransferError:  # an old or foreign registration: no KV limit from it
+        return None
 
 
 def _corrections(request: pb.PlanRequest) -> planner.Corrections:

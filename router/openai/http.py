@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.errors import CapacityExceeded, InvalidRequest
 from proto import baton_pb2 as pb
@@ -65,9 +66,15 @@ class _Outcome:
 
 
 class OpenAIHandlers:
-    def __init__(self, frontend: Frontend, relay: Relay, *, request_timeout_s: float) -> None:
+    def __init__(self, frontend: Frontend, relay: Relay, *, request_timeout_s: float,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
         self._frontend, self._relay, self._request_timeout_s = frontend, relay, request_timeout_s
         self._created = int(time.time())
+        self.metrics_registry = metrics_registry  # served on /metrics too, as vLLM's front serves it
+
+    async def metrics(self, http: web.Request) -> web.Response:
+        body = generate_latest(self.metrics_registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         return await self._serve(http, Endpoint.COMPLETIONS)
@@ -255,6 +262,8 @@ def build_app(handlers: OpenAIHandlers) -> web.Application:
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/v1/models/{model}", handlers.model)
+    if handlers.metrics_registry is not None:
+        app.router.add_get("/metrics", handlers.metrics)
     return app
 
 

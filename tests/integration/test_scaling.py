@@ -96,3 +96,56 @@ def test_an_operator_drain_under_baton_up_leaves_the_worker_up_and_idle(platform
         admin.Undrain(pb.DrainRequest(worker_id="decode-0"), timeout=5)
     wait_for(lambda: decode_workers(address) == ["decode-0"], 10, proc, log_dir)
     assert generate(address).finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def _pid_of(worker_id: str, model_marker: str) -> int:
+    """The pid of the worker process `baton up` started (matched by its id and this module's model folder)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            args = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        started_by_up = b"--on-drain" in args and b"stay" in args  # `baton up`'s workers, no other test's
+        if started_by_up and worker_id.encode() in args and any(model_marker.encode() in a for a in args):
+            return int(entry)
+    raise AssertionError(f"no process of {worker_id}")
+
+
+def _worker(address: str, worker_id: str) -> pb.AdminWorker | None:
+    reply = pb_grpc.AdminStub(grpc.insecure_channel(address)).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    return next((w for w in reply.workers if w.worker_id == worker_id), None)
+
+
+def test_a_killed_worker_is_restarted_and_requests_in_flight_finish(platform):
+    """SIGKILL of the prefill worker while prompts are in flight: they all finish (through the fault paths),
+    `baton up` starts the worker again under its id (counted in `baton admin status`) and keeps serving."""
+    import threading
+
+    address, proc, log_dir = platform
+    wait_for(lambda: _worker(address, "prefill-0") is not None, 60, proc, log_dir)
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
+    params = pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        prompt = [(13 * i + 7 * j) % 3000 + 10 for j in range(300)]  # long: prefilled on prefill-0
+        try:
+            results[i] = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params),
+                                            timeout=120))[-1]
+        except grpc.RpcError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    os.kill(_pid_of("prefill-0", str(log_dir.parent)), signal.SIGKILL)
+    for t in threads:
+        t.join(150)
+    assert all(isinstance(r, pb.GenerateResponse) and r.usage.completion_tokens == 8 for r in results.values()), results
+    assert len(results) == 4
+    wait_for(lambda: (w := _worker(address, "prefill-0")) is not None and w.restarts == 1, 90, proc, log_dir)
+    assert "prefill-0 exited with -9" in (log_dir / "up.out").read_text()
+    assert generate(address).finish_reason == pb.FINISH_REASON_LENGTH and proc.poll() is None

@@ -61,12 +61,14 @@ def test_status_prints_aligned_tables_without_colors_off_a_tty(router, redis, lo
     register(loop, redis_server, (worker("prefill-0", "prefill"), load), (worker("d1", "decode"), None))
     redis.set(f"{NS}:pool:decode:desired", 2)
     redis.sadd(f"{NS}:draining", "d1")
+    redis.hset(f"{NS}:restarts", "prefill-0", 2)  # what `baton up`'s supervisor counts
     code, out, err = cli(router, "status")
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["WORKER", "ROLE", "ADDRESS", "STATE", "RUN", "WAIT", "KV", "USED", "FREE/TOTAL",
-                                "LOAD", "AGE", "PREFIX", "HIT", "KV", "GB/S"]
-    assert lines[1].split()[-2:] == ["-", "-"]  # no worker answers Stats at these addresses: no hit rate, no GB/s
+                                "LOAD", "AGE", "PREFIX", "HIT", "KV", "GB/S", "RESTARTS"]
+    # no worker answers Stats at these addresses: no hit rate, no GB/s; restarts as counted
+    assert lines[1].split()[-3:] == ["-", "-", "0"] and lines[2].split()[-1] == "2"
     assert lines[1].split()[:7] == ["d1", "decode", "127.0.0.1:9002", "draining", "-", "-", "-"]
     assert lines[2].split()[:8] == ["prefill-0", "prefill", "127.0.0.1:9009", "up", "2", "0", "10%", "90/100"]
     assert lines[0].index("ROLE") == lines[1].index("decode") == lines[2].index("prefill ")
@@ -143,3 +145,17 @@ def test_colors_only_on_a_terminal(router, redis, loop, redis_server, monkeypatc
     out = Terminal()
     assert admin_cli.main(["--router", f"127.0.0.1:{router.port}", "--token", TOKEN, "status"], out=out) == 0
     assert "\x1b[32mup\x1b[0m" in out.getvalue()
+
+
+def test_connection_options_go_before_or_after_the_command():
+    """kubectl-style: ``baton admin status --json`` works as ``baton admin --json status`` does."""
+    from router.admin.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["--json", "--router", "h:1", "status"], ["status", "--json", "--router", "h:1"],
+                 ["--router", "h:1", "status", "--json"]):
+        args = parser.parse_args(argv)
+        assert (args.json, args.router, args.command) == (True, "h:1", "status"), argv
+    defaults = parser.parse_args(["status"])
+    assert defaults.json is False and defaults.timeout == 10.0  # not given anywhere: the defaults stand
+    assert parser.parse_args(["--timeout", "3", "drain", "d0"]).timeout == 3.0  # before the verb stands too

@@ -176,6 +176,22 @@ def test_plan_uses_the_stored_profile_or_says_none_is_there(stub, redis):
     assert stub.Plan(request, metadata=AUTH).decode == 3  # 20/s * 200 * 20 ms = 80 sequences / 32
 
 
+def test_with_no_profile_plan_uses_the_workers_calibration_and_says_so(stub, redis, loop, redis_server):
+    calibrated = WorkerLoad(running=0, waiting=0, free_blocks=100, queued_prefill_tokens=0,
+                            prefill_tokens_per_s=5000.0, decode_step_s=0.02, decode_batch_size=1.0)
+    register(loop, redis_server, (worker("p0", "prefill"), calibrated), (worker("d0", "decode"), calibrated))
+    plan = stub.Plan(pb.PlanRequest(ttft_p90_ms=300, itl_p90_ms=30, rate=5, isl=1000, osl=100), metadata=AUTH)
+    terms = {t.name: t for t in plan.terms}
+    assert terms["calibrated rate"].value == 5000.0 and "start-up calibration" in terms["calibrated rate"].note
+    assert terms["calibrated ITL at batch 1"].value == pytest.approx(20.0)
+    assert "calibration" in plan.reasoning and plan.prefill >= 1 and plan.decode >= 1
+    # a stored curve wins for its pool; the other still comes from the calibration
+    redis.set(f"{NS}:profile:prefill", json.dumps({"prompt_lens": [128, 4096], "tokens_per_s": [1e4, 1e4]}))
+    terms = {t.name for t in stub.Plan(pb.PlanRequest(ttft_p90_ms=300, itl_p90_ms=30, rate=5, isl=1000, osl=100),
+                                       metadata=AUTH).terms}
+    assert "calibrated rate" not in terms and "calibrated ITL at batch 1" in terms
+
+
 def test_store_profile_validates_then_writes_what_plan_reads(stub, redis):
     bad = pb.StoreProfileRequest(prefill_curve=pb.PrefillCurve(prompt_lens=[512, 128], tokens_per_s=[1, 2]),
                                  decode_curve=DECODE_CURVE)

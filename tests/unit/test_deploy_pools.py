@@ -77,3 +77,51 @@ def test_scale_up_then_drain_the_newest_once_idle(manager):
     child.popen.wait(10)
     manager.tick()
     assert manager.draining == {} and r.smembers(keys.draining) == set()
+
+
+def test_a_worker_that_dies_is_restarted_under_its_id_after_a_growing_backoff(manager):
+    keys, r = manager.keys, manager.redis
+    reports: list[str] = []
+    manager.report = reports.append
+    first = manager.start("prefill")
+    first.popen.kill()
+    first.popen.wait()
+    manager.now[0] = 5.0
+    manager.tick()  # seen dead: counted, a restart scheduled 1 s from now
+    assert r.hget(keys.restarts, "prefill-0") == b"1" and "restarting in 1 s (restart 1)" in reports[-1]
+    assert manager.workers["prefill"] == [first]  # still the pool's member: no second worker is started
+    manager.now[0] = 6.0
+    manager.tick()
+    second = manager.workers["prefill"][0]
+    assert second is not first and second.name == "prefill-0" and second.popen.poll() is None
+    second.popen.kill()  # dies again at once: the next wait doubles
+    second.popen.wait()
+    manager.now[0] = 7.0
+    manager.tick()
+    assert "restarting in 2 s (restart 2)" in reports[-1]
+    manager.now[0] = 8.5
+    manager.tick()
+    assert manager.workers["prefill"][0] is second  # not yet
+    manager.now[0] = 9.0
+    manager.tick()
+    third = manager.workers["prefill"][0]
+    assert third not in (first, second) and third.popen.poll() is None
+    third.popen.kill()  # after a healthy minute the backoff starts over
+    third.popen.wait()
+    manager.now[0] = 70.0
+    manager.tick()
+    assert "restarting in 1 s (restart 3)" in reports[-1]
+
+
+def test_a_dead_worker_scaled_away_is_not_started_again(manager):
+    keys, r = manager.keys, manager.redis
+    child = manager.start("decode")
+    child.popen.kill()
+    child.popen.wait()
+    manager.tick()  # restart scheduled
+    r.set(keys.pool_desired("decode"), 0)
+    manager.now[0] = 2.0
+    manager.tick()  # drained away instead; it has exited, so it is simply gone
+    manager.now[0] = 10.0
+    manager.tick()
+    assert manager.workers["decode"] == [] and manager.draining == {}

@@ -95,7 +95,7 @@ def test_disaggregated_example_objects():
     assert by_kind["ConfigMap"] == ["baton-llama-8b-config"] and len(by_kind["ServiceMonitor"]) == 1
     services = {m["metadata"]["name"]: m for m in _manifests(EXAMPLES[0]) if m["kind"] == "Service"}
     router_ports = {p["name"]: p["port"] for p in services["baton-llama-8b-router"]["spec"]["ports"]}
-    assert router_ports == {"grpc": 50051, "metrics": 9400, "http": 8000}
+    assert router_ports == {"grpc": 50051, "metrics": 9450, "http": 8000}
 
 
 def test_gpu_rdma_placement_and_model_volume():

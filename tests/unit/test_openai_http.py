@@ -142,6 +142,15 @@ def test_models_lists_the_served_model(router, model_dir):  # noqa: F811
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
+def test_the_http_front_serves_the_routers_metrics_as_vllm_does(router):
+    call(router, "/v1/completions", {"prompt": "hi", "n": 3})  # a 400: counted like any finished request
+    url = f"http://127.0.0.1:{router[1].http_server.port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
+    assert "baton:time_to_first_token_seconds" in text and "baton:router_decisions_total" in text
+
+
 @pytest.mark.parametrize(("path", "body", "param", "words"), [
     ("/v1/completions", {"prompt": "hi", "n": 3}, "n", "n must be 1"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, None, "temperature"),
