@@ -73,10 +73,14 @@ def test_a_router_mirroring_the_index_agrees_with_the_one_that_placed_the_prefix
     wait_indexed()
     for suffix in ([2, 3], [4] * 7):  # the second router learned where it lives from {ns}:events alone
         again = generate(cluster, prefix + suffix, router=cluster.mirror_router)
-        assert again.timings.decode_worker == holder, again.timings.route_reason
-        assert again.usage.cached_prompt_tokens >= len(prefix)
-        assert f"{len(prefix)} of {len(prefix) + len(suffix)} prompt tokens cached on {holder}" \
-            in again.timings.route_reason
+        reason = again.timings.route_reason
+        # it found the prefix and reused it: on its holder, or imported from it (whichever the learned rates
+        # price cheaper: both are right choices of the cost model)
+        on_holder = again.timings.decode_worker == holder and \
+            f"{len(prefix)} of {len(prefix) + len(suffix)} prompt tokens cached on {holder}" in reason
+        imported = f"({len(prefix)} tokens from {holder})" in reason
+        assert on_holder or imported, reason
+        assert again.usage.cached_prompt_tokens >= len(prefix), reason
     assert_pools_full(cluster)
 
 
