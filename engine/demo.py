@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
 
     try:
         engine = Engine(EngineConfig(model=args.model))
-        tokenizer = Tokenizer.from_gguf(engine.gguf) if engine.gguf is not None else Tokenizer.from_pretrained(engine.model_path)
+        tokenizer = Tokenizer.from_model(engine.gguf or engine.model_path)
         engine.eos_token_ids = engine.eos_token_ids or tokenizer.eos_token_ids
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens

@@ -130,11 +130,11 @@ def load_tokenizer(model: Path | GGUFFile) -> Tokenizer | None:
     """The tokenizer of a checkpoint folder or (opened) GGUF file; None when it has none (token ids only)."""
     from engine.tokenizer import Tokenizer
 
-    if not isinstance(model, Path):
-        return Tokenizer.from_gguf(model) if model.has_tokenizer else None
-    if model.is_dir() and not (model / "tokenizer.json").is_file():
-        return None
-    return Tokenizer.from_model(model)
+    if isinstance(model, Path):
+        has_tokenizer = model.is_file() or (model / "tokenizer.json").is_file()
+    else:
+        has_tokenizer = model.has_tokenizer
+    return Tokenizer.from_model(model) if has_tokenizer else None
 
 
 def _parse_prompt(prompt: object) -> tuple[str | None, list[int] | None]:

@@ -68,9 +68,12 @@ class Tokenizer:
         return cls(backend, specials, _load_chat_template(folder, config))
 
     @classmethod
-    def from_model(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer of a Hugging Face folder (``tokenizer.json``) or of a GGUF file (its metadata)."""
-        return cls.from_gguf(path) if Path(path).is_file() else cls.from_pretrained(path)
+    def from_model(cls, model: str | Path | GGUFFile) -> Tokenizer:
+        """The tokenizer of a Hugging Face folder (``tokenizer.json``) or of a GGUF file (its metadata; pass the
+        opened ``GGUFFile`` when there is one, so the file is not read twice)."""
+        if isinstance(model, (str, Path)) and not Path(model).is_file():
+            return cls.from_pretrained(model)
+        return cls.from_gguf(model)
 
     @classmethod
     def from_gguf(cls, gguf: str | Path | GGUFFile) -> Tokenizer:

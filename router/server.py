@@ -188,7 +188,7 @@ async def start_router(
     gguf = GGUFFile(config.model_path) if config.model_path.is_file() else None  # its metadata, read once
     card = ModelCard.from_path(config.model_path, gguf)
     if tokenizer is None:
-        tokenizer = Tokenizer.from_gguf(gguf) if gguf is not None else Tokenizer.from_pretrained(config.model_path)
+        tokenizer = Tokenizer.from_model(gguf or config.model_path)
     limits = ModelLimits(name=config.served_model_name, vocab_size=card.vocab_size,
                          max_model_len=resolve_max_model_len(config, card))
     redis = connect(config.redis_url)
