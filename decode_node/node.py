@@ -1,10 +1,12 @@
-"""A decode worker: the shared worker shell with the ``Decode`` servicer."""
+"""A decode worker: the worker shell that imports prompts' KV from prefill workers (or prefills them itself)
+and decodes them in its continuous batch (``decode_node/servicer.py``)."""
 
 from __future__ import annotations
 
 from decode_node.first_tokens import FirstTokenMailbox
 from decode_node.servicer import DecodeServicer
-from prefill_node.node import WorkerConfig, WorkerNode
+from worker.config import WorkerConfig
+from worker.node import WorkerNode
 
 
 class DecodeNode(WorkerNode):

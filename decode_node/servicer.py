@@ -17,15 +17,15 @@ from typing import Any
 
 import grpc
 
-from engine.core.outputs import RequestDelta
 from decode_node.first_tokens import RECOMPUTE
+from engine.core.outputs import RequestDelta
 from engine.errors import InvalidRequest
 from kv_transfer.errors import KVTransferError
 from kv_transfer.transport import TransferStats, choose_uri, uri_kind
-from prefill_node.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
-from prefill_node.servicer import _STATUS, WorkerServicer, abort_with
 from proto import baton_pb2 as pb
 from proto import tracing
+from worker.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
+from worker.servicer import WorkerServicer, abort_with, status_of
 
 logger = logging.getLogger(__name__)
 MAX_FIRST_TOKEN_WAIT_S = 600.0  # a layer-wise Decode without a deadline waits at most this for P's first token
@@ -40,7 +40,7 @@ class DecodeServicer(WorkerServicer):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status
-            code = next((code for kind, code in _STATUS if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+            code = status_of(exc)
             self.node.metrics.request_error(code.name)
             marks.error = code.name
             await abort_with(context, exc)

@@ -1,6 +1,6 @@
 """Options ``baton up`` takes on behalf of the processes it starts and passes on to them unchanged.
 
-Each option is defined once, by the component's own CLI (``prefill_node.main.add_worker_options``,
+Each option is defined once, by the component's own CLI (``worker.main.add_worker_options``,
 ``router.main.add_routing_options``); ``baton up`` adds the same definitions with their defaults suppressed, so
 only what the user typed is passed on and every default stays the component's own.
 """

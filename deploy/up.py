@@ -54,7 +54,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--namespace", default="baton", help="Redis key namespace")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP front (0: off)")
     tls.add_arguments(p)  # passed to the router and every worker: all gRPC hops use the same CA
-    from prefill_node.main import add_worker_options
+    from worker.main import add_worker_options
     from router.main import add_routing_options
 
     p.set_defaults(worker_options=add_passthrough(p, "every worker's engine and KV options (as `baton prefill`)",

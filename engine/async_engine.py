@@ -25,7 +25,7 @@ _IDLE_WAIT_S = 0.05
 
 
 class StepHooks(Protocol):
-    """Per-step hooks (``prefill_node.layerwise.LayerwiseHooks``), all called on the engine thread."""
+    """Per-step hooks (a prefill worker's ``LayerwiseHooks``), all called on the engine thread."""
 
     @property
     def watching(self) -> bool: ...

@@ -15,7 +15,7 @@ import yaml
 from deploy.commands import main as deploy_main
 from deploy.render import render, to_yaml
 from deploy.spec import load_spec
-from prefill_node.main import parser as worker_parser
+from worker.main import parser as worker_parser
 from router.main import build_parser as router_parser
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))

@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 
 from engine.core.outputs import SchedulerStats
-from prefill_node.metrics import WorkerMetrics
+from worker.metrics import WorkerMetrics
 from proto.metrics_http import serve_metrics
 from router.metrics import RouterMetrics, reason_category
 from router.trace import RequestTrace

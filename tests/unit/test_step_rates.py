@@ -107,7 +107,7 @@ def test_calibrate_fits_what_the_pool_and_step_budget_allow(tmp_path):
 
 
 def test_a_waiting_requests_cached_prefix_is_not_reported_as_queued_work(tmp_path):
-    from prefill_node.node import _load
+    from worker.node import worker_load
 
     engine = Engine(EngineConfig(model=str(build_model("tiny", tmp_path, train_steps=5, progress=lambda _: None)),
                                  num_blocks=64, block_size=4, num_threads=1))
@@ -117,4 +117,4 @@ def test_a_waiting_requests_cached_prefix_is_not_reported_as_queued_work(tmp_pat
         engine.step()
     engine.add_request("b", prompt + [7, 8, 9, 10, 11], SamplingParams(max_tokens=1))  # 40 of 45 tokens cached
     engine.add_request("c", list(range(100, 120)), SamplingParams(max_tokens=1))  # nothing cached
-    assert _load(engine, engine.stats()).queued_prefill_tokens == 5 + 20
+    assert worker_load(engine, engine.stats()).queued_prefill_tokens == 5 + 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from deploy.passthrough import argv_of
 from deploy.up import _max_model_len, _parse
-from prefill_node.main import parser as worker_parser
+from worker.main import parser as worker_parser
 from router.main import build_parser as router_parser, config_from_args
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from prefill_node.drain import DrainGate, InFlightCounter
+from worker.drain import DrainGate, InFlightCounter
 
 
 def test_not_draining_never_exits():

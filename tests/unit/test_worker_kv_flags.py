@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefill_node.main import parser, worker_config
-from prefill_node.node import transport_config
+from worker.main import parser, worker_config
+from worker.config import transport_config
 
 
 def config(role: str, *flags: str):

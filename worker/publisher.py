@@ -8,7 +8,7 @@ from engine.core.block_pool import BlockEventKind
 from kv_transfer.hashing import BlockHash
 
 if TYPE_CHECKING:
-    from prefill_node.node import WorkerNode
+    from worker.node import WorkerNode
 
 
 class IndexPublisher:

@@ -1,0 +1,161 @@
+"""The worker CLI both roles share (``baton prefill`` / ``baton decode``, through ``prefill_node.main`` and
+``decode_node.main``): flags, checks before loading, and one worker process until SIGINT, SIGTERM or a drain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.model_source import MODEL_HELP
+from kv_transfer.auth import load_secret
+from kv_transfer.transport import parse_kinds
+from kv_transfer.registry import RedisCredentialsError, check_credentials, connect, redact_url, with_ca
+from proto import tls
+from worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from worker.node import WorkerNode
+
+NodeFactory = Callable[[WorkerConfig], "WorkerNode"]  # the role's node class (imported lazily: torch)
+
+
+def add_worker_options(group) -> None:
+    """The engine and data-plane options, defined once: each worker's CLI and ``baton up`` (which passes them on)
+    take them from here."""
+    group.add_argument("--kv-transport", default="tcp",
+                       help="KV data plane: auto (every transport that runs here) or a comma-separated list in order of "
+                       "preference, of tcp, ucx, nccl (default: %(default)s). All are served; a pull uses the "
+                       "pulling worker's first transport the serving worker offers")
+    group.add_argument("--kv-secret-file", default=None,
+                       help="file holding the deployment's KV data-plane secret (default: $BATON_KV_SECRET); with one, "
+                       "KV reads must carry its HMAC and this worker's pulls sign theirs")
+    group.add_argument("--kv-checksum", action="store_true",
+                       help="decode role: ask for and verify per-block xxh3 checksums of pulled KV; a mismatch "
+                       "recomputes the prompt locally")
+    group.add_argument("--kv-io-timeout-s", type=float, default=10.0,
+                       help="decode role: the longest a KV pull waits on its peer at any one point (default: %(default)s)")
+    group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-waiting", type=int, default=None,
+                       help="admission control: refuse new requests (RESOURCE_EXHAUSTED) past this many queued")
+    group.add_argument("--dtype", default="auto")
+    group.add_argument("--device", default="auto")
+    group.add_argument("--calibrate-tokens", type=int, default=256,
+                       help="at start, time a prefill of this many tokens and one decode step, so the router prices "
+                       "this worker from its first heartbeat (default: %(default)s; 0: learn from traffic only)")
+    group.add_argument("--lease-ttl-s", type=float, default=30.0, help="how long unpulled KV stays pinned")
+    group.add_argument("--heartbeat-ttl-s", type=float, default=6.0)
+    group.add_argument("--drain-settle-s", type=float, default=5.0,
+                       help="while draining, exit only after this long with nothing in flight (default: %(default)s)")
+
+
+def parser(role: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"baton {role}", description=f"Run a Baton {role} worker.")
+    redis_url = os.environ.get("BATON_REDIS_URL") or None
+    p.add_argument("--redis-url", required=redis_url is None, default=redis_url,
+                   help="Redis of the KV index and registry: redis://[:PASSWORD@]HOST:PORT/DB or rediss://... "
+                   "for TLS (default: $BATON_REDIS_URL, where a password is safer than on the command line)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--namespace", default="baton", help="Redis key namespace")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve gRPC and the KV data plane on")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--kv-port", type=int, default=0, help="KV data-plane port (0: any free port)")
+    p.add_argument("--kv-advertise-uri", default=None,
+                   help="the KV data-plane URI to register for peers, e.g. tcp://HOST:PORT of a proxy or NAT "
+                   "address (default: the one served)")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (CPU)")
+    add_worker_options(p.add_argument_group("engine and KV (`baton up` passes these to every worker)"))
+    p.add_argument("--metrics-port", type=int, default=9451,
+                   help="serve Prometheus /metrics on --host at this port, over HTTPS with --tls-cert "
+                   "(default: %(default)s; 0: no endpoint)")
+    p.add_argument("--on-drain", default="exit", choices=["exit", "stay"],
+                   help="once drained (baton admin drain) and idle: exit 0 (default) or stay up, idle")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--otel-console", action="store_true",
+                   help="print OpenTelemetry trace spans on stderr (also $BATON_OTEL_CONSOLE=1; OTLP export: "
+                   "the standard OTEL_* variables, see proto/tracing.py)")
+    tls.add_arguments(p)
+    return p
+
+
+def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
+    """Raises ValueError (TlsConfigError) on bad TLS flags."""
+    tls_config = tls.from_args(args)
+    if tls_config is not None:
+        tls_config.require_server_identity()
+    if args.kv_transport.strip() != "auto":
+        parse_kinds(args.kv_transport)  # names a transport that cannot run here: refused before loading
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_num_waiting=args.max_num_waiting, num_threads=args.num_threads,
+    )
+    return WorkerConfig(
+        role=role, engine=engine, redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
+        namespace=args.namespace, host=args.host,
+        grpc_port=args.port, kv_transport=args.kv_transport, kv_port=args.kv_port, worker_id=args.worker_id,
+        kv_advertise_uri=args.kv_advertise_uri, kv_checksum=args.kv_checksum, kv_io_timeout_s=args.kv_io_timeout_s,
+        kv_secret=load_secret(args.kv_secret_file),
+        calibrate_tokens=args.calibrate_tokens, lease_ttl_s=args.lease_ttl_s, heartbeat_ttl_s=args.heartbeat_ttl_s,
+        heartbeat_interval_s=min(2.0, args.heartbeat_ttl_s / 3), metrics_port=args.metrics_port,
+        on_drain=args.on_drain, drain_settle_s=args.drain_settle_s, tls=tls_config,
+    )
+
+
+async def serve(role: str, config: WorkerConfig, make_node: NodeFactory) -> None:
+    redis = connect(config.redis_url)
+    try:
+        await check_credentials(redis, config.redis_url)  # a refused password stops the worker before loading
+    finally:
+        await redis.aclose()
+    node = make_node(config)
+    await node.start()
+    print(f"{role} worker {node.worker_id} ready: grpc={node.grpc_address} kv={node.kv_uri}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(node.drained.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    await node.stop()
+    if node.drained.is_set():
+        print(f"{role} worker {node.worker_id} drained: exiting", flush=True)
+
+
+def run(role: str, argv: list[str], make_node: NodeFactory) -> int:
+    cli = parser(role)
+    args = cli.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
+    from proto.tracing import TracingConfig, setup_tracing
+
+    try:
+        setup_tracing(TracingConfig.from_env(os.environ, console=args.otel_console), f"baton-{role}",
+                      protocol=os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+    except ValueError as exc:
+        cli.error(str(exc))
+    try:
+        config = worker_config(role, args)
+    except ValueError as exc:  # TLS flags, engine settings
+        cli.error(str(exc))
+    logging.getLogger(__name__).info("redis %s, gRPC %s", redact_url(config.redis_url), tls.describe(config.tls))
+    try:
+        asyncio.run(serve(role, config, make_node))
+    except RedisCredentialsError as exc:
+        print(f"baton {role}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+

@@ -1,0 +1,212 @@
+"""The worker shell both roles share: engine thread, gRPC server, KV data-plane servers, transfer leases,
+heartbeat and index publisher, drain and metrics.
+
+A role is a subclass (``prefill_node.node.PrefillNode``, ``decode_node.node.DecodeNode``) that names its
+servicer and, where it needs them, the engine's hooks (``on_held``, ``step_hooks``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.async_engine import AsyncEngine, StepHooks
+from engine.core.outputs import RequestDelta, SchedulerStats
+from engine.engine import Engine
+from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.registry import HeartbeatTask, Registry, WorkerInfo, WorkerLoad, connect
+from kv_transfer.transport import STREAMING_KINDS, KVClient, connect as kv_connect, make_server, parse_kinds, uri_kind
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
+from proto.malformed import MalformedRequestInterceptor
+from proto.metrics_http import serve_metrics
+from proto.tls import add_port, describe
+from worker.config import WorkerConfig, transport_config
+from worker.drain import DrainGate, InFlightCounter
+from worker.leases import WorkerLeases
+from worker.metrics import WorkerMetrics
+from worker.publisher import IndexPublisher
+from worker.servicer import WorkerServicer
+
+logger = logging.getLogger(__name__)
+WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class WorkerNode:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.leases = WorkerLeases(config.lease_ttl_s, self._free)
+        self.load = WorkerLoad(running=0, waiting=0, free_blocks=0, queued_prefill_tokens=0)
+        self._tasks: list[asyncio.Task] = []
+        self.in_flight = InFlightCounter(frozenset(f"/{WORKER_SERVICE}/{m}" for m in ("Prefill", "PrefillStream", "Decode")))
+        self.drained = asyncio.Event()  # set when drained and idle with on_drain="exit": the process may exit
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> str:
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        self.engine: Engine = await asyncio.to_thread(Engine, self.config.engine)
+        if self.config.calibrate_tokens > 0:  # before the engine loop runs: the thread has the engine to itself
+            await asyncio.to_thread(self.engine.calibrate, self.config.calibrate_tokens)
+        self.layout = _layout(self.engine)
+        self.async_engine = AsyncEngine(self.engine, on_held=self.on_held, step_hooks=self.step_hooks())
+        self.async_engine.start()
+        # a byte view: numpy has no bfloat16, and the data plane moves bytes (CPU caches; CUDA needs staging)
+        self.kv_buffer = KVBuffer(self.layout, self.engine.runner.kv_cache.view(torch.uint8).numpy())
+        # Every transport of --kv-transport is served (kv_uri lists their URIs, space-separated) and tried
+        # in that order when pulling: the pair's transport is the puller's first one the server offers.
+        self.kv_kinds = parse_kinds(self.config.kv_transport, str(self.engine.device))
+        self.transport_config = transport_config(self.config)
+        self._kv_clients: dict[str, KVClient] = {}
+        resolve = self.leases.resolver()
+        self.kv_servers = [make_server(kind, buffer=self.kv_buffer, resolve=resolve, config=self.transport_config,
+                                       progress=self.leases.progress) for kind in self.kv_kinds]
+        served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0)
+                  for i, server in enumerate(self.kv_servers)]
+        self.kv_uri = self.config.kv_advertise_uri or " ".join(served)
+        # what an early (kv_pending) handle offers: the URIs whose server streams layers
+        self.streaming_kv_uri = " ".join(u for u in self.kv_uri.split() if uri_kind(u) in STREAMING_KINDS)
+        self.grpc_address = await self._start_grpc()
+        self.worker_id = self.config.worker_id or f"{self.config.role}-{socket.gethostname()}-{self.grpc_port}"
+        self.metrics = WorkerMetrics(self.worker_id)
+        self.metrics_server = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port,
+                                            self.config.tls)
+        self.redis = connect(self.config.redis_url)
+        self.registry = Registry(self.redis, self.config.namespace, self.config.heartbeat_ttl_s)
+        self.publisher = IndexPublisher(self)
+        self.heartbeat = HeartbeatTask(self.registry, self._info(), lambda: self.load,
+                                       interval_s=self.config.heartbeat_interval_s,
+                                       on_reregistered=self.publisher.republish_all)
+        self.heartbeat.start()
+        self._tasks = [asyncio.create_task(self._housekeeping(), name="housekeeping"),
+                       asyncio.create_task(self._watch_drain(), name="drain")]
+        logger.info("worker %s (%s) serving gRPC on %s, KV on %s", self.worker_id, self.config.role,
+                    self.grpc_address, self.kv_uri)
+        return self.grpc_address
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.heartbeat.stop(deregister=True)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        await self.grpc_server.stop(grace_s)
+        for server in self.kv_servers:
+            await server.stop()
+        for client in self._kv_clients.values():
+            if callable(close := getattr(client, "close", None)):
+                close()  # pooled connections (nccl channels)
+        self.async_engine.stop()
+        await self.redis.aclose()
+
+    async def _start_grpc(self) -> str:
+        self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+                                           interceptors=[MalformedRequestInterceptor(), self.in_flight])
+        pb_grpc.add_WorkerServicer_to_server(self.servicer(), self.grpc_server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
+        names = (WORKER_SERVICE, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.grpc_server)
+        self.grpc_port = add_port(self.grpc_server, f"{self.config.host}:{self.config.grpc_port}", self.config.tls)
+        await self.grpc_server.start()
+        logger.info("gRPC on %s:%d is %s", self.config.host, self.grpc_port, describe(self.config.tls))
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        return f"{self.config.host}:{self.grpc_port}"
+
+    def kv_client(self, kind: str) -> KVClient:
+        """This worker's client for transport ``kind``, kept across pulls (nccl reuses its channels)."""
+        if kind not in self._kv_clients:
+            self._kv_clients[kind] = kv_connect(f"{kind}://", self.transport_config)
+        return self._kv_clients[kind]
+
+    # ---- what a role provides ---------------------------------------------------------------
+    def servicer(self) -> WorkerServicer:
+        """The role's ``baton.v1.Worker`` servicer."""
+        raise NotImplementedError
+
+    def step_hooks(self) -> StepHooks | None:
+        """Per-step engine hooks (layer-wise progress on a prefill worker); None: none."""
+        return None
+
+    # Engine thread: a request finished holding its blocks (``hold_blocks``: a prefill). None: the engine frees
+    # them (a decode worker holds none).
+    on_held: Callable[[RequestDelta], None] | None = None
+
+    def _info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address, kv_uri=self.kv_uri,
+            model_fingerprint=self.engine.fingerprint.hex(), layout_json=self.layout.to_json(),
+            total_blocks=self.engine.cache_config.num_blocks,
+        )
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self.leases.release(lease_id)
+
+    def _free(self, block_ids: Sequence[int]) -> None:
+        """Hand blocks back to the engine (a lease ended)."""
+        blocks = list(block_ids)
+        self.async_engine.submit(lambda e: e.release_blocks(blocks))
+
+    async def _housekeeping(self, period_s: float = 0.25) -> None:
+        """Expire leases, refresh the load figures, publish block events to the index."""
+        while True:
+            for lease in self.leases.expire():
+                logger.info("transfer lease expired; freed %d blocks", len(lease.block_ids))
+            try:
+                stats, self.load = await self.async_engine.call(_sample)
+                self.metrics.scheduler_stats(stats)
+                await self.publisher.publish_pending()
+            except Exception as exc:  # noqa: BLE001 - Redis down: keep serving, retry next period
+                logger.debug("housekeeping: %r", exc)
+            await asyncio.sleep(period_s)
+
+    async def _watch_drain(self) -> None:
+        """Read ``{ns}:draining`` at the heartbeat's pace; once drained and idle, exit (or stay, idle)."""
+        gate = DrainGate(settle_s=self.config.drain_settle_s)
+        period_s = min(self.config.heartbeat_interval_s, 1.0)
+        while True:
+            try:
+                draining = bool(await self.redis.sismember(self.registry.keys.draining, self.worker_id))
+            except Exception as exc:  # noqa: BLE001 - Redis down: keep the last known state
+                logger.debug("drain check: %r", exc)
+                draining = None
+            stats = await self.async_engine.call(lambda e: e.stats())
+            busy = self.in_flight.count > 0 or len(self.leases) > 0 or stats.num_running + stats.num_waiting > 0
+            if gate.update(draining=draining, busy=busy, now_s=time.monotonic()) and self.config.on_drain == "exit":
+                logger.info("worker %s drained and idle for %.1f s: exiting", self.worker_id, gate.settle_s)
+                self.drained.set()
+                return
+            await asyncio.sleep(period_s)
+
+
+def _sample(engine: Engine) -> tuple[SchedulerStats, WorkerLoad]:
+    stats = engine.stats()
+    return stats, worker_load(engine, stats)
+
+
+def worker_load(engine: Engine, stats: SchedulerStats) -> WorkerLoad:
+    """The worker's load as the router prices it; queued prompt tokens are what is left to compute: a waiting
+    request's cached prefix does not count (it is found when the request is scheduled)."""
+    cache, size = engine.kv_cache_manager, engine.cache_config.block_size
+    queued = sum(r.num_tokens - max(r.num_computed_tokens, len(cache.get_computed_blocks(r)) * size)
+                 for r in engine.scheduler.waiting)
+    queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in engine.scheduler.running)
+    rates = engine.step_rates
+    return WorkerLoad(running=stats.num_running, waiting=stats.num_waiting, free_blocks=stats.num_free_blocks,
+                      queued_prefill_tokens=max(queued, 0), prefill_tokens_per_s=rates.prefill_tokens_per_s,
+                      decode_step_s=rates.decode_step_s, decode_batch_size=rates.decode_batch_size,
+                      decode_step_per_seq_s=rates.decode_step_per_seq_s)
+
+
+def _layout(engine: Engine) -> KVLayout:
+    config = engine.model_config
+    return KVLayout(model_fingerprint=engine.fingerprint, dtype=config.dtype, block_size=engine.cache_config.block_size,
+                    num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
