@@ -26,8 +26,9 @@ import numpy as np
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.progress import LayerProgress
-from kv_transfer.tcp import _remote_error, computed_layers
-from kv_transfer.tcp_wire import ERR_LEASE, ERROR, Frame, encode_frame, recv_frame, send_frame
+from kv_transfer.protocol import computed_layers, remote_error
+from kv_transfer.tcp_wire import recv_frame, send_frame
+from kv_transfer.wire import ERR_LEASE, ERROR, Frame, encode_frame
 
 C_LAYERS = 38  # after C_HELLO .. C_READ_DONE (33-37): a kind of cma's own
 IOVECS_STREAMED = 1  # C_IOVECS code: read each layer only once a C_LAYERS names it
@@ -67,7 +68,7 @@ async def read_announced(sock: socket.socket, uri: str, local: np.ndarray, remot
 def _layers_ready(uri: str, frame: Frame, done: int, num_layers: int) -> int:
     """The layer count a C_LAYERS names (more than ``done``, at most ``num_layers``)."""
     if frame.kind != C_LAYERS:
-        raise _remote_error(uri, frame)
+        raise remote_error(uri, frame)
     if len(frame.payload) != LAYERS.size:
         raise KVTransferError(f"KV server {uri}: malformed C_LAYERS ({len(frame.payload)} bytes)")
     (ready,) = LAYERS.unpack(frame.payload)

@@ -9,7 +9,7 @@ each pull as one exchange (the transport's frames, unchanged) on one of them:
   any error, refusal, timeout, cancellation or partial read it is closed, so no later pull can ever read
   the rest of an old answer;
 - at most ``max_idle_per_peer`` idle connections per server, each kept at most ``idle_timeout_s`` (shorter
-  than the servers' ``tcp_wire.SERVER_IDLE_S``, so a client seldom reuses one its server is closing);
+  than the servers' ``socket_server.SERVER_IDLE_S``, so a client seldom reuses one its server is closing);
   ``close()`` closes them all (so does garbage collection of the pool);
 - an idle connection the server closed meanwhile (restart, idle timeout) is noticed when taken (EOF or a
   reset waiting on it), or else by ``send_request``: the server closes it before the first byte of its
@@ -30,16 +30,15 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
-from urllib.parse import urlsplit
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.tcp_wire import _transfer, _tune, peek_byte
-from kv_transfer.transport import TransportConfig
+from kv_transfer.tcp_wire import peek_byte, transfer, tune_socket
+from kv_transfer.transport import KVClient, TransportConfig, parse_uri
 
 logger = logging.getLogger(__name__)
 
 MAX_IDLE_PER_PEER = 4
-CLIENT_IDLE_S = 30.0  # below tcp_wire.SERVER_IDLE_S: the client drops an idle connection first
+CLIENT_IDLE_S = 30.0  # below socket_server.SERVER_IDLE_S: the client drops an idle connection first
 T = TypeVar("T")
 
 
@@ -115,11 +114,11 @@ class ConnectionPool:
                 del self._idle[peer]
 
 
-class PooledClient:
+class PooledClient(KVClient):
     """A client whose pulls run on the connections of its ``ConnectionPool`` (tcp, cma)."""
 
     def __init__(self, config: TransportConfig | None = None, *, pool: ConnectionPool | None = None) -> None:
-        self.config = config or TransportConfig()
+        super().__init__(config)
         self.pool = pool or ConnectionPool()
 
     def close(self) -> None:
@@ -149,7 +148,7 @@ async def send_request(sock: socket.socket, frames: Sequence[bytes], config: Tra
     """Write a request's frames (the first write on a new connection also waits for it to complete), then
     wait for the first byte of the answer; ``NotAnswered`` when the connection fails or is closed before it."""
     try:
-        await _transfer(sock, [memoryview(f) for f in frames], write=True, timeout_s=config.connect_timeout_s,
+        await transfer(sock, [memoryview(f) for f in frames], write=True, timeout_s=config.connect_timeout_s,
                         what=what)
         answered = await peek_byte(sock, config.io_timeout_s, what)
     except OSError as exc:
@@ -163,7 +162,7 @@ async def connect_socket(uri: str, config: TransportConfig, scheme: str = "tcp")
     family, addr = await _resolve(uri, config.connect_timeout_s, scheme)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        _tune(sock, config)
+        tune_socket(sock, config)
         err = sock.connect_ex(addr)  # completes (or fails) while the request is written
         if err not in (0, errno.EINPROGRESS):
             raise KVTransferError(f"cannot connect to KV server {uri}: {os.strerror(err)}")
@@ -175,13 +174,7 @@ async def connect_socket(uri: str, config: TransportConfig, scheme: str = "tcp")
 
 async def _resolve(uri: str, timeout_s: float, scheme: str = "tcp") -> tuple[int, tuple]:
     """``scheme://host:port`` -> (address family, socket address); numeric hosts skip the resolver thread."""
-    parts = urlsplit(uri)
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as exc:
-        raise KVTransferError(f"bad KV data-plane URI {uri!r}: {exc}") from exc
-    if parts.scheme != scheme or not host or port is None:
-        raise KVTransferError(f"bad KV data-plane URI {uri!r} (want {scheme}://host:port)")
+    host, port = parse_uri(uri, scheme)
     for family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             socket.inet_pton(family, host)

@@ -9,7 +9,6 @@ client verifies what landed, as over a wire (a copy cannot corrupt, but the sour
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,7 +16,7 @@ import numpy as np
 from kv_transfer import checksum
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, KVLayout
-from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args, check_read
+from kv_transfer.transport import KVClient, Pull, Resolver, TransportConfig, check_read
 
 
 class LocalRegistry:
@@ -95,28 +94,16 @@ class LocalServer:
         return sums
 
 
-class LocalClient:
+class LocalClient(KVClient):
+    """Pulls from the ``LocalServer``s of its registry: one copy, in this process."""
+
     def __init__(self, config: TransportConfig | None = None, registry: LocalRegistry | None = None) -> None:
-        self.config = config or TransportConfig()
+        super().__init__(config)
         self.registry = registry or DEFAULT_REGISTRY
 
-    async def pull(
-        self,
-        uri: str,
-        layout: KVLayout,
-        lease_id: str,
-        src_block_ids: Sequence[int],
-        dst_buffer: KVBuffer,
-        dst_block_ids: Sequence[int],
-    ) -> TransferStats:
-        start = time.perf_counter()
-        check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
-        server = self.registry.lookup(uri)
-        sums = server.read_into(
-            layout, lease_id, src_block_ids, dst_buffer, dst_block_ids, with_checksums=self.config.checksum
-        )
+    async def _pull(self, request: Pull) -> None:
+        server = self.registry.lookup(request.uri)
+        sums = server.read_into(request.layout, request.lease_id, request.src_ids, request.dst_buffer, request.dst_ids,
+                                with_checksums=self.config.checksum)
         if sums is not None:
-            checksum.verify(dst_buffer, dst_block_ids, sums)
-        num_bytes = len(src_block_ids) * layout.bytes_per_block
-        seconds = time.perf_counter() - start
-        return TransferStats(num_blocks=len(src_block_ids), num_bytes=num_bytes, seconds=seconds)
+            checksum.verify(request.dst_buffer, request.dst_ids, sums)

@@ -1,7 +1,7 @@
 """``nccl://host:port``: the KV data plane over ``torch.distributed`` point-to-point (NCCL on GPU, gloo on CPU).
 
 Each (server, client) pair talks over a **channel**: one small TCP control connection (the frames of
-``kv_transfer/tcp_wire.py``) plus a private 2-rank process group, built directly
+``kv_transfer/wire.py``) plus a private 2-rank process group, built directly
 (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a ``PrefixStore`` of the server's ``TCPStore``), never
 through the global ``init_process_group``: a worker talks to many peers at once. The backend follows the KV
 tensor's device: a CPU ``KVBuffer`` moves over gloo, a CUDA cache tensor (``device_cache``) over NCCL.
@@ -11,7 +11,8 @@ tensor's device: a CPU ``KVBuffer`` moves over gloo, a CUDA cache tensor (``devi
            or HELLO_OK  the server's KVLayout JSON (the client checks it too), then
               GROUP     u16 TCPStore port | channel prefix: both sides build the group (server rank 0)
     then, once per pull, one at a time on the channel:
-    client -> N_READ    encode_read(lease id, source ids) | u32 count | count x u32 destination ids;
+    client -> N_READ    ``wire.encode_read`` with the destination ids: u16 len | lease id | u32 count |
+                        count x u32 source ids | u32 count | count x u32 destination ids;
                         code bit READ_CHECKSUM asks for checksums
     server -> ERROR     unknown/expired lease, block not in the lease, out of range: nothing moves, the
                         channel stays usable
@@ -29,29 +30,23 @@ ERROR replaces DONE. Checksums, when asked, are computed once the last layer is 
 
 One pull at a time per channel keeps the two ends' message order identical (NCCL ignores tags), and
 concurrent pulls simply open more channels. A client keeps its idle channels for reuse (up to
-``MAX_IDLE_CHANNELS`` per server, for ``REUSE_S``); the server drops a channel idle for ``IDLE_S``. Any
-failure other than a refusal tears the channel down (socket closed, group shut down). Collective waits run
-on the channel's own thread, each bounded by ``TransportConfig`` timeouts (a gloo timeout also closes the
-group's connection, so nothing lands after it): a vanished peer surfaces within ``io_timeout_s``.
+``nccl_channel.MAX_IDLE_CHANNELS`` per server, for ``nccl_channel.REUSE_S``); the server drops a channel idle
+for ``IDLE_S``. Any failure other than a refusal tears the channel down (socket closed, group shut down).
+Collective waits run on the channel's own thread, each bounded by ``TransportConfig`` timeouts (a gloo timeout
+also closes the group's connection, so nothing lands after it): a vanished peer surfaces within ``io_timeout_s``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime
 import functools
 import itertools
 import logging
-import queue
 import secrets
 import socket
 import struct
-import threading
-import time
 import weakref
-from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -59,51 +54,22 @@ import torch.distributed as dist
 from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, KVLayout, paired_runs
-from kv_transfer.progress import LayerProgress, ProgressLookup
 from kv_transfer.nccl_channel import (
-    Channel,
-    channel_closed,
-    connect,
-    exchange,
-    join_group,
-    kv_tensor,
-    messages,
-    new_group,
-    zeros_like,
-    unless_closed,
-    wait_readable,
+    Channel, IdleChannels, channel_closed, close_idle, connect, exchange, join_group, keep_idle, kv_tensor, messages,
+    new_group, reap_later, start_reaper, take_idle, unless_closed, wait_readable, zeros_like,
 )
-from kv_transfer.tcp import (
-    _check_data,
-    _check_hello_ok,
-    _refuse,
-    _remote_error,
-    computed_layers,
-    refuse_layout,
-    refuse_read,
-    refuse_unauthenticated,
-    sign_read,
+from kv_transfer.progress import LayerProgress, ProgressLookup
+from kv_transfer.protocol import (
+    check_data, check_hello_ok, computed_layers, refuse_layout, refuse_unauthenticated, remote_error, sign_read,
     verify_done,
 )
-from kv_transfer.tcp_wire import (
-    DATA,
-    DONE,
-    ERR_PROTOCOL,
-    ERR_REFUSED,
-    ERROR,
-    HELLO_OK,
-    READ_AUTH,
-    READ_CHECKSUM,
-    _tune,
-    decode_read,
-    encode_frame,
-    encode_read,
-    open_listener,
-    recv_frame,
-    send_frame,
-    server_uri,
+from kv_transfer.socket_server import SocketServer
+from kv_transfer.tcp_wire import recv_frame, send_frame, send_refusal, tune_socket
+from kv_transfer.transport import KVClient, Pull, Resolver, TransportConfig, parse_uri
+from kv_transfer.wire import (
+    DATA, DONE, ERR_PROTOCOL, ERR_REFUSED, ERROR, HELLO_OK, READ_AUTH, READ_CHECKSUM, ReadRequest, decode_read,
+    encode_frame, encode_read,
 )
-from kv_transfer.transport import Resolver, TransferStats, TransportConfig, check_pull_args
 
 logger = logging.getLogger(__name__)
 
@@ -111,108 +77,59 @@ N_HELLO, GROUP, N_READ = 17, 18, 19  # kinds of their own: a tcp:// peer refuses
 DATA_STREAMED = 1  # DATA's code: the KV follows layer by layer as it is computed (receive each layer on its own)
 BACKENDS = ("gloo", "nccl")
 IDLE_S = 60.0  # the server drops a channel with no READ for this long
-REUSE_S = 30.0  # a client reuses an idle channel only this long (well inside the server's IDLE_S)
-MAX_IDLE_CHANNELS = 4  # per server, per client
-
-
-def encode_pull(lease_id: str, src_ids: Sequence[int], dst_ids: Sequence[int]) -> bytes:
-    dst = [int(b) for b in dst_ids]
-    return encode_read(lease_id, [int(b) for b in src_ids]) + struct.pack(f"<I{len(dst)}I", len(dst), *dst)
-
-
-def decode_pull(payload: bytes) -> tuple[str, list[int], list[int]]:
-    try:
-        (lease_len,) = struct.unpack_from("<H", payload)
-        (count,) = struct.unpack_from("<I", payload, 2 + lease_len)
-        end = 6 + lease_len + 4 * count
-        (num_dst,) = struct.unpack_from("<I", payload, end)
-        if num_dst != count or len(payload) != end + 4 + 4 * count:
-            raise ValueError("destination ids do not match the source ids")
-        dst_ids = list(struct.unpack_from(f"<{count}I", payload, end + 4))
-    except (struct.error, ValueError) as exc:
-        raise KVTransferError(f"malformed READ: {exc}") from exc
-    lease_id, src_ids = decode_read(payload[:end])
-    return lease_id, src_ids, dst_ids
 
 
 # --- server ---------------------------------------------------------------------------------------
 
 
-class NcclServer:
+class NcclServer(SocketServer):
     """Serves reads of leased blocks of ``buffer`` (or of ``device_cache``, its GPU twin) over channels."""
 
-    def __init__(
-        self,
-        *,
-        buffer: KVBuffer,
-        resolve: Resolver,
-        config: TransportConfig | None = None,
-        device_cache: torch.Tensor | None = None,
-        progress: ProgressLookup | None = None,
-    ) -> None:
-        self.buffer, self.resolve, self.config = buffer, resolve, config or TransportConfig()
-        self.progress = progress  # lease id -> LayerProgress while its prompt computes: streamed reads
+    scheme = "nccl"
+
+    def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
+                 device_cache: torch.Tensor | None = None, progress: ProgressLookup | None = None) -> None:
+        super().__init__(buffer=buffer, resolve=resolve, config=config, progress=progress)
         self.kv = kv_tensor(buffer, device_cache)
         self.backend = "nccl" if self.kv.is_cuda else "gloo"
-        self.auth = auth.ReadAuth(self.config.secret) if self.config.secret else None
         if self.kv.is_cuda and self.config.checksum:  # pragma: no cover - needs a GPU
             raise ValueError("nccl: checksums need the KV in host memory")
-        self.uri: str | None = None
-        self._listener: socket.socket | None = None
         self._store: dist.TCPStore | None = None
-        self._accept_task: asyncio.Task | None = None
-        self._connections: set[asyncio.Task] = set()
         self._channel_ids = itertools.count()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
+        """Listen on ``host:port`` with a ``TCPStore`` of its own beside it (the channels' rendezvous)."""
         if self.uri is not None:
             return self.uri
         try:
-            listener = open_listener(host, port)
-        except OSError as exc:
-            raise KVTransferError(f"nccl: cannot listen on {host}:{port}: {exc}") from exc
-        try:
             timeout = datetime.timedelta(seconds=self.config.connect_timeout_s)
             self._store = dist.TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+            uri = await super().start(host, port, advertise_host=advertise_host)
         except (OSError, RuntimeError) as exc:
-            listener.close()
+            self._store = None
             raise KVTransferError(f"nccl: cannot listen on {host}:{port}: {exc}") from exc
-        self._listener = listener
-        self._accept_task = asyncio.create_task(self._accept_loop(listener))
-        self.uri = server_uri("nccl", advertise_host or host, listener)
-        logger.info("KV data plane serving %s (%s)", self.uri, self.backend)
-        return self.uri
+        logger.info("KV data plane %s moves KV with %s", uri, self.backend)
+        return uri
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._accept_task, *self._connections) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
-        self._listener, self._accept_task, self._store, self.uri = None, None, None, None
+        await super().stop()
+        self._store = None
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(listener)
-            except OSError as exc:
-                logger.warning("KV data plane accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            task = asyncio.create_task(self._serve_channel(Channel(sock, f"client {sock.getpeername()}")))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
-
-    async def _serve_channel(self, channel: Channel) -> None:
+    async def _serve_connection(self, sock: socket.socket) -> None:
+        """One channel: HELLO (the group is built), then READs one after another until the client closes it,
+        leaves it idle for ``IDLE_S``, or fails."""
         try:
-            _tune(channel.sock, self.config)
+            channel = Channel(sock, f"client {sock.getpeername()}")
+        except OSError:  # the client is gone already
+            sock.close()
+            return
+        try:
+            tune_socket(channel.sock, self.config)
             refusal = await self._open(channel)
             while refusal is None and await self._serve_read(channel):
                 pass
             if refusal is not None:
-                await _refuse(channel.sock, refusal)
+                await send_refusal(channel.sock, refusal)
         except (KVTransferError, OSError) as exc:  # malformed, silent or vanished client: drop the channel
             logger.info("KV data plane: dropped a client: %s", exc)
         finally:
@@ -262,22 +179,26 @@ class NcclServer:
             raise
         if read.kind != N_READ:
             raise KVTransferError(f"expected READ, got frame kind {read.kind}")
-        request, trailer = auth.split_trailer(read.payload, bool(read.code & READ_AUTH))
-        refusal = refuse_unauthenticated(self.auth, N_READ, request, trailer)
+        payload, trailer = auth.split_trailer(read.payload, bool(read.code & READ_AUTH))
+        refusal = refuse_unauthenticated(self.auth, N_READ, payload, trailer)
         if refusal is not None:
             await send_frame(channel.sock, refusal, io_s, channel.uri)
             return True
-        lease_id, src_ids, dst_ids = decode_pull(request)
-        refusal = self._check_read(lease_id, src_ids)
-        done = refusal or await self._send_kv(channel, lease_id, src_ids, dst_ids, bool(read.code & READ_CHECKSUM))
+        request = decode_read(payload)
+        if len(request.dst_block_ids) != len(request.block_ids):
+            raise KVTransferError("malformed READ: destination ids do not match the source ids")
+        src_ids, dst_ids = list(request.block_ids), list(request.dst_block_ids)
+        sums = bool(read.code & READ_CHECKSUM)
+        done = self._check_read(request.lease_id, src_ids) or await self._send_kv(
+            channel, request.lease_id, src_ids, dst_ids, sums)
         await send_frame(channel.sock, done, io_s, channel.uri)
         return True
 
     async def _send_kv(self, channel: Channel, lease_id: str, src_ids: list[int], dst_ids: list[int],
                        sums: bool) -> bytes:
         """DATA, then the blocks (streamed: each layer once computed); returns the DONE (or ERROR) to send."""
-        progress = self.progress(lease_id) if self.progress is not None else None
-        streamed = progress is not None and not progress.is_ready
+        progress = self._unfinished(lease_id)
+        streamed = progress is not None
         # hashed BEFORE any byte moves: what is sent must be what was hashed (streamed: once computed)
         checksums = checksum.block_checksums(self.buffer, src_ids).tobytes() if sums and not streamed else b""
         num_bytes = len(src_ids) * self.buffer.layout.bytes_per_block
@@ -312,14 +233,11 @@ class NcclServer:
         send = functools.partial(exchange, channel.group, tensors, send=True, timeout_s=io_s)
         await channel.call(send, bound_s=io_s, what="sending KV")
 
-    def _check_read(self, lease_id: str, src_ids: list[int]) -> bytes | None:
-        return refuse_read(self.buffer, self.resolve, self.config, lease_id, src_ids)
-
 
 # --- client ---------------------------------------------------------------------------------------
 
 
-class NcclClient:
+class NcclClient(KVClient):
     """Pulls leased blocks from ``nccl://`` servers, keeping idle channels for the next pull.
 
     ``device_cache`` (uint8 ``[L, N, seg]`` on a GPU) is where the KV lands instead of ``dst_buffer``'s
@@ -328,57 +246,45 @@ class NcclClient:
     """
 
     def __init__(self, config: TransportConfig | None = None, *, device_cache: torch.Tensor | None = None) -> None:
-        self.config = config or TransportConfig()
+        super().__init__(config)
         self.device_cache = device_cache
         if device_cache is not None and self.config.checksum:  # pragma: no cover - needs a GPU
             raise ValueError("nccl: checksums need the KV in host memory")
-        self._idle: dict[str, list[Channel]] = {}
-        _start_reaper()
-        self._finalizer = weakref.finalize(self, _reap_later, self._idle)
+        self._idle: IdleChannels = {}
+        start_reaper()
+        self._finalizer = weakref.finalize(self, reap_later, self._idle)
 
     def close(self) -> None:
         self._finalizer.detach()
-        _close_all(self._idle)
+        close_idle(self._idle)
 
-    async def pull(
-        self,
-        uri: str,
-        layout: KVLayout,
-        lease_id: str,
-        src_block_ids: Sequence[int],
-        dst_buffer: KVBuffer,
-        dst_block_ids: Sequence[int],
-    ) -> TransferStats:
-        start = time.perf_counter()
-        check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
-        kv = kv_tensor(dst_buffer, self.device_cache)
-        channel = self._take_idle(uri) or await self._open(uri, layout, kv.device)
+    async def _pull(self, request: Pull) -> None:
+        kv = kv_tensor(request.dst_buffer, self.device_cache)
+        channel = take_idle(self._idle, request.uri) or await self._open(request.uri, request.layout, kv.device)
         try:
-            done = await self._read(channel, lease_id, src_block_ids, kv, dst_block_ids)
+            done = await self._read(channel, request, kv)
         except _Refused as refused:  # nothing moved: the channel is still good
-            self._keep(channel)
+            keep_idle(self._idle, channel)
             raise refused.error from None
         except BaseException:
             channel.close()
             raise
-        self._keep(channel)
+        keep_idle(self._idle, channel)
         if self.config.checksum:
-            verify_done(uri, dst_buffer, dst_block_ids, done)
-        num_bytes = len(src_block_ids) * layout.bytes_per_block
-        return TransferStats(num_blocks=len(src_block_ids), num_bytes=num_bytes, seconds=time.perf_counter() - start)
+            verify_done(request.uri, request.dst_buffer, request.dst_ids, done)
 
     async def _open(self, uri: str, layout: KVLayout, device: torch.device) -> Channel:
-        host, port = _parse(uri)
+        host, port = parse_uri(uri, "nccl")
         io_s, what = self.config.io_timeout_s, f"KV server {uri}"
         sock = await connect(host, port, self.config)
         channel = Channel(sock, uri)
         try:
             backend = BACKENDS.index("nccl" if device.type == "cuda" else "gloo")
             await send_frame(sock, encode_frame(N_HELLO, layout.to_json().encode(), backend), io_s, what)
-            _check_hello_ok(uri, layout, await recv_frame(sock, io_s, what))
+            check_hello_ok(uri, layout, await recv_frame(sock, io_s, what))
             group = await recv_frame(sock, io_s, what)
             if group.kind != GROUP or len(group.payload) < 3:
-                raise _remote_error(uri, group)
+                raise remote_error(uri, group)
             (store_port,), prefix = struct.unpack_from("<H", group.payload), group.payload[2:].decode()
             join = functools.partial(join_group, host, store_port, prefix, sock.getsockname()[0],
                                      self.config.connect_timeout_s, device)
@@ -389,17 +295,19 @@ class NcclClient:
             raise
         return channel
 
-    async def _read(self, channel: Channel, lease_id: str, src_ids, kv: torch.Tensor, dst_ids) -> bytes:
+    async def _read(self, channel: Channel, request: Pull, kv: torch.Tensor) -> bytes:
         """One pull on ``channel``; returns DONE's payload (the checksums, when asked)."""
         io_s, what, sock = self.config.io_timeout_s, f"KV server {channel.uri}", channel.sock
-        read, flags = sign_read(self.config, N_READ, b"", encode_pull(lease_id, src_ids, dst_ids))
+        src_ids, dst_ids = request.src_ids, request.dst_ids
+        read = encode_read(ReadRequest(request.lease_id, src_ids, dst_block_ids=dst_ids))
+        read, flags = sign_read(self.config, N_READ, b"", read)
         flags |= READ_CHECKSUM if self.config.checksum else 0
         await send_frame(sock, encode_frame(N_READ, read, flags), io_s, what)
         reply = await recv_frame(sock, io_s, what)
         if reply.kind == ERROR:
-            raise _Refused(_remote_error(channel.uri, reply))
-        _check_data(channel.uri, len(src_ids) * kv.shape[0] * kv.shape[2], reply)
-        runs = [(d, c) for _, d, c in paired_runs([int(b) for b in src_ids], [int(b) for b in dst_ids])]
+            raise _Refused(remote_error(channel.uri, reply))
+        check_data(channel.uri, len(src_ids) * kv.shape[0] * kv.shape[2], reply)
+        runs = [(d, c) for _, d, c in paired_runs(src_ids, dst_ids)]
         tensors = messages(kv, runs)
         # streamed: one layer at a time, each wait bounded on its own (the layers come as they are computed)
         per_batch = len(tensors) // kv.shape[0] if reply.code & DATA_STREAMED else len(tensors)
@@ -409,25 +317,8 @@ class NcclClient:
             await unless_closed(channel.call(recv, bound_s=io_s, what="receiving KV"), sock, what)
         done = await recv_frame(sock, io_s, what)
         if done.kind != DONE:
-            raise _remote_error(channel.uri, done)
+            raise remote_error(channel.uri, done)
         return done.payload
-
-    def _take_idle(self, uri: str) -> Channel | None:
-        idle = self._idle.get(uri, [])
-        while idle:
-            channel = idle.pop()
-            if time.monotonic() - channel.idle_since < REUSE_S and not channel_closed(channel.sock):
-                return channel
-            channel.close()
-        return None
-
-    def _keep(self, channel: Channel) -> None:
-        idle = self._idle.setdefault(channel.uri, [])
-        if len(idle) >= MAX_IDLE_CHANNELS:
-            channel.close()
-            return
-        channel.idle_since = time.monotonic()
-        idle.append(channel)
 
 
 class _Refused(Exception):
@@ -436,52 +327,3 @@ class _Refused(Exception):
     def __init__(self, error: KVTransferError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def _close_all(idle: dict[str, list[Channel]]) -> None:
-    for channels in idle.values():
-        for channel in channels:
-            channel.close()
-    idle.clear()
-
-
-# A garbage-collected client's channels are closed on a reaper thread, never inside the finalizer: the
-# collector may run in the middle of a ``ThreadPoolExecutor.submit`` (which holds a module-global lock),
-# and ``Channel.close`` submits to its executor -- closing there would deadlock that very thread.
-# ``queue.SimpleQueue.put`` is reentrant, safe from a finalizer.
-_REAP: queue.SimpleQueue[Channel] = queue.SimpleQueue()
-_reaper: threading.Thread | None = None
-_reaper_lock = threading.Lock()
-
-
-def _start_reaper() -> None:
-    global _reaper
-    with _reaper_lock:
-        if _reaper is None:
-            _reaper = threading.Thread(target=_reap_forever, name="kv-nccl-reaper", daemon=True)
-            _reaper.start()
-
-
-def _reap_forever() -> None:
-    while True:
-        channel = _REAP.get()
-        with contextlib.suppress(Exception):
-            channel.close()
-
-
-def _reap_later(idle: dict[str, list[Channel]]) -> None:
-    for channels in list(idle.values()):
-        for channel in channels:
-            _REAP.put(channel)
-    idle.clear()
-
-
-def _parse(uri: str) -> tuple[str, int]:
-    parts = urlsplit(uri)
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as exc:
-        raise KVTransferError(f"bad KV data-plane URI {uri!r}: {exc}") from exc
-    if parts.scheme != "nccl" or not host or port is None:
-        raise KVTransferError(f"bad KV data-plane URI {uri!r} (want nccl://host:port)")
-    return host, port

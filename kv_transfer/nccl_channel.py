@@ -3,7 +3,9 @@
 A **channel** is one TCP control socket, one 2-rank group (gloo for CPU tensors, NCCL for CUDA ones) built
 directly over a ``PrefixStore`` of the serving side's ``TCPStore`` (never the global ``init_process_group``),
 and one thread that runs the group's blocking calls, so the event loop never blocks and a slow peer on one
-channel stalls nobody else. The protocol itself is described in ``kv_transfer/nccl.py``.
+channel stalls nobody else. A client keeps its idle channels per server URI (``take_idle`` / ``keep_idle``)
+and closes those of a garbage-collected client on a reaper thread. The protocol itself is described in
+``kv_transfer/nccl.py``.
 
 Tearing a group down while a wait is in flight on it is not safe (gloo's ``abort`` can crash the process),
 and gloo's ``abort`` does not wake a pending send; so a channel closes its socket at once and shuts its group
@@ -15,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import queue
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -26,11 +30,15 @@ import torch.distributed as dist
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer
-from kv_transfer.tcp_wire import _tune
+from kv_transfer.tcp_wire import tune_socket
 from kv_transfer.transport import TransportConfig
 
 GRACE_S = 1.0  # slack on top of a bounded collective wait before the event loop gives up on it
 MAX_MESSAGE_BYTES = 64 << 20  # one send/recv; each is allowed TransportConfig.io_timeout_s
+REUSE_S = 30.0  # a client reuses an idle channel only this long (well inside the server's nccl.IDLE_S)
+MAX_IDLE_CHANNELS = 4  # per server, per client
+
+IdleChannels = dict[str, list["Channel"]]  # a client's idle channels by server URI, most recently used last
 
 
 def kv_tensor(buffer: KVBuffer, device_cache: torch.Tensor | None) -> torch.Tensor:
@@ -187,7 +195,7 @@ async def connect(host: str, port: int, config: TransportConfig) -> socket.socke
         infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), config.connect_timeout_s)
         sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
         try:
-            _tune(sock, config)
+            tune_socket(sock, config)
             await asyncio.wait_for(loop.sock_connect(sock, infos[0][4]), config.connect_timeout_s)
         except BaseException:
             sock.close()
@@ -195,3 +203,66 @@ async def connect(host: str, port: int, config: TransportConfig) -> socket.socke
     except (OSError, TimeoutError) as exc:
         raise KVTransferError(f"cannot connect to KV server nccl://{host}:{port}: {exc!r}") from exc
     return sock
+
+
+# --- a client's idle channels ---------------------------------------------------------------------
+
+
+def take_idle(idle: IdleChannels, uri: str) -> Channel | None:
+    """The most recently used idle channel to ``uri`` still fit for reuse (the stale ones are closed)."""
+    channels = idle.get(uri, [])
+    while channels:
+        channel = channels.pop()
+        if time.monotonic() - channel.idle_since < REUSE_S and not channel_closed(channel.sock):
+            return channel
+        channel.close()
+    return None
+
+
+def keep_idle(idle: IdleChannels, channel: Channel) -> None:
+    """Keep ``channel`` for the next pull to its server, up to MAX_IDLE_CHANNELS (else close it)."""
+    channels = idle.setdefault(channel.uri, [])
+    if len(channels) >= MAX_IDLE_CHANNELS:
+        channel.close()
+        return
+    channel.idle_since = time.monotonic()
+    channels.append(channel)
+
+
+def close_idle(idle: IdleChannels) -> None:
+    for channels in idle.values():
+        for channel in channels:
+            channel.close()
+    idle.clear()
+
+
+# A garbage-collected client's channels are closed on a reaper thread, never inside the finalizer: the
+# collector may run in the middle of a ``ThreadPoolExecutor.submit`` (which holds a module-global lock),
+# and ``Channel.close`` submits to its executor -- closing there would deadlock that very thread.
+# ``queue.SimpleQueue.put`` is reentrant, safe from a finalizer.
+_REAP: queue.SimpleQueue[Channel] = queue.SimpleQueue()
+_reaper: threading.Thread | None = None
+_reaper_lock = threading.Lock()
+
+
+def start_reaper() -> None:
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap_forever, name="kv-nccl-reaper", daemon=True)
+            _reaper.start()
+
+
+def _reap_forever() -> None:
+    while True:
+        channel = _REAP.get()
+        with contextlib.suppress(Exception):
+            channel.close()
+
+
+def reap_later(idle: IdleChannels) -> None:
+    """Hand ``idle``'s channels to the reaper thread (from a finalizer: see above)."""
+    for channels in list(idle.values()):
+        for channel in channels:
+            _REAP.put(channel)
+    idle.clear()

@@ -2,8 +2,10 @@
 
 A transport is a ``KVServer`` (the prefill side: serves reads of leased blocks out of its ``KVBuffer``)
 and a ``KVClient`` (the decode side: ``pull`` reads ``(lease_id, src_block_ids)`` into its own
-``dst_block_ids``), named by a URI scheme: ``tcp://host:port``, ``local://name``. Every implementation
-passes ``tests/unit/test_kv_transport.py`` and keeps these promises:
+``dst_block_ids``; every client derives from ``KVClient``, which checks a pull's arguments and reports its
+``TransferStats``), named by a URI scheme: ``tcp://host:port``, ``local://name``. What every transport sends
+is ``kv_transfer/wire.py``'s; the checks both sides of a read make are ``kv_transfer/protocol.py``'s. Every
+implementation passes ``tests/unit/test_kv_transport.py`` and keeps these promises:
 
 - the KV layouts are compared first; a mismatch raises ``LayoutMismatch`` before any KV byte moves;
 - the lease and every requested block are checked before any KV byte moves (``LeaseNotFound``,
@@ -16,6 +18,7 @@ passes ``tests/unit/test_kv_transport.py`` and keeps these promises:
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,8 +28,8 @@ from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.progress import ProgressLookup
 
-# kind (the URI scheme) -> (module, server class, client class). A transport is one module; adding one
-# is one line here plus passing tests/unit/test_kv_transport.py.
+# kind (the URI scheme) -> (module, server class, client class). A transport's two classes live in one module
+# (its helpers beside it); adding one is one line here plus passing tests/unit/test_kv_transport.py.
 _IMPLEMENTATIONS: dict[str, tuple[str, str, str]] = {
     "tcp": ("kv_transfer.tcp", "TcpServer", "TcpClient"),
     "local": ("kv_transfer.local", "LocalServer", "LocalClient"),
@@ -37,8 +40,9 @@ _IMPLEMENTATIONS: dict[str, tuple[str, str, str]] = {
 TRANSPORT_KINDS = tuple(_IMPLEMENTATIONS)
 # What a worker serves and a decode worker prefers, in order, for ``--kv-transport auto``: on a host
 # buffer, CMA first (process_vm_readv: same-host peers only; a cma:// server on another host is refused
-# before any byte moves), then TCP (measured fastest here for one-shot pulls over a network), then UCX (shared memory / RDMA when the
-# fabric has it), then NCCL (gloo on CPU: real, slower); on a CUDA cache, the GPU-native paths first.
+# before any byte moves), then TCP (measured fastest here for one-shot pulls over a network), then UCX (shared
+# memory / RDMA when the fabric has it), then NCCL (gloo on CPU: real, slower); on a CUDA cache, the GPU-native
+# paths first.
 # ``local`` is in-process only (tests, benchmarks), never served by a worker.
 AUTO_PREFERENCE = {"cpu": ("cma", "tcp", "ucx", "nccl"), "cuda": ("nccl", "ucx", "tcp")}
 
@@ -89,18 +93,43 @@ class KVServer(Protocol):
         ...
 
 
-class KVClient(Protocol):
-    async def pull(
-        self,
-        uri: str,
-        layout: KVLayout,
-        lease_id: str,
-        src_block_ids: Sequence[int],
-        dst_buffer: KVBuffer,
-        dst_block_ids: Sequence[int],
-    ) -> TransferStats:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pull:
+    """One pull's arguments, checked (``check_pull_args``), block ids as ints."""
+
+    uri: str
+    layout: KVLayout
+    lease_id: str
+    src_ids: list[int]
+    dst_buffer: KVBuffer
+    dst_ids: list[int]
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.src_ids) * self.layout.bytes_per_block
+
+
+class KVClient:
+    """The decode side of a transport: every transport's client derives from it. ``pull`` checks its
+    arguments before connecting, times the pull and reports it; a transport implements ``_pull``, which
+    moves the bytes and raises on any failure."""
+
+    def __init__(self, config: TransportConfig | None = None) -> None:
+        self.config = config or TransportConfig()
+
+    async def pull(self, uri: str, layout: KVLayout, lease_id: str, src_block_ids: Sequence[int],
+                   dst_buffer: KVBuffer, dst_block_ids: Sequence[int]) -> TransferStats:
         """Read leased blocks ``src_block_ids`` of the server at ``uri`` into ``dst_block_ids`` of ``dst_buffer``."""
-        ...
+        start = time.perf_counter()
+        check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
+        request = Pull(uri=uri, layout=layout, lease_id=lease_id, src_ids=[int(b) for b in src_block_ids],
+                       dst_buffer=dst_buffer, dst_ids=[int(b) for b in dst_block_ids])
+        await self._pull(request)
+        return TransferStats(num_blocks=len(request.src_ids), num_bytes=request.num_bytes,
+                             seconds=time.perf_counter() - start)
+
+    async def _pull(self, request: Pull) -> None:
+        raise NotImplementedError
 
 
 def check_pull_args(
@@ -134,7 +163,7 @@ def kind_available(kind: str) -> str | None:
     if kind not in _IMPLEMENTATIONS:
         return f"unknown transport {kind!r} (known: {', '.join(TRANSPORT_KINDS)})"
     if kind == "ucx":
-        from kv_transfer.ucx import INSTALL_HINT, ucxx_available
+        from kv_transfer.ucx_endpoint import INSTALL_HINT, ucxx_available
 
         return None if ucxx_available() else INSTALL_HINT
     if kind == "nccl":
@@ -142,7 +171,7 @@ def kind_available(kind: str) -> str | None:
 
         return None if dist.is_available() else "this torch build has no torch.distributed"
     if kind == "cma":
-        from kv_transfer.cma import unavailable_reason
+        from kv_transfer.cma_memory import unavailable_reason
 
         return unavailable_reason()
     return None
@@ -188,7 +217,7 @@ def _reachable(uri: str) -> bool:
     boot = parse_qs(parts.query).get("boot")
     if not boot:
         return True
-    from kv_transfer.cma import boot_id
+    from kv_transfer.cma_memory import boot_id
 
     return boot[0] == boot_id().hex()
 
@@ -198,6 +227,18 @@ def uri_kind(uri: str) -> str:
     if kind not in TRANSPORT_KINDS:
         raise KVTransferError(f"unsupported KV data-plane URI {uri!r} (schemes: {', '.join(TRANSPORT_KINDS)})")
     return kind
+
+
+def parse_uri(uri: str, scheme: str) -> tuple[str, int]:
+    """(host, port) of ``scheme://host:port``; KVTransferError for any other URI."""
+    parts = urlsplit(uri)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise KVTransferError(f"bad KV data-plane URI {uri!r}: {exc}") from exc
+    if parts.scheme != scheme or not host or port is None:
+        raise KVTransferError(f"bad KV data-plane URI {uri!r} (want {scheme}://host:port)")
+    return host, port
 
 
 def _implementation(kind: str, which: int):
@@ -242,16 +283,8 @@ def connect(uri: str, config: TransportConfig | None = None) -> KVClient:
     return _implementation(uri_kind(uri), 1)(config or TransportConfig())
 
 
-async def pull(
-    uri: str,
-    layout: KVLayout,
-    lease_id: str,
-    src_block_ids: Sequence[int],
-    dst_buffer: KVBuffer,
-    dst_block_ids: Sequence[int],
-    *,
-    config: TransportConfig | None = None,
-) -> TransferStats:
+async def pull(uri: str, layout: KVLayout, lease_id: str, src_block_ids: Sequence[int], dst_buffer: KVBuffer,
+               dst_block_ids: Sequence[int], *, config: TransportConfig | None = None) -> TransferStats:
     """``connect(uri).pull(...)`` with a client of its own, closed afterwards (one-off pulls: no reuse)."""
     client = connect(uri, config)
     try:

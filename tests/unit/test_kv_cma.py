@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from kv_transfer import cma, tcp
+from kv_transfer import cma, cma_memory, wire
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
@@ -161,7 +161,7 @@ def test_a_bogus_pid_raises_a_clear_error() -> None:
 
 
 def test_permission_errors_name_ptrace_scope() -> None:
-    message = str(cma._explain(errno.EPERM, 1234, "cma://h:1"))
+    message = str(cma_memory.explain(errno.EPERM, 1234, "cma://h:1"))
     assert "EPERM" in message and "/proc/sys/kernel/yama/ptrace_scope" in message
 
 
@@ -193,7 +193,7 @@ def test_partial_reads_are_resumed_and_large_reads_batched(monkeypatch) -> None:
     def short_readv(pid, local_ptr, liovcnt, remote_ptr, riovcnt, flags):
         local = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * liovcnt)).from_address(local_ptr)).reshape(-1, 2)
         remote = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * riovcnt)).from_address(remote_ptr)).reshape(-1, 2)
-        assert liovcnt == riovcnt <= cma.IOV_MAX and pid == os.getpid()
+        assert liovcnt == riovcnt <= cma_memory.IOV_MAX and pid == os.getpid()
         budget, done = 1000, 0
         for (dst, n), (src, m) in zip(local, remote):
             assert n == m
@@ -205,7 +205,7 @@ def test_partial_reads_are_resumed_and_large_reads_batched(monkeypatch) -> None:
         calls.append(done)
         return done
 
-    monkeypatch.setattr(cma, "_readv_fn", lambda: short_readv)
+    monkeypatch.setattr(cma_memory, "readv_fn", lambda: short_readv)
     monkeypatch.setattr(cma, "BATCH_BYTES", 4096)
     monkeypatch.setattr(cma, "INLINE_BYTES", 0)
 
@@ -223,7 +223,7 @@ def test_partial_reads_are_resumed_and_large_reads_batched(monkeypatch) -> None:
 def test_split_cuts_long_rows() -> None:
     local = np.array([[1000, 10], [5000, 3]], np.uint64)
     remote = np.array([[9000, 10], [7000, 3]], np.uint64)
-    new_local, new_remote = cma._split(local, remote, 4)
+    new_local, new_remote = cma_memory.split_rows(local, remote, 4)
     assert new_local.tolist() == [[1000, 4], [1004, 4], [1008, 2], [5000, 3]]
     assert new_remote.tolist() == [[9000, 4], [9004, 4], [9008, 2], [7000, 3]]
 
@@ -233,4 +233,4 @@ def test_cma_is_available_here_and_preferred_on_cpu() -> None:
 
     assert kind_available("cma") is None
     assert AUTO_PREFERENCE["cpu"][0] == "cma" and parse_kinds("auto")[0] == "cma"
-    assert tcp.HELLO not in (cma.C_HELLO, cma.C_READ) and tcp.READ not in (cma.C_HELLO, cma.C_READ)
+    assert wire.HELLO not in (cma.C_HELLO, cma.C_READ) and wire.READ not in (cma.C_HELLO, cma.C_READ)

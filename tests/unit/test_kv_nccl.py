@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer import nccl, nccl_channel, tcp
+from kv_transfer import nccl, nccl_channel, tcp, wire
 from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
-from kv_transfer.transport import TransportConfig, make_server, pull
+from kv_transfer.transport import TransportConfig, make_server, parse_uri, pull
 
 LAYOUT = KVLayout(model_fingerprint=b"nccl", dtype="float16", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 CONFIG = TransportConfig(connect_timeout_s=5.0, io_timeout_s=2.0)
@@ -90,8 +90,8 @@ def test_concurrent_pulls_of_one_client_use_separate_channels() -> None:
             jobs = [([4 * i + j for j in range(4)], [31 - 4 * i - j for j in range(4)]) for i in range(6)]
             await asyncio.gather(*(p.pull(client, s, dst, d) for s, d in jobs))
             assert next(p.server._channel_ids) == 6  # six channels were opened
-            assert sum(len(c) for c in client._idle.values()) == nccl.MAX_IDLE_CHANNELS  # the rest closed
-            await eventually(lambda: p.channels() == nccl.MAX_IDLE_CHANNELS)
+            assert sum(len(c) for c in client._idle.values()) == nccl_channel.MAX_IDLE_CHANNELS  # the rest closed
+            await eventually(lambda: p.channels() == nccl_channel.MAX_IDLE_CHANNELS)
             client.close()
             await eventually(lambda: p.channels() == 0)
 
@@ -181,12 +181,12 @@ def test_tcp_and_nccl_peers_refuse_each_other_and_keep_serving() -> None:
 def test_a_client_of_another_backend_is_refused_before_any_group_is_built() -> None:
     async def scenario() -> None:
         async with Prefill() as p:
-            host, port = nccl._parse(p.uri)
+            host, port = parse_uri(p.uri, "nccl")
             reader, writer = await asyncio.open_connection(host, port)
-            writer.write(tcp.encode_frame(nccl.N_HELLO, LAYOUT.to_json().encode(), nccl.BACKENDS.index("nccl")))
-            frame = tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER.size))
+            writer.write(wire.encode_frame(nccl.N_HELLO, LAYOUT.to_json().encode(), nccl.BACKENDS.index("nccl")))
+            frame = wire.HEADER.unpack(await reader.readexactly(wire.HEADER.size))
             payload = await reader.readexactly(frame[4])
-            assert (frame[2], frame[3]) == (tcp.ERROR, tcp.ERR_REFUSED) and b"gloo" in payload
+            assert (frame[2], frame[3]) == (wire.ERROR, wire.ERR_REFUSED) and b"gloo" in payload
             writer.close()
 
     run(scenario())

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kv_transfer import checksum, tcp
+from kv_transfer import checksum, wire
 from kv_transfer.errors import ChecksumMismatch, KVTransferError, LayoutMismatch, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
@@ -31,7 +31,7 @@ LAYOUT = KVLayout(
 CONFIG = TransportConfig(connect_timeout_s=2.0, io_timeout_s=2.0)
 SENTINEL = 0xAB
 def _ucx_kind():
-    from kv_transfer.ucx import INSTALL_HINT, ucxx_available
+    from kv_transfer.ucx_endpoint import INSTALL_HINT, ucxx_available
 
     return pytest.param("ucx", marks=pytest.mark.skipif(not ucxx_available(), reason=INSTALL_HINT))
 
@@ -238,12 +238,12 @@ async def fake_server(behaviour: str) -> tuple[asyncio.AbstractServer, str, list
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writers.append(writer)
         for _ in range(2):  # HELLO, READ
-            header = await reader.readexactly(tcp.HEADER.size)
-            payload = await reader.readexactly(tcp.HEADER.unpack(header)[4])
-        _, block_ids = tcp.decode_read(payload)
+            header = await reader.readexactly(wire.HEADER.size)
+            payload = await reader.readexactly(wire.HEADER.unpack(header)[4])
+        block_ids = wire.decode_read(payload).block_ids
         num_bytes = len(block_ids) * LAYOUT.bytes_per_block
-        writer.write(tcp.encode_frame(tcp.HELLO_OK, LAYOUT.to_json().encode()))
-        writer.write(tcp.encode_frame(tcp.DATA, struct.pack("<Q", num_bytes)) + b"\x01" * (num_bytes // 2))
+        writer.write(wire.encode_frame(wire.HELLO_OK, LAYOUT.to_json().encode()))
+        writer.write(wire.encode_frame(wire.DATA, struct.pack("<Q", num_bytes)) + b"\x01" * (num_bytes // 2))
         await writer.drain()
         if behaviour == "close":
             writer.close()
@@ -284,15 +284,15 @@ def raw_exchange(uri: str, data: bytes) -> bytes:
 
 
 def test_tcp_server_keeps_serving_after_bad_clients() -> None:
-    huge = struct.pack("<4sBBHI", b"BTKV", 1, tcp.HELLO, 0, 1 << 31)
-    bad_read = tcp.encode_frame(tcp.HELLO, LAYOUT.to_json().encode()) + tcp.encode_frame(tcp.READ, b"\x05\x00ab")
+    huge = struct.pack("<4sBBHI", b"BTKV", 1, wire.HELLO, 0, 1 << 31)
+    bad_read = wire.encode_frame(wire.HELLO, LAYOUT.to_json().encode()) + wire.encode_frame(wire.READ, b"\x05\x00ab")
 
     async def scenario() -> None:
         async with Prefill("tcp") as p:
             idle = socket.create_connection(("127.0.0.1", int(p.uri.rsplit(":", 1)[1])))  # says nothing
-            for garbage in (b"GET / HTTP/1.1\r\n\r\n", huge, tcp.encode_frame(tcp.READ, b""), bad_read):
+            for garbage in (b"GET / HTTP/1.1\r\n\r\n", huge, wire.encode_frame(wire.READ, b""), bad_read):
                 reply = await asyncio.to_thread(raw_exchange, p.uri, garbage)
-                assert tcp.encode_frame(tcp.ERROR)[:6] in reply  # an ERROR frame, then a clean close
+                assert wire.encode_frame(wire.ERROR)[:6] in reply  # an ERROR frame, then a clean close
             dst = destination()
             await p.pull(p.lease([4, 5]), [4, 5], dst, [0, 1])
             assert_copied(p, [4, 5], dst, [0, 1])
@@ -464,12 +464,12 @@ def test_tcp_checksums_asked_of_a_server_that_sends_none_raise() -> None:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for _ in range(2):  # HELLO, READ
-            header = await reader.readexactly(tcp.HEADER.size)
-            payload = await reader.readexactly(tcp.HEADER.unpack(header)[4])
-        num_bytes = len(tcp.decode_read(payload)[1]) * LAYOUT.bytes_per_block
-        writer.write(tcp.encode_frame(tcp.HELLO_OK, LAYOUT.to_json().encode()))
-        writer.write(tcp.encode_frame(tcp.DATA, struct.pack("<Q", num_bytes)) + b"\x01" * num_bytes)
-        writer.write(tcp.encode_frame(tcp.DONE))
+            header = await reader.readexactly(wire.HEADER.size)
+            payload = await reader.readexactly(wire.HEADER.unpack(header)[4])
+        num_bytes = len(wire.decode_read(payload).block_ids) * LAYOUT.bytes_per_block
+        writer.write(wire.encode_frame(wire.HELLO_OK, LAYOUT.to_json().encode()))
+        writer.write(wire.encode_frame(wire.DATA, struct.pack("<Q", num_bytes)) + b"\x01" * num_bytes)
+        writer.write(wire.encode_frame(wire.DONE))
         await writer.drain()
         writer.close()
 
@@ -542,8 +542,8 @@ def test_a_peer_without_the_data_plane_secret_reads_nothing(kind: str) -> None:
 
 
 def test_a_captured_authenticated_read_cannot_be_replayed() -> None:
-    from kv_transfer.tcp import sign_read
-    from kv_transfer.tcp_wire import DATA, ERR_AUTH, ERROR, HELLO, READ, encode_frame, encode_read
+    from kv_transfer.protocol import sign_read
+    from kv_transfer.wire import DATA, ERR_AUTH, ERROR, HELLO, READ, ReadRequest, encode_frame, encode_read
 
     with_secret = dataclasses.replace(CONFIG, secret=SECRET)
 
@@ -551,7 +551,7 @@ def test_a_captured_authenticated_read_cannot_be_replayed() -> None:
         async with Prefill("tcp", config=with_secret) as p:
             lease = p.lease([1, 2])
             hello = LAYOUT.to_json().encode()
-            read, flags = sign_read(with_secret, READ, hello, encode_read(lease, [1, 2]))
+            read, flags = sign_read(with_secret, READ, hello, encode_read(ReadRequest(lease, [1, 2])))
             captured = encode_frame(HELLO, hello) + encode_frame(READ, read, flags)
             port = int(p.uri.rsplit(":", 1)[1])
             replies = []
@@ -559,8 +559,8 @@ def test_a_captured_authenticated_read_cannot_be_replayed() -> None:
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(captured)
                 await writer.drain()
-                await reader.readexactly(tcp.HEADER.size + len(hello))  # HELLO_OK
-                replies.append(tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER.size)))
+                await reader.readexactly(wire.HEADER.size + len(hello))  # HELLO_OK
+                replies.append(wire.HEADER.unpack(await reader.readexactly(wire.HEADER.size)))
                 writer.close()
             assert replies[0][2] == DATA
             assert (replies[1][2], replies[1][3]) == (ERROR, ERR_AUTH)
@@ -590,7 +590,7 @@ def test_read_auth_rules() -> None:
 
 
 def test_choose_uri_skips_a_same_host_transport_of_another_host():
-    from kv_transfer.cma import boot_id
+    from kv_transfer.cma_memory import boot_id
     from kv_transfer.transport import choose_uri
 
     here, elsewhere = boot_id().hex(), "0" * 32
@@ -782,14 +782,14 @@ async def keepalive_fake_server(second: str) -> tuple[asyncio.AbstractServer, st
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, whole: bool) -> None:
         for _ in range(2):  # HELLO, READ
-            header = await reader.readexactly(tcp.HEADER.size)
-            payload = await reader.readexactly(tcp.HEADER.unpack(header)[4])
+            header = await reader.readexactly(wire.HEADER.size)
+            payload = await reader.readexactly(wire.HEADER.unpack(header)[4])
         if whole or second == "partial":
-            writer.write(tcp.encode_frame(tcp.HELLO_OK, LAYOUT.to_json().encode()))
+            writer.write(wire.encode_frame(wire.HELLO_OK, LAYOUT.to_json().encode()))
         if whole:
-            num_bytes = len(tcp.decode_read(payload)[1]) * LAYOUT.bytes_per_block
-            writer.write(tcp.encode_frame(tcp.DATA, struct.pack("<Q", num_bytes)) + b"\x01" * num_bytes)
-            writer.write(tcp.encode_frame(tcp.DONE))
+            num_bytes = len(wire.decode_read(payload).block_ids) * LAYOUT.bytes_per_block
+            writer.write(wire.encode_frame(wire.DATA, struct.pack("<Q", num_bytes)) + b"\x01" * num_bytes)
+            writer.write(wire.encode_frame(wire.DONE))
         await writer.drain()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -829,19 +829,21 @@ def test_a_pooled_connection_is_retried_once_only_when_nothing_was_answered(seco
 
 def test_each_read_on_a_kept_alive_connection_is_authenticated() -> None:
     """The same signed request twice on one connection: served, then refused as a replay (and closed)."""
-    from kv_transfer.tcp import sign_read
-    from kv_transfer.tcp_wire import DATA, DONE, ERR_AUTH, ERROR, HELLO, HELLO_OK, READ, encode_frame, encode_read
+    from kv_transfer.protocol import sign_read
+    from kv_transfer.wire import (
+        DATA, DONE, ERR_AUTH, ERROR, HELLO, HELLO_OK, READ, ReadRequest, encode_frame, encode_read,
+    )
 
     with_secret = dataclasses.replace(CONFIG, secret=SECRET)
 
     async def frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
-        _, _, kind, code, length = tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER.size))
+        _, _, kind, code, length = wire.HEADER.unpack(await reader.readexactly(wire.HEADER.size))
         return kind, code, await reader.readexactly(length)
 
     async def scenario() -> None:
         async with Prefill("tcp", config=with_secret) as p:
             hello = LAYOUT.to_json().encode()
-            read, flags = sign_read(with_secret, READ, hello, encode_read(p.lease([1, 2]), [1, 2]))
+            read, flags = sign_read(with_secret, READ, hello, encode_read(ReadRequest(p.lease([1, 2]), [1, 2])))
             reader, writer = await asyncio.open_connection("127.0.0.1", int(p.uri.rsplit(":", 1)[1]))
             writer.write(encode_frame(HELLO, hello) + encode_frame(READ, read, flags))
             assert (await frame(reader))[0] == HELLO_OK

@@ -17,13 +17,13 @@ import time
 import numpy as np
 import pytest
 
-from kv_transfer import ucx
+from kv_transfer import ucx, ucx_endpoint, ucx_plan, wire
 from kv_transfer.errors import ChecksumMismatch, KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
-from kv_transfer.transport import TransportConfig, make_server, pull
+from kv_transfer.transport import TransportConfig, make_server, parse_uri, pull
 
-pytestmark = pytest.mark.skipif(not ucx.ucxx_available(), reason=ucx.INSTALL_HINT)
+pytestmark = pytest.mark.skipif(not ucx_endpoint.ucxx_available(), reason=ucx_endpoint.INSTALL_HINT)
 
 LAYOUT = KVLayout(model_fingerprint=b"ucx", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 # The "small" preset: 128 KiB per block; 2048 blocks = 256 MiB, long enough to stop a pull midway.
@@ -190,7 +190,7 @@ def test_a_stopped_server_stops_listening_and_later_pulls_fail_cleanly() -> None
             await pull(uri, LAYOUT, table.create([1], 30.0, now=0.0).lease_id, [1], destination(), [1], config=CONFIG)
         await server.stop()
         with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(ucx._parse(uri), timeout=1.0).close()
+            socket.create_connection(parse_uri(uri, "ucx"), timeout=1.0).close()
         for _ in range(3):
             with pytest.raises(KVTransferError):
                 await pull(uri, LAYOUT, "lease", [1], destination(), [1], config=CONFIG)
@@ -261,7 +261,7 @@ def test_every_plan_lands_exact_bytes_at_full_block_size() -> None:
         uri = await server.start()
         try:
             for src_ids, dst_ids, plan in cases:
-                assert ucx.plan_pull(BIG, src_ids, dst_ids) == plan
+                assert ucx_plan.plan_pull(BIG, src_ids, dst_ids) == plan
                 dst = destination(BIG, 64)
                 lease = table.create(src_ids, 30.0, now=0.0).lease_id
                 await pull(uri, BIG, lease, src_ids, dst, dst_ids, config=CONFIG)
@@ -277,25 +277,26 @@ def test_plan_pull_prefers_few_large_messages() -> None:
     rng = np.random.default_rng(0)
     scattered = [int(b) for b in rng.permutation(1024)[:256]]
     fragmented = sorted(scattered)
-    assert ucx.plan_pull(layout, list(range(256)), list(range(256))) == ([256], False)  # zero copies
-    assert ucx.plan_pull(layout, list(range(256)), scattered) == ([256], True)  # the client stages
-    assert ucx.plan_pull(layout, fragmented, list(range(256))) == ([256], False)  # the server gathers
-    assert ucx.plan_pull(layout, fragmented, scattered) == ([256], True)  # both copy once
-    runs, staged = ucx.plan_pull(layout, list(range(256)), scattered, staging=False)
+    assert ucx_plan.plan_pull(layout, list(range(256)), list(range(256))) == ([256], False)  # zero copies
+    assert ucx_plan.plan_pull(layout, list(range(256)), scattered) == ([256], True)  # the client stages
+    assert ucx_plan.plan_pull(layout, fragmented, list(range(256))) == ([256], False)  # the server gathers
+    assert ucx_plan.plan_pull(layout, fragmented, scattered) == ([256], True)  # both copy once
+    runs, staged = ucx_plan.plan_pull(layout, list(range(256)), scattered, staging=False)
     assert not staged and sum(runs) == 256 and len(runs) > 200  # forced: one message per block per layer
-    runs, _ = ucx.plan_pull(layout, list(range(2048)), list(range(2048)))  # long runs are split
-    assert max(runs) * layout.bytes_per_block_per_layer <= ucx.MAX_MESSAGE_BYTES and sum(runs) == 2048
+    runs, _ = ucx_plan.plan_pull(layout, list(range(2048)), list(range(2048)))  # long runs are split
+    assert max(runs) * layout.bytes_per_block_per_layer <= ucx_plan.MAX_MESSAGE_BYTES and sum(runs) == 2048
 
 
 def test_request_round_trips_and_runs_must_partition_it() -> None:
     with pytest.raises(KVTransferError, match="partition"):
-        ucx.check_runs([4, 5, 6], [2])
-    ucx.check_runs([4, 5, 9], [2, 1])
-    assert ucx.runs_consecutive([4, 5, 9], [2, 1]) and not ucx.runs_consecutive([4, 5, 9], [1, 2])
-    payload = ucx.encode_request(LAYOUT, "lease", [4, 5, 9], [2, 1], ucx.FLAG_CHECKSUM)
-    assert ucx.decode_request(payload) == (ucx.FLAG_CHECKSUM, LAYOUT.to_json().encode(), "lease", [4, 5, 9], [2, 1])
+        ucx_plan.check_runs([4, 5, 6], [2])
+    ucx_plan.check_runs([4, 5, 9], [2, 1])
+    assert ucx_plan.runs_consecutive([4, 5, 9], [2, 1]) and not ucx_plan.runs_consecutive([4, 5, 9], [1, 2])
+    read = wire.ReadRequest("lease", (4, 5, 9), runs=(2, 1))
+    payload = ucx_plan.encode_request(LAYOUT, wire.encode_read(read), wire.READ_CHECKSUM)
+    assert ucx_plan.decode_request(payload) == (wire.READ_CHECKSUM, LAYOUT.to_json().encode(), read)
     with pytest.raises(KVTransferError, match="malformed"):
-        ucx.decode_request(payload[:-1])
+        ucx_plan.decode_request(payload[:-1])
 
 
 @pytest.mark.parametrize("staging", [False, True])
@@ -333,24 +334,25 @@ def test_server_keeps_serving_after_silent_and_garbage_clients() -> None:
     config = TransportConfig(connect_timeout_s=1.0, io_timeout_s=0.5)
 
     async def scenario() -> None:
-        ucxx = ucx._import_ucxx()
+        ucxx = ucx_endpoint.import_ucxx()
         server = make_server("ucx", buffer=src, resolve=table.resolver(lambda: 0.0), config=config)
         uri = await server.start()
-        host, port = ucx._parse(uri)
+        host, port = parse_uri(uri, "ucx")
+        error_handling = ucx_endpoint.ENDPOINT_ERROR_HANDLING
         try:
-            silent = await ucxx.create_endpoint(host, port, endpoint_error_handling=ucx.ENDPOINT_ERROR_HANDLING)
+            silent = await ucxx.create_endpoint(host, port, endpoint_error_handling=error_handling)
             garbage = []
             for message in (b"GET / HTTP/1.1\r\n", b"GET / HTTP/1"):  # too long for a header; bad magic
-                ep = await ucxx.create_endpoint(host, port, endpoint_error_handling=ucx.ENDPOINT_ERROR_HANDLING)
-                await ep.send(message, tag=ucx.TAG_REQUEST)
+                ep = await ucxx.create_endpoint(host, port, endpoint_error_handling=error_handling)
+                await ep.send(message, tag=ucx_endpoint.TAG_REQUEST)
                 reply = bytearray(12)
-                await asyncio.wait_for(ep.recv(reply, tag=ucx.TAG_REPLY), 2.0)
-                assert reply[:6] == ucx.encode_frame(ucx.ERROR)[:6]  # an ERROR frame
+                await asyncio.wait_for(ep.recv(reply, tag=ucx_endpoint.TAG_REPLY), 2.0)
+                assert reply[:6] == wire.encode_frame(wire.ERROR)[:6]  # an ERROR frame
                 garbage.append(ep)
             dst = destination()
             await pull(uri, LAYOUT, table.create([4, 5], 30.0, now=0.0).lease_id, [4, 5], dst, [0, 1], config=config)
             assert_copied(src, [4, 5], dst, [0, 1])
-            ucx.close_idle_endpoints()  # in case clients keep endpoints (ucx.REUSE_ENDPOINTS)
+            ucx_endpoint.close_idle_endpoints()  # in case clients keep endpoints (ucx.REUSE_ENDPOINTS)
             await asyncio.sleep(2 * config.io_timeout_s + 0.5)  # the silent client: timed out, told, lingered, dropped
             assert len(server._connections) == 0
             for ep in (silent, *garbage):
@@ -395,16 +397,15 @@ def test_reused_endpoints_serve_many_pulls_and_survive_refusals_and_restarts() -
             with pytest.raises(KVTransferError):
                 await one([1], [1])
         finally:
-            ucx.close_idle_endpoints()
+            ucx_endpoint.close_idle_endpoints()
             await server.stop()
 
     run(scenario())
 
 
 def test_without_ucxx_the_transport_says_how_to_install_it(monkeypatch) -> None:
-    monkeypatch.setattr(ucx, "_ucxx", None)
     monkeypatch.setitem(sys.modules, "ucxx", None)  # "import ucxx" raises ImportError
-    assert not ucx.ucxx_available()
+    assert not ucx_endpoint.ucxx_available()
     server = make_server("ucx", buffer=source(), resolve=lambda _: [])
     with pytest.raises(KVTransferError, match="pip install ucxx-cu12==0.52.0"):
         run(server.start())
