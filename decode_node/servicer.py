@@ -2,6 +2,11 @@
 locally), then streams tokens from the continuous batch. With a ``prefix_handle`` (cross-worker prefix
 reuse) it pulls only the leased cached prefix from the worker holding it and prefills the rest itself.
 
+The handoff is direct: the moment a pull ends (done or failed), or D knows it will not pull, D releases the
+handle's lease on its holder (``Worker/ReleaseLease`` to ``KVHandle.grpc_address``), so P unpins the blocks
+then rather than after D's first decode step; the first response says so (``Timings.lease_released``) and
+the router, which only learns of it, releases the lease itself only when D could not.
+
 The first response carries this worker's ``Timings``: the pull (``transfer_*``), and for a local prefill
 ``queue_ms``, the engine's wait before the first scheduled step. With tracing on (``proto.tracing``) the
 call leaves the spans ``decode`` > ``kv.transfer``, ``prefill.queue`` (local only), ``decode.first_token``.
@@ -29,6 +34,8 @@ from worker.servicer import WorkerServicer, abort_with, status_of
 
 logger = logging.getLogger(__name__)
 MAX_FIRST_TOKEN_WAIT_S = 600.0  # a layer-wise Decode without a deadline waits at most this for P's first token
+RELEASE_WAIT_S = 0.25  # the first response waits at most this for the holder to confirm the release (it runs
+# concurrently with the first step, so it is done by then unless the holder is slow; then the router releases too)
 
 
 class DecodeServicer(WorkerServicer):
@@ -66,7 +73,9 @@ class DecodeServicer(WorkerServicer):
         start = lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs, **kwargs)  # noqa: E731
         if request.HasField("prefix_handle"):
             _check_prefix_request(request)
-            start = await self._import_prefix(request, prompt, outputs, params, kwargs, timings, marks) or start
+            imported = await self._import_prefix(request, prompt, outputs, params, kwargs, timings, marks)
+            self._done_with(request.prefix_handle, marks)
+            start = imported or start
         elif request.HasField("handle"):
             start = await self._import_kv(request, prompt, outputs, params, kwargs, timings, marks, context) or start
         elif request.first_token_pending:
@@ -76,6 +85,7 @@ class DecodeServicer(WorkerServicer):
         async for delta in node.async_engine.stream(rid, start):
             if first:
                 marks.first_token_s = time.perf_counter()
+                timings.lease_released = await _released(marks.release)
                 if delta.queue_s is not None:
                     timings.queue_ms = delta.queue_s * 1e3
                 if not request.HasField("handle"):  # D computed the prompt: queue + compute, as P reports it
@@ -89,7 +99,8 @@ class DecodeServicer(WorkerServicer):
         reserved = await node.async_engine.call(
             lambda e: e.add_remote_request(rid, prompt, outputs, params, **kwargs))
         if reserved is None:
-            timings.route_reason = "no free blocks for the pulled KV; prefilled locally"
+            timings.route_reason, timings.local_fallback = "no free blocks for the pulled KV; prefilled locally", True
+            self._done_with(handle, marks)
             if not request.first_token_pending:
                 return None
             first = await self._first_token(request, context)  # P's first token is the client's already: keep it
@@ -105,16 +116,18 @@ class DecodeServicer(WorkerServicer):
             except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
                 logger.warning("request_id=%s worker_id=%s KV pull failed (%s); recomputing locally", rid,
                                node.worker_id, exc)
-                timings.route_reason = f"KV pull failed ({exc}); prefilled locally"
+                timings.route_reason, timings.local_fallback = f"KV pull failed ({exc}); prefilled locally", True
+                self._done_with(handle, marks)
                 first = await self._first_token(request, context) if request.first_token_pending else None
                 return lambda e: e.fallback_remote(rid, None if first == RECOMPUTE else first)
+            self._done_with(handle, marks)
             first = await self._first_token(request, context) if request.first_token_pending else None
         except BaseException:
             node.async_engine.abort(rid)  # cancelled mid-pull or while waiting: free the reservation
             raise
         timings.kv_layerwise = request.first_token_pending
         if first == RECOMPUTE:  # P failed after the pull: its first token never came
-            timings.route_reason = "prefill worker failed; prefilled locally"
+            timings.route_reason, timings.local_fallback = "prefill worker failed; prefilled locally", True
             return lambda e: e.fallback_remote(rid)
         _record_transfer(node, timings, stats, kind)
         return lambda e: e.activate_remote(rid, first)
@@ -125,13 +138,14 @@ class DecodeServicer(WorkerServicer):
         node, rid, handle = self.node, request.request_id, request.prefix_handle
         problem = _prefix_problem(handle, len(prompt) + len(outputs), node.layout.block_size)
         if problem is not None:
-            timings.route_reason = f"prefix handle unusable ({problem}); prefilled locally"
+            timings.route_reason, timings.local_fallback = f"prefix handle unusable ({problem}); prefilled locally", True
             return None
         try:
             reservation = await node.async_engine.call(
                 lambda e: e.add_prefix_request(rid, prompt, outputs, params, **kwargs))
             if reservation is None:
                 timings.route_reason = "no free blocks for the imported prefix; prefilled locally"
+                timings.local_fallback = True
                 return None
             return await self._pull_prefix(rid, handle, reservation, timings, marks)
         except BaseException:
@@ -143,6 +157,7 @@ class DecodeServicer(WorkerServicer):
         if reservation.block_hashes[:n] != tuple(handle.block_hashes):
             timings.route_reason = (f"prefix from {handle.worker_id} is not this prompt's (block hashes differ); "
                                     "prefilled locally")
+            timings.local_fallback = True
             return lambda e: e.fallback_remote(rid)
         local = min(reservation.num_local_blocks, n)
         src, dst = list(handle.block_ids[local:n]), list(reservation.block_ids[local:n])
@@ -154,11 +169,17 @@ class DecodeServicer(WorkerServicer):
                 logger.warning("request_id=%s worker_id=%s prefix pull from %s failed (%s); recomputing locally",
                                rid, node.worker_id, handle.worker_id, exc)
                 timings.route_reason = f"prefix pull from {handle.worker_id} failed ({exc}); prefilled locally"
+                timings.local_fallback = True
                 return lambda e: e.fallback_remote(rid)
             _record_transfer(node, timings, stats, kind)
         block_size = node.layout.block_size
         timings.route_reason = _prefix_reason(len(src) * block_size, local * block_size, handle.worker_id)
         return lambda e: e.activate_prefix(rid, n * block_size)
+
+    def _done_with(self, handle: pb.KVHandle, marks: _Marks) -> None:
+        """This call will read no more of ``handle``'s blocks: its holder may unpin them now."""
+        if marks.release is None and handle.grpc_address:
+            marks.release = self.node.release_remote_lease(handle.grpc_address, handle.lease_id)
 
     async def _pull(self, handle: pb.KVHandle, src: list[int], dst: list[int]) -> tuple[TransferStats, str]:
         """Pull ``handle``'s leased blocks ``src`` into this worker's blocks ``dst`` over the pair's transport
@@ -211,6 +232,14 @@ def _record_transfer(node, timings: pb.Timings, stats: TransferStats, kind: str)
     node.metrics.kv_transfer(stats.num_bytes, stats.seconds, kind)
 
 
+async def _released(release: asyncio.Task | None) -> bool:
+    """Did the holder confirm the release (waiting at most ``RELEASE_WAIT_S``)?"""
+    if release is None:
+        return False
+    await asyncio.wait({release}, timeout=RELEASE_WAIT_S)
+    return release.done() and not release.cancelled() and release.exception() is None and release.result()
+
+
 def _response(delta: RequestDelta, timings: pb.Timings | None) -> pb.DecodeResponse:
     response = pb.DecodeResponse(token_ids=delta.new_token_ids, finish_reason=FINISH_TO_PB[delta.finish_reason],
                                  logprobs=logprobs_to_pb(delta.new_logprobs),
@@ -230,6 +259,7 @@ class _Marks:
     first_token_s: float | None = None
     timings: pb.Timings | None = None
     error: str | None = None
+    release: asyncio.Task | None = None  # the ReleaseLease sent to the handle's holder (``_done_with``)
 
 
 def decode_spans(tracer: Any, parent: Any, marks: _Marks, **ids: str) -> None:

@@ -90,7 +90,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_bytes", "transfer_ms", "transfer_gbps", "transfer_blocks", "prefill_worker", "decode_worker", "route_kind", "route_reason", "decode_tokens_per_s", "e2e_ms", "predicted_ttft_ms", "transport", "kv_layerwise")
+    __slots__ = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_bytes", "transfer_ms", "transfer_gbps", "transfer_blocks", "prefill_worker", "decode_worker", "route_kind", "route_reason", "decode_tokens_per_s", "e2e_ms", "predicted_ttft_ms", "transport", "kv_layerwise", "lease_released", "local_fallback")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class Timings(_message.Message):
     PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     queue_ms: float
     prefill_ms: float
@@ -123,7 +125,9 @@ class Timings(_message.Message):
     predicted_ttft_ms: float
     transport: str
     kv_layerwise: bool
-    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transfer_gbps: _Optional[float] = ..., transfer_blocks: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., route_kind: _Optional[str] = ..., route_reason: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., transport: _Optional[str] = ..., kv_layerwise: _Optional[bool] = ...) -> None: ...
+    lease_released: bool
+    local_fallback: bool
+    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transfer_gbps: _Optional[float] = ..., transfer_blocks: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., route_kind: _Optional[str] = ..., route_reason: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., transport: _Optional[str] = ..., kv_layerwise: _Optional[bool] = ..., lease_released: _Optional[bool] = ..., local_fallback: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -158,7 +162,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "data_plane_uri", "lease_id", "block_ids", "block_hashes", "num_tokens", "layout", "lease_expires_unix_ms")
+    __slots__ = ("worker_id", "data_plane_uri", "lease_id", "block_ids", "block_hashes", "num_tokens", "layout", "lease_expires_unix_ms", "grpc_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_URI_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +171,7 @@ class KVHandle(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     data_plane_uri: str
     lease_id: str
@@ -175,7 +180,8 @@ class KVHandle(_message.Message):
     num_tokens: int
     layout: KVLayout
     lease_expires_unix_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., data_plane_uri: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    grpc_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., data_plane_uri: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., grpc_address: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "token_ids", "chat", "sampling", "cache_salt", "priority", "model")

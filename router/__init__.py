@@ -8,7 +8,8 @@ sampling_params, model_source, gguf_file); modules are imported explicitly (noth
         server        gRPC Generation servicer, error interceptor, start/stop of every front
         config        RouterConfig, ModelCard (config.json or GGUF metadata facts)
         frontend      validation + tokenization -> Job          admission  in-flight limit (429 / RESOURCE_EXHAUSTED)
-        relay         one request's Prefill -> Decode flow       control    Abort / ReleaseLease in the background
+        relay         one request's flow: stages, failures       control    Abort / ReleaseLease in the background
+        handoff       the KV lease D is handed (one lifecycle)
         convert       proto <-> engine SamplingParams            errors     typed errors -> gRPC status
         trace         per-request timings                        tracing    OpenTelemetry spans of a request
         metrics       Prometheus series                          generate_cli  `baton generate`

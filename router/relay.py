@@ -1,16 +1,27 @@
 """One request's trip through the workers: route, Prefill on P, Decode on D, stream back to the client.
 
     remote:  Prefill(P) -> first token to the client at once (TTFT) -> Decode(D, handle, prompt + [first])
-    local:   Decode(D, no handle): D prefills itself
+    local:   Decode(D, no handle): D prefills itself (with a prefix holder's lease when one is worth importing)
 
-Failures (DESIGN.md "Request path" 6): a failed Prefill falls back to local prefill on D; a decode worker
-that fails before producing a token is replaced once by another; after that the client gets UNAVAILABLE.
-The first answer of a decode worker that was handed the KV handle acks the pull: P's lease is released.
-Whatever ends the request (done, stop string, error, client gone, deadline), the ``finally`` of
-``_Flow.run`` cancels worker streams and sends Abort to P and D, and ReleaseLease to P when a handle was
-returned but no decode worker answered (so none consumed it) — after D confirmed its abort when D was
-handed the lease, so P never frees blocks D may still be reading. Those calls run as background tasks
-(``router.control``), so they still go out while the request's own task is being cancelled.
+``_Flow`` runs one request through named stages, in ``_stages`` (one screen), and this is what each failure
+does in each stage (DESIGN.md "Request path" 6):
+
+    ROUTING     no decode worker, all saturated        -> UNAVAILABLE / RESOURCE_EXHAUSTED to the client
+    PREFILLING  P fails (UNAVAILABLE, RESOURCE_EXH...)  -> Abort to P; PREFILL_RETRY: the cost model re-run
+                                                          without P picks another P, once; if it fails too,
+                                                          or the model picks local: DECODING with local prefill
+                P refuses the request (INVALID_ARGUMENT) or the deadline passes -> that status to the client
+    DECODING    D fails before any token                -> Abort to D; once on another D (the lease handed on
+                                                          if still usable, else D prefills itself)
+                D fails after tokens were streamed      -> UNAVAILABLE to the client
+                D prefilled locally (pull failed, ...)  -> counted as a fallback (``Timings.local_fallback``)
+    any stage   done, stop string, error, client gone, deadline -> ``_cleanup``: cancel worker streams, Abort
+                                                          to P and D, end the KV lease (``router.handoff``)
+
+The KV lease (P's handle, or a prefix holder's) is one ``KVLease``: D releases it on its holder the moment its
+pull ends and tells the router in its first answer; the router releases it only when no decode worker did,
+after D confirmed its abort when D was handed it. Control calls run as background tasks (``router.control``),
+so they still go out while the request's own task is being cancelled.
 
 With an OpenTelemetry tracer (``proto.tracing``), each request also leaves spans (``router.tracing``) cut at
 its ``RequestTrace`` instants; the Prefill and Decode calls carry the trace context to the workers.
@@ -19,6 +30,7 @@ its ``RequestTrace`` instants; the Prefill and Decode calls carry the trace cont
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -40,6 +52,7 @@ from router.routing.cost_model import used_kv_blocks
 from router.routing.directory import Snapshot, WorkerDirectory, build_candidates, served_scheme
 from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, error_from_status
 from router.frontend import Job
+from router.handoff import KVLease
 from router.metrics import RouterMetrics
 from engine.text_stream import TextStream
 from router.routing.in_progress import InflightPrefills, PendingPrefixes
@@ -97,6 +110,14 @@ class Relay:
         return _Flow(self, job, deadline_s, trace_parent).run()
 
 
+class Stage(enum.Enum):
+    ROUTING = "routing"
+    PREFILLING = "prefilling"  # P computes the prompt (Prefill, or PrefillStream layer-wise)
+    PREFILL_RETRY = "prefill_retry"  # the first P failed: once more on another
+    DECODING = "decoding"  # D imports the KV (or computes the prompt) and streams tokens
+    DONE = "done"  # the final message was built
+
+
 class _DecodeFailed(Exception):
     def __init__(self, worker: WorkerInfo, code: grpc.StatusCode, details: str, num_tokens: int) -> None:
         super().__init__(f"decode worker {worker.worker_id}: {code.name}: {details}")
@@ -127,21 +148,16 @@ class _Flow:
         self._snapshot: Snapshot | None = None
         self._candidates: list[Candidate] = []
         self._route_request: RouteRequest | None = None
+        self.stage = Stage.ROUTING
         self._prefill_worker: WorkerInfo | None = None
         self._prefill_pending = False
         self._prefilled_remotely = False  # P produced the first token
-        self._handle: pb.KVHandle | None = None
-        # the lease a decode worker is handed: P's handle, or a prefix holder's (``_lease_holder``)
-        self._lease_consumed = False  # a decode worker answered a request carrying the handle (and was acked)
-        self._lease_settled = False  # its release is already queued
+        self._lease: KVLease | None = None  # the KV a decode worker is handed: P's, or a prefix holder's
         self._decode_worker: WorkerInfo | None = None
         self._decode_call: Any = None
         self._decode_active = False
-        self._decode_has_handle = False
+        self._decode_has_lease = False  # the running Decode call carries the lease
         self._early_decode: Any = None  # layer-wise: D's Decode call, started on P's handle, not yet read
-        # prefix reuse (router.routing.prefix_reuse): another worker's lease on its cached prefix, for D to pull
-        self._prefix: tuple[WorkerInfo, pb.KVHandle] | None = None
-        self._done = False  # the final message was built
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
         self._decision: RouteDecision | None = None
         self._local_prefill: str | None = None  # D, while counted in relay.inflight_prefills
@@ -156,32 +172,41 @@ class _Flow:
         try:
             async for response in self._stages():
                 yield response
-                if not self._done:
+                if self.stage is not Stage.DONE:
                     self._remaining_s()  # a slow client may keep a write pending past the deadline
         except BaseException as exc:
             self._spans.close(error=f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            self._relay.admission.leave(self._trace.elapsed_ms() * 1e-3 if self._done else None)
+            self._relay.admission.leave(self._trace.elapsed_ms() * 1e-3 if self.stage is Stage.DONE else None)
             self._relay.metrics.running.dec()
             self._cleanup()
             self._spans.close()
 
     async def _stages(self) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's stages in order; each failure's handling is in the module docstring's table."""
         decision = await self._route()
+        prefilled = None
         if decision.kind is RouteKind.REMOTE:
+            self.stage = Stage.PREFILLING
             prefilled = await self._prefill(decision)
-            if prefilled is not None:
-                yield self._on_prefilled(prefilled)
-                if self._finish:
-                    yield self._final()
-                    return
-        else:
+            if prefilled is None and (retry := self._reroute_prefill(decision)) is not None:
+                self.stage, decision = Stage.PREFILL_RETRY, retry
+                prefilled = await self._prefill(decision)
+        if prefilled is not None:
+            yield self._on_prefilled(prefilled)
+            if self._finish:
+                self.stage = Stage.DONE
+                yield self._final()
+                return
+        elif decision.kind is RouteKind.LOCAL:
             self._count_local_prefill(decision)
             if decision.prefix_source_id is not None:
                 await self._lease_prefix(decision)
+        self.stage = Stage.DECODING
         async for response in self._decode(decision.decode_id):
             yield response
+        self.stage = Stage.DONE
         yield self._final()
 
     # ---- routing -----------------------------------------------------------------------------
@@ -211,6 +236,31 @@ class _Flow:
         self._relay.metrics.decision(decision.kind.value, decision.reason)
         log.debug("request_id=%s routed %s: decode=%s prefill=%s (%s)", self._job.worker_request_id,
                   decision.kind.value, decision.decode_id, decision.prefill_id, decision.reason)
+        return decision
+
+    def _reroute_prefill(self, failed: RouteDecision) -> RouteDecision | None:
+        """After P failed: the cost model re-run without it. A remote decision names another P (tried once);
+        None when it chooses local prefill, or nothing else fits: D prefills itself; also when D already has the
+        prompt (layer-wise: its Decode started on the failed P's handle and was told to recompute)."""
+        if self._early_decode is not None:
+            return None
+        try:
+            decision = route(self._route_request, self._candidates, self._relay.policy,
+                             exclude=(failed.prefill_id or "",), state=self._relay.routing)
+        except (WorkerUnavailable, CapacityExceeded):
+            return None
+        if decision.kind is not RouteKind.REMOTE:
+            return None
+        if decision.decode_id != failed.decode_id:  # the in-flight book follows the decode worker chosen
+            _uncount(self._relay.inflight, failed.decode_id, 1)
+            self._relay.inflight[decision.decode_id] += 1
+            self._counted_decode_id = decision.decode_id
+        reason = f"retry: prefill on {failed.prefill_id} failed; {decision.reason}"
+        self._trace.route(decision.kind.value, reason, decision.predicted_ttft_s)
+        self._relay.metrics.decision(decision.kind.value, reason)
+        self._decision = decision
+        log.warning("request_id=%s prefill on worker_id=%s failed; retrying on worker_id=%s",
+                    self._job.worker_request_id, failed.prefill_id, decision.prefill_id)
         return decision
 
     def _computed_tokens(self, decision: RouteDecision) -> int:
@@ -268,8 +318,7 @@ class _Flow:
         if self._early_decode is not None and not response.finish_reason:
             self._relay.control.first_token(decode, job.worker_request_id, response.first_token)
         elif response.HasField("handle") and response.handle.lease_id:
-            self._handle = response.handle
-            self._spans.open("kv.lease", **{"baton.lease_id": response.handle.lease_id})
+            self._hold_lease(worker, response.handle, prefix=False)
         return response
 
     async def _prefill_streamed(self, worker: WorkerInfo, decode: WorkerInfo, request: pb.PrefillRequest,
@@ -281,8 +330,7 @@ class _Flow:
         async for response in call:
             if not response.kv_pending:
                 return response
-            self._handle = response.handle
-            self._spans.open("kv.lease", **{"baton.lease_id": response.handle.lease_id})
+            self._hold_lease(worker, response.handle, prefix=False)
             self._early_decode = self._start_decode(decode, pending=True)
         raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                    details="PrefillStream ended without a first token")
@@ -293,7 +341,7 @@ class _Flow:
             raise self._deadline_error() from exc
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             raise error_from_status(exc.code(), exc.details() or "") from exc
-        log.warning("request_id=%s prefill on worker_id=%s failed (%s: %s); prefilling locally",
+        log.warning("request_id=%s prefill on worker_id=%s failed (%s: %s)",
                     self._job.worker_request_id, worker.worker_id, exc.code().name, exc.details())
         reason = f"fallback: prefill on {worker.worker_id} failed ({exc.code().name})"
         self._trace.route(RouteKind.LOCAL.value, reason)
@@ -323,7 +371,15 @@ class _Flow:
         handle = await lease_prefix(self._relay.directory.stub(source), self._job.worker_request_id,
                                     self._job.prompt_token_ids, self._job.cache_salt, min_tokens, self._remaining_s())
         if handle is not None:
-            self._prefix = source, handle
+            self._hold_lease(source, handle, prefix=True)
+
+    def _hold_lease(self, holder: WorkerInfo, handle: pb.KVHandle, *, prefix: bool) -> None:
+        if self._lease is not None and self._lease.handle.lease_id == handle.lease_id:
+            return  # layer-wise: P's final message repeats the handle of its first
+        if self._lease is not None:  # a failed prefill's lease, superseded by the retry's
+            self._lease.release()
+        self._lease = KVLease(holder, handle, self._relay.control, prefix=prefix)
+        self._spans.open("kv.lease", **{"baton.lease_id": handle.lease_id})
 
     # ---- decode ------------------------------------------------------------------------------
     async def _decode(self, decode_id: str) -> AsyncIterator[pb.GenerateResponse]:
@@ -358,7 +414,6 @@ class _Flow:
         call = self._relay.directory.stub(worker).Decode(self._decode_request(pending), timeout=self._remaining_s(),
                                                          metadata=metadata)
         self._decode_worker, self._decode_call, self._decode_active = worker, call, True
-        self._decode_has_handle = self._handle is not None or self._unconsumed_lease() is not None
         return call
 
     async def _decode_on(self, worker: WorkerInfo) -> AsyncIterator[pb.GenerateResponse]:
@@ -367,11 +422,12 @@ class _Flow:
             call, self._early_decode = self._early_decode, None
         else:
             call = self._start_decode(worker)
-        with_handle, num_tokens = self._decode_has_handle, 0
+        with_lease, num_tokens = self._decode_has_lease, 0
         try:
             async for response in call:
-                if with_handle:
-                    self._lease_done()
+                if with_lease:
+                    self._lease_read(response.timings.lease_released)
+                    with_lease = False
                 self._on_decode_progress(response)
                 num_tokens += len(response.token_ids)
                 if response.token_ids:
@@ -399,10 +455,7 @@ class _Flow:
             sampling=self._sampling, cache_salt=job.cache_salt, num_output_tokens_so_far=len(self._output_ids),
             priority=job.priority, prompt_len=len(job.prompt_token_ids), first_token_pending=first_token_pending,
         )
-        if self._handle is not None:
-            request.handle.CopyFrom(self._handle)
-        elif self._prefix is not None and self._unconsumed_lease() is not None:
-            request.prefix_handle.CopyFrom(self._prefix[1])
+        self._decode_has_lease = self._lease is not None and self._lease.give(request)
         return request
 
     def _on_decode_progress(self, response: pb.DecodeResponse) -> None:
@@ -412,9 +465,9 @@ class _Flow:
                 self._relay.pending_prefixes.settle(self._job.worker_request_id, also=[self._decode_worker.worker_id])
         self._trace.merge(response.timings)
         timings = response.timings
-        if "prefilled locally" in timings.route_reason:  # D fell back to prefilling itself (pull failed, ...)
+        if timings.local_fallback:  # D fell back to prefilling itself (pull failed, ...)
             self._relay.metrics.decision(RouteKind.LOCAL.value, timings.route_reason)
-        source = (self._lease_holder() or (None, None))[0]
+        source = self._lease.holder if self._lease is not None else None
         if (timings.transfer_bytes and not timings.kv_layerwise  # a streamed pull also waited on P's layers
                 and source is not None and self._decode_worker is not None):
             self._relay.routing.rates.observe_transfer(  # learn the link from P (or the prefix's holder) to D
@@ -428,35 +481,15 @@ class _Flow:
             return
         self._decode_active = False
         self._decode_call.cancel()
-        lease = self._unconsumed_lease() if self._decode_has_handle else None
-        self._lease_settled |= lease is not None
-        self._relay.control.abort(self._decode_worker, self._job.worker_request_id, then_release=lease)
+        then_release = self._lease.abandon() if self._lease is not None and self._decode_has_lease else None
+        self._relay.control.abort(self._decode_worker, self._job.worker_request_id, then_release=then_release)
 
-    def _lease_done(self) -> None:
-        """D answered a request carrying the handle, so its pull is over: P (or the prefix holder) may unpin
-        the blocks now.
-
-        This is the ack of DESIGN.md's pull model, sent on D's behalf (D streams only after its import);
-        if D or the transport acked already, P answers found=false.
-        """
-        if (lease := self._unconsumed_lease()) is not None:
-            self._relay.control.release_lease(*lease)
+    def _lease_read(self, released_by_decode: bool) -> None:
+        """D answered a request carrying the lease, so its pull is over; D released the lease on its holder
+        then (DESIGN.md's pull model, acked by D itself), or the router does now."""
+        if self._lease is not None:
+            self._lease.read(released_by_decode)
             self._spans.end("kv.lease")
-        self._lease_consumed = True
-
-    def _lease_holder(self) -> tuple[WorkerInfo, pb.KVHandle] | None:
-        """The worker whose lease a decode worker is handed, and the handle: P's after a remote prefill,
-        else the prefix holder's (prefix reuse); None when there is none."""
-        if self._handle is not None:
-            return None if self._prefill_worker is None else (self._prefill_worker, self._handle)
-        return self._prefix
-
-    def _unconsumed_lease(self) -> tuple[WorkerInfo, str] | None:
-        """(holder, lease id) of a handle no decode worker has consumed and nobody releases yet."""
-        held = self._lease_holder()
-        if held is None or self._lease_consumed or self._lease_settled:
-            return None
-        return held[0], held[1].lease_id
 
     # ---- output ------------------------------------------------------------------------------
     def _tokens(self, token_ids: list[int], logprobs: list[pb.Logprobs]) -> pb.GenerateResponse:
@@ -470,7 +503,6 @@ class _Flow:
         )
 
     def _final(self) -> pb.GenerateResponse:
-        self._done = True
         piece = self._text.finish()
         usage = pb.Usage(prompt_tokens=len(self._job.prompt_token_ids), completion_tokens=len(self._output_ids),
                          cached_prompt_tokens=self._cached_prompt_tokens)
@@ -526,8 +558,8 @@ class _Flow:
         if self._prefill_pending and self._prefill_worker is not None:
             self._relay.control.abort(self._prefill_worker, request_id)
         self._stop_decode()
-        if (lease := self._unconsumed_lease()) is not None:
-            self._relay.control.release_lease(*lease)
+        if self._lease is not None:
+            self._lease.release()
 
 
 def _uncount(counter: Counter[str], key: str, n: int) -> None:

@@ -33,6 +33,7 @@ class WorkerConfig:
     on_drain: str = "exit"  # drained by the admin: exit once idle (exit) or stay up, idle (stay)
     drain_settle_s: float = 5.0  # idle this long while draining before exiting
     tls: TlsConfig | None = None  # serve gRPC over TLS (mTLS when it has a CA); None: plaintext
+    fault_step_delay_s: float = 0.0  # fault injection (tests, drills): every engine step first sleeps this long
 
 
 def transport_config(config: WorkerConfig) -> TransportConfig:

@@ -56,6 +56,8 @@ class WorkerNode:
         self.engine: Engine = await asyncio.to_thread(Engine, self.config.engine)
         if self.config.calibrate_tokens > 0:  # before the engine loop runs: the thread has the engine to itself
             await asyncio.to_thread(self.engine.calibrate, self.config.calibrate_tokens)
+        if self.config.fault_step_delay_s > 0:
+            _slow_steps(self.engine, self.config.fault_step_delay_s)
         self.layout = _layout(self.engine)
         self.async_engine = AsyncEngine(self.engine, on_held=self.on_held, step_hooks=self.step_hooks())
         self.async_engine.start()
@@ -185,6 +187,18 @@ class WorkerNode:
                 self.drained.set()
                 return
             await asyncio.sleep(period_s)
+
+
+def _slow_steps(engine: Engine, delay_s: float) -> None:
+    """Fault injection (``--fault-step-delay-s``): each engine step first sleeps ``delay_s`` on the engine thread."""
+    logger.warning("fault injection: every engine step is delayed by %.3f s", delay_s)
+    step = engine.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(delay_s)
+        return step(*args, **kwargs)
+
+    engine.step = slow_step
 
 
 def _sample(engine: Engine) -> tuple[SchedulerStats, WorkerLoad]:

@@ -85,7 +85,9 @@ def test_decode_imports_a_leased_prefix_and_prefills_the_rest(cluster, expected)
     assert responses[-1].num_cached_tokens == 100
     assert t.transfer_bytes > 0 and t.transfer_blocks == 25 and t.transport == "tcp", t
     assert "imported 100 prefix tokens from pa" in t.route_reason
-    assert stub(cluster, "pa").ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=10).found
+    # db released pa's lease itself the moment its pull ended (the direct handoff): nothing left to release
+    assert t.lease_released
+    assert not stub(cluster, "pa").ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=10).found
     assert_pools_full(cluster)
     # db now caches the whole prompt's blocks under its own hashes: it can lease them in turn
     again = lease(cluster, "db", prompt, salt).handle
@@ -139,7 +141,11 @@ def test_a_bad_prefix_handle_is_recomputed_exactly(cluster, expected, breakage):
     reason = responses[0].timings.route_reason
     assert "prefilled locally" in reason and ("failed" if breakage == "bogus lease" else "hashes differ") in reason
     assert responses[-1].num_cached_tokens == 0 and responses[0].timings.transfer_bytes == 0
-    assert stub(cluster, "pa").ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=10).found
+    # db released the lease it was handed (it will not read it): the real one, or the bogus id, which leaves the
+    # real lease open
+    assert responses[0].timings.lease_released
+    released = stub(cluster, "pa").ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=10).found
+    assert released == (breakage == "bogus lease")
     assert_pools_full(cluster)
 
 
@@ -179,7 +185,9 @@ def test_a_prefix_the_decoder_caches_already_is_not_pulled_again(cluster, expect
     for pulled in (True, False):  # the first Decode leaves the whole prompt cached on db
         handle = lease(cluster, "pa", prompt, salt).handle
         responses = decode(cluster, prompt, salt, prefix_handle=handle)
-        assert stub(cluster, "pa").ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=10).found
+        assert responses[0].timings.lease_released  # by db, whether it pulled or found the prefix cached
+        assert not stub(cluster, "pa").ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id),
+                                                    timeout=10).found
         assert tokens_of(responses) == expected[PROMPT]
         t = responses[0].timings
         assert (t.transfer_bytes > 0, responses[-1].num_cached_tokens) == (pulled, 100 if pulled else 124), t

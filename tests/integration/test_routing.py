@@ -60,8 +60,13 @@ def test_a_repeated_long_prefix_lands_where_it_is_cached(cluster):
     wait_indexed()
     for suffix in ([1, 2, 3, 4, 5], [40, 41], [99] * 9):
         again = generate(cluster, PREFIX + suffix)
-        assert again.timings.decode_worker == holder, again.timings.route_reason
-        assert again.usage.cached_prompt_tokens >= len(PREFIX), again.timings.route_reason
+        t = again.timings
+        # the prefix is reused wherever the learned rates price it cheapest: decoded on its holder, imported
+        # from a worker holding it, or prefilled on the prefill worker that holds it too (the first request's
+        # P); what must hold whatever those rates are is that it was not computed again
+        assert t.decode_worker == holder or "tokens from" in t.route_reason or t.route_kind == "remote", \
+            t.route_reason
+        assert again.usage.cached_prompt_tokens >= len(PREFIX), t.route_reason
         assert again.timings.predicted_ttft_ms > 0  # the cost model's prediction, beside the measured ttft
         wait_indexed(0.3)
     assert_pools_full(cluster)

@@ -372,6 +372,64 @@ def test_failing_prefill_worker_is_aborted_and_the_request_completes(stub, clust
     assert len(d0.decode_requests) == 1
 
 
+def test_a_failed_prefill_is_retried_once_on_another_prefill_worker(stub, cluster, tokens):
+    d0, p0, p1 = cluster.add("d0", "decode"), cluster.add("p0", "prefill"), cluster.add("p1", "prefill")
+    failed: list[str] = []
+
+    def failing_once(worker: FakeWorker) -> Callable[[pb.PrefillRequest, Any], Any]:
+        async def prefill(request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+            if not failed:  # whichever P the cost model picks first fails
+                failed.append(worker.worker_id)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "device lost")
+            return await worker.default_prefill(request, context)
+        return prefill
+
+    p0.prefill, p1.prefill = failing_once(p0), failing_once(p1)
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == tokens[:6]
+    other = "p1" if failed == ["p0"] else "p0"
+    t = responses[-1].timings
+    assert (t.route_kind, t.prefill_worker) == ("remote", other)
+    assert t.route_reason.startswith(f"retry: prefill on {failed[0]} failed; "), t.route_reason
+    (decode,) = d0.decode_requests
+    assert decode.handle.worker_id == other and decode.num_output_tokens_so_far == 1
+    first_choice = p0 if failed == ["p0"] else p1
+    wait_until(lambda: first_choice.aborts == [decode.request_id])
+
+
+def test_a_prefill_failing_on_both_workers_falls_back_to_local_prefill(stub, cluster, tokens):
+    d0, p0, p1 = cluster.add("d0", "decode"), cluster.add("p0", "prefill"), cluster.add("p1", "prefill")
+
+    async def broken(request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "device lost")
+
+    p0.prefill = p1.prefill = broken
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == tokens[:6]
+    assert len(p0.prefill_requests) == len(p1.prefill_requests) == 1  # once each: one retry, no more
+    (decode,) = d0.decode_requests
+    assert not decode.HasField("handle") and responses[-1].timings.prefill_worker == ""
+
+
+def test_a_lease_the_decode_worker_released_itself_is_not_released_again(stub, cluster, tokens):
+    d0, p0 = cluster.add("d0", "decode"), cluster.add("p0", "prefill")
+
+    async def releasing_decode(request: pb.DecodeRequest, context: Any) -> AsyncIterator[pb.DecodeResponse]:
+        p0.releases.append(request.handle.lease_id)  # as a real D: released on P the moment its pull ended
+        first = True
+        async for response in d0.default_decode(request, context):
+            if first:
+                response.timings.lease_released = True
+                first = False
+            yield response
+
+    d0.decode = releasing_decode
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == tokens[:6]
+    time.sleep(0.3)  # the router's control calls run in the background: give a wrong one time to land
+    assert p0.releases == [d0.decode_requests[0].handle.lease_id] and p0.aborts == []
+
+
 def test_decode_worker_failing_before_any_token_is_replaced(stub, cluster, tokens):
     d0, d1 = cluster.add("d0", "decode"), cluster.add("d1", "decode", running=1)
     p0 = cluster.add("p0", "prefill")
