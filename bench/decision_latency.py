@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.layout import KVLayout
-from kv_transfer.registry import WorkerInfo, WorkerLoad
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from router.routing.cost_model import CostConfig
 from router.routing.directory import Snapshot, build_candidates, served_scheme
 from router.routing.in_progress import InflightPrefills, PendingPrefixes

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from kv_transfer.registry import WorkerInfo
+from kv_transfer.workers import WorkerInfo
 from proto import baton_pb2 as pb
 from router.routing.directory import WorkerDirectory
 

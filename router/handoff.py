@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 
-from kv_transfer.registry import WorkerInfo
+from kv_transfer.workers import WorkerInfo
 from proto import baton_pb2 as pb
 from router.control import WorkerControl
 

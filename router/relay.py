@@ -41,7 +41,7 @@ import grpc
 from engine.errors import CapacityExceeded
 from engine.tokenizer import Tokenizer
 from kv_transfer.hashing import hash_blocks, root_hash
-from kv_transfer.registry import WorkerInfo
+from kv_transfer.workers import WorkerInfo
 from kv_transfer.transport import streams_layers
 from proto import baton_pb2 as pb
 from proto.tracing import current_tracer

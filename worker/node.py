@@ -22,7 +22,8 @@ from engine.async_engine import AsyncEngine, StepHooks
 from engine.core.outputs import RequestDelta, SchedulerStats
 from engine.engine import Engine
 from kv_transfer.layout import KVBuffer, KVLayout
-from kv_transfer.registry import HeartbeatTask, Registry, WorkerInfo, WorkerLoad, connect
+from kv_transfer.registry import HeartbeatTask, Registry, connect
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from kv_transfer.transport import STREAMING_KINDS, KVClient, connect as kv_connect, make_server, parse_kinds, uri_kind
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kv_transfer.registry import WorkerLoad
+from kv_transfer.workers import WorkerLoad
 from router.admin.planner import DecodeProfile, PrefillProfile, Term
 
 _LONGEST_PROMPT = 1 << 20

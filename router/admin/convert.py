@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from kv_transfer.registry import WorkerInfo, WorkerLoad
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto.tls import TlsConfig, aio_channel
 from router.admin import planner

@@ -25,7 +25,8 @@ import grpc
 from engine.errors import InvalidRequest
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVLayout
-from kv_transfer.registry import ROLES, Registry
+from kv_transfer.registry import Registry
+from kv_transfer.workers import ROLES
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto.tls import TlsConfig
 from router.admin import planner, traffic as traffic_mod

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad
+from kv_transfer.registry import Registry
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from proto import baton_pb2_grpc as pb_grpc
 from proto.tls import TlsConfig, aio_channel
 from router.errors import WorkerUnavailable

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kv_transfer.hashing import BlockHash
-from kv_transfer.registry import WorkerInfo, WorkerLoad
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from router.routing.rates import Rates
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from engine.errors import CapacityExceeded
-from kv_transfer.registry import WorkerInfo, WorkerLoad
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from router.routing import cost_model
 from router.routing.cost_model import CostConfig
 from router.errors import WorkerUnavailable

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kv_transfer.registry import WorkerLoad
+from kv_transfer.workers import WorkerLoad
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.tiny import build_model
-from kv_transfer.registry import WorkerInfo
+from kv_transfer.workers import WorkerInfo
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto import tls
 from proto.tls import TlsConfig

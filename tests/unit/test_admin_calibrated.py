@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.registry import WorkerLoad
+from kv_transfer.workers import WorkerLoad
 from router.admin.calibrated import from_calibration
 
 

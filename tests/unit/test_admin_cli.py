@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_transfer.registry import WorkerLoad
+from kv_transfer.workers import WorkerLoad
 from router.admin import cli as admin_cli
 from router.admin.cli import table
 from router.server import RunningRouter

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad, connect
+from kv_transfer.registry import Registry, connect
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.server import RunningRouter, start_router

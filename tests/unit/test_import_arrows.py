@@ -106,6 +106,19 @@ def test_router_parts_keep_their_arrows(part, forbidden):
     assert not any(wrong.values()), {m: names for m, names in wrong.items() if names}
 
 
+# The pure policy: prices workers from plain values (kv_transfer.workers), never reaches Redis or the network.
+PURE_ROUTING = ("router.routing.policy", "router.routing.cost_model", "router.routing.rates",
+                "router.routing.in_progress")
+IO_MODULES = ("kv_transfer.registry", "kv_transfer.redis_index", "kv_transfer.tcp", "kv_transfer.conn_pool", "proto")
+
+
+def test_the_pure_routing_modules_import_no_io():
+    modules = imports_of("router")
+    assert set(PURE_ROUTING) <= set(modules), set(PURE_ROUTING) - set(modules)
+    wrong = {m: sorted(n for n in modules[m] if n.startswith(IO_MODULES)) for m in PURE_ROUTING}
+    assert not any(wrong.values()), wrong
+
+
 def test_kv_transfer_imports_nothing_heavy_at_package_import():
     tree = ast.parse((ROOT / "kv_transfer" / "__init__.py").read_text())
     imported = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]

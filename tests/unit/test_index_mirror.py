@@ -10,7 +10,8 @@ import random
 import pytest
 
 from kv_transfer.redis_index import IndexEvent, KVIndex
-from kv_transfer.registry import Registry, WorkerInfo, connect
+from kv_transfer.registry import Registry, connect
+from kv_transfer.workers import WorkerInfo
 from router.routing.directory import WorkerDirectory
 from router.routing.index_mirror import IndexMirror, MirrorSync
 from tests.redis_server import RedisServer, require_redis_server

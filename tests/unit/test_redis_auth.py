@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kv_transfer.registry import (
-    RedisCredentialsError, Registry, WorkerInfo, check_credentials, connect, redact_url, with_ca,
-)
+from kv_transfer.registry import RedisCredentialsError, Registry, check_credentials, connect, redact_url, with_ca
+from kv_transfer.workers import WorkerInfo
 from tests.redis_server import RedisServer, RedisTls, require_redis_server
 from tests.tls_certs import make_pki
 

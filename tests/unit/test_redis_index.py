@@ -18,7 +18,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 
 from kv_transfer.redis_index import KVIndex, RedisKeys
-from kv_transfer.registry import HeartbeatTask, Registry, WorkerInfo, WorkerLoad, connect
+from kv_transfer.registry import HeartbeatTask, Registry, connect
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from tests.redis_server import RedisServer, require_redis_server
 
 H = [bytes([0xA0 + i]) * 16 for i in range(8)]  # a prompt's chain of block hashes, block 0 first

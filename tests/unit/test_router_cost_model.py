@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from kv_transfer.registry import WorkerLoad
+from kv_transfer.workers import WorkerLoad
 from router.routing.cost_model import CostConfig, decode_steps, local_plan, sample_decodes
 from router.routing.policy import Candidate, PolicyConfig, RouteKind, RoutingState, route
 from router.routing.rates import Rates, RatesConfig

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from engine.errors import BatonError
-from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad, connect
+from kv_transfer.registry import Registry, connect
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from router.routing.directory import HashScheme, Snapshot, WorkerDirectory, build_candidates, served_scheme
 from tests.redis_server import RedisServer, require_redis_server
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import CapacityExceeded
-from kv_transfer.registry import WorkerInfo, WorkerLoad
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from router.errors import WorkerUnavailable
 from router.routing.rates import RatesConfig
 from router.routing.policy import Candidate, PolicyConfig, RouteKind, RouteRequest, pick_decode, pick_prefill, route

@@ -17,7 +17,8 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from kv_transfer.hashing import hash_blocks, root_hash
-from kv_transfer.registry import Registry, WorkerInfo, WorkerLoad, connect
+from kv_transfer.registry import Registry, connect
+from kv_transfer.workers import WorkerInfo, WorkerLoad
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.routing.in_progress import PendingPrefixes

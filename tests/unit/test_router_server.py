@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.tokenizer import Tokenizer
-from kv_transfer.registry import Registry, WorkerInfo, connect
+from kv_transfer.registry import Registry, connect
+from kv_transfer.workers import WorkerInfo
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.server import RunningRouter, start_router
