@@ -44,12 +44,8 @@ def _guard(behaviour, streaming: bool):
         async def stream(request, context):
             if request is _MALFORMED:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-            result = behaviour(request, context)  # an async iterator, or a coroutine (another interceptor's)
-            if inspect.isawaitable(result):
-                result = await result
-            if result is not None:
-                async for response in result:
-                    yield response
+            async for response in stream_responses(behaviour(request, context)):
+                yield response
 
         return stream
 
@@ -59,3 +55,13 @@ def _guard(behaviour, streaming: bool):
         return await behaviour(request, context)
 
     return unary
+
+
+async def stream_responses(result):
+    """The responses of a streaming behaviour's result: an async iterator, or a coroutine resolving to one (when
+    another interceptor wrapped it), or None. For interceptors that wrap streaming calls."""
+    if inspect.isawaitable(result):
+        result = await result
+    if result is not None:
+        async for response in result:
+            yield response

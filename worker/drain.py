@@ -9,11 +9,12 @@ listing taken just before the drain mark. Undraining before that resets it.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 
 import grpc
+
+from proto.malformed import stream_responses
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,8 @@ class InFlightCounter(grpc.aio.ServerInterceptor):
         async def stream(request, context):
             self.count += 1
             try:
-                result = behaviour(request, context)  # an async iterator, or a coroutine (another interceptor's)
-                if inspect.isawaitable(result):
-                    result = await result
-                if result is not None:
-                    async for response in result:
-                        yield response
+                async for response in stream_responses(behaviour(request, context)):
+                    yield response
             finally:
                 self.count -= 1
 
