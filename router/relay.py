@@ -40,7 +40,7 @@ import grpc
 
 from engine.errors import CapacityExceeded
 from engine.tokenizer import Tokenizer
-from kv_transfer.hashing import hash_blocks, root_hash
+from kv_transfer.hashing import BlockHash, hash_blocks, root_hash
 from kv_transfer.workers import WorkerInfo
 from kv_transfer.transport import streams_layers
 from proto import baton_pb2 as pb
@@ -148,6 +148,7 @@ class _Flow:
         self._snapshot: Snapshot | None = None
         self._candidates: list[Candidate] = []
         self._route_request: RouteRequest | None = None
+        self._hashes: list[BlockHash] = []  # the prompt's blocks, as the in-progress book prices them
         self.stage = Stage.ROUTING
         self._prefill_worker: WorkerInfo | None = None
         self._prefill_pending = False
@@ -230,6 +231,7 @@ class _Flow:
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
         pending.add(self._job.worker_request_id, decision.prefill_id or decision.decode_id, hashes)
+        self._hashes = hashes
         self._trace.route(decision.kind.value, decision.reason, decision.predicted_ttft_s)
         self._spans.routed(decision.kind.value, decision.reason)
         self._decision = decision
@@ -255,6 +257,9 @@ class _Flow:
             _uncount(self._relay.inflight, failed.decode_id, 1)
             self._relay.inflight[decision.decode_id] += 1
             self._counted_decode_id = decision.decode_id
+        pending = self._relay.pending_prefixes  # the prompt is being computed on the new P now
+        pending.finish(self._job.worker_request_id)
+        pending.add(self._job.worker_request_id, decision.prefill_id or decision.decode_id, self._hashes)
         reason = f"retry: prefill on {failed.prefill_id} failed; {decision.reason}"
         self._trace.route(decision.kind.value, reason, decision.predicted_ttft_s)
         self._relay.metrics.decision(decision.kind.value, reason)
