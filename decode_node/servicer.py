@@ -99,7 +99,7 @@ class DecodeServicer(WorkerServicer):
         reserved = await node.async_engine.call(
             lambda e: e.add_remote_request(rid, prompt, outputs, params, **kwargs))
         if reserved is None:
-            timings.route_reason, timings.local_fallback = "no free blocks for the pulled KV; prefilled locally", True
+            self._fall_back(timings, "no_free_blocks", "no free blocks for the pulled KV")
             self._done_with(handle, marks)
             if not request.first_token_pending:
                 return None
@@ -116,7 +116,7 @@ class DecodeServicer(WorkerServicer):
             except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
                 logger.warning("request_id=%s worker_id=%s KV pull failed (%s); recomputing locally", rid,
                                node.worker_id, exc)
-                timings.route_reason, timings.local_fallback = f"KV pull failed ({exc}); prefilled locally", True
+                self._fall_back(timings, "pull_failed", f"KV pull failed ({exc})")
                 self._done_with(handle, marks)
                 first = await self._first_token(request, context) if request.first_token_pending else None
                 return lambda e: e.fallback_remote(rid, None if first == RECOMPUTE else first)
@@ -127,7 +127,7 @@ class DecodeServicer(WorkerServicer):
             raise
         timings.kv_layerwise = request.first_token_pending
         if first == RECOMPUTE:  # P failed after the pull: its first token never came
-            timings.route_reason, timings.local_fallback = "prefill worker failed; prefilled locally", True
+            self._fall_back(timings, "prefill_failed", "prefill worker failed")
             return lambda e: e.fallback_remote(rid)
         _record_transfer(node, timings, stats, kind)
         return lambda e: e.activate_remote(rid, first)
@@ -138,14 +138,13 @@ class DecodeServicer(WorkerServicer):
         node, rid, handle = self.node, request.request_id, request.prefix_handle
         problem = _prefix_problem(handle, len(prompt) + len(outputs), node.layout.block_size)
         if problem is not None:
-            timings.route_reason, timings.local_fallback = f"prefix handle unusable ({problem}); prefilled locally", True
+            self._fall_back(timings, "prefix_unusable", f"prefix handle unusable ({problem})")
             return None
         try:
             reservation = await node.async_engine.call(
                 lambda e: e.add_prefix_request(rid, prompt, outputs, params, **kwargs))
             if reservation is None:
-                timings.route_reason = "no free blocks for the imported prefix; prefilled locally"
-                timings.local_fallback = True
+                self._fall_back(timings, "no_free_blocks", "no free blocks for the imported prefix")
                 return None
             return await self._pull_prefix(rid, handle, reservation, timings, marks)
         except BaseException:
@@ -155,9 +154,8 @@ class DecodeServicer(WorkerServicer):
     async def _pull_prefix(self, rid: str, handle: pb.KVHandle, reservation, timings, marks):
         node, n = self.node, len(handle.block_hashes)
         if reservation.block_hashes[:n] != tuple(handle.block_hashes):
-            timings.route_reason = (f"prefix from {handle.worker_id} is not this prompt's (block hashes differ); "
-                                    "prefilled locally")
-            timings.local_fallback = True
+            self._fall_back(timings, "prefix_mismatch",
+                            f"prefix from {handle.worker_id} is not this prompt's (block hashes differ)")
             return lambda e: e.fallback_remote(rid)
         local = min(reservation.num_local_blocks, n)
         src, dst = list(handle.block_ids[local:n]), list(reservation.block_ids[local:n])
@@ -168,13 +166,17 @@ class DecodeServicer(WorkerServicer):
             except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
                 logger.warning("request_id=%s worker_id=%s prefix pull from %s failed (%s); recomputing locally",
                                rid, node.worker_id, handle.worker_id, exc)
-                timings.route_reason = f"prefix pull from {handle.worker_id} failed ({exc}); prefilled locally"
-                timings.local_fallback = True
+                self._fall_back(timings, "pull_failed", f"prefix pull from {handle.worker_id} failed ({exc})")
                 return lambda e: e.fallback_remote(rid)
             _record_transfer(node, timings, stats, kind)
         block_size = node.layout.block_size
         timings.route_reason = _prefix_reason(len(src) * block_size, local * block_size, handle.worker_id)
         return lambda e: e.activate_prefix(rid, n * block_size)
+
+    def _fall_back(self, timings: pb.Timings, reason: str, why: str) -> None:
+        """This request prefills here instead of importing: said in its timings, counted by ``reason``."""
+        timings.route_reason, timings.local_fallback = f"{why}; prefilled locally", True
+        self.node.metrics.kv_pull_fallback(reason)
 
     def _done_with(self, handle: pb.KVHandle, marks: _Marks) -> None:
         """This call will read no more of ``handle``'s blocks: its holder may unpin them now."""

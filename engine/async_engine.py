@@ -108,6 +108,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))
 
+    async def abort_found(self, request_id: str) -> bool:
+        """Abort ``request_id`` now; whether it was live. Its stream, if one is open, gets the final (ABORT)
+        delta and ends, as it would have by itself."""
+        return await self.call(lambda _: self._abort(request_id))
+
     def submit(self, fn: Callable[[Engine], Any]) -> None:
         """Run ``fn(engine)`` on the engine thread, fire and forget (errors are logged)."""
         def job() -> None:
@@ -123,10 +128,11 @@ class AsyncEngine:
         self._inbox.put(job)
         self._wake.set()
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str) -> bool:
         delta = self.engine.abort(request_id)
         if delta is not None:
             self._dispatch([delta])
+        return delta is not None
 
     def _run(self) -> None:
         try:

@@ -37,6 +37,10 @@ class WorkerMetrics:
                                      buckets=TRANSFER_BUCKETS_S, registry=r)
         self._transfers = Counter("baton:kv_transfers_total", "KV pulls, by the transport chosen for the pair",
                                   ["worker_id", "transport"], registry=r)
+        self.pull_fallbacks_total = 0  # for Stats
+        self._fallbacks = Counter("baton:kv_pull_fallbacks_total",
+                                  "Requests handed KV (or a prefix) to import that this worker prefilled itself instead, "
+                                  "by why", ["worker_id", "reason"], registry=r)
         self._errors = Counter("baton:request_errors_total", "Worker calls that ended in an error status",
                                ["worker_id", "code"], registry=r)
         for series in (self._running, self._waiting, self._kv_usage, self._hit_rate, self._queries, self._hits,
@@ -65,6 +69,11 @@ class WorkerMetrics:
         self._transfer_bytes.labels(self.worker_id).inc(num_bytes)
         self._transfer_s.labels(self.worker_id).observe(seconds)
         self._transfers.labels(worker_id=self.worker_id, transport=transport).inc()
+
+    def kv_pull_fallback(self, reason: str) -> None:
+        """A silent fallback: the output is the same, only slower, so it is counted (``PULL_FALLBACKS``)."""
+        self.pull_fallbacks_total += 1
+        self._fallbacks.labels(worker_id=self.worker_id, reason=reason).inc()
 
     def request_error(self, code: str) -> None:
         self._errors.labels(worker_id=self.worker_id, code=code).inc()

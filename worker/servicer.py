@@ -106,9 +106,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.node.worker_id} is a {self.node.config.role} worker")
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        delta = await self.node.async_engine.call(lambda e: e.abort(request.request_id))
+        aborted = await self.node.async_engine.abort_found(request.request_id)  # ends its stream, if one is open
         released = self.node.leases.release_request(request.request_id)
-        return pb.AbortResponse(found=delta is not None or released)
+        return pb.AbortResponse(found=aborted or released)
 
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context) -> pb.ReleaseLeaseResponse:
         return pb.ReleaseLeaseResponse(found=self.node.leases.release(request.lease_id))
@@ -123,7 +123,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             queued_prefill_tokens=load.queued_prefill_tokens, kv_cache_usage=stats.kv_cache_usage,
             prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
             num_preemptions=stats.num_preemptions, kv_transfer_bytes=self.node.metrics.transfer_bytes_total,
-            kv_transfer_seconds=self.node.metrics.transfer_seconds_total,
+            kv_transfer_seconds=self.node.metrics.transfer_seconds_total, num_aborted_requests=stats.num_aborted,
+            kv_pull_fallbacks=self.node.metrics.pull_fallbacks_total,
         )
 
 

@@ -69,6 +69,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_aborted: int = 0  # requests ended by abort since the engine started
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ class Scheduler:
         self._order: dict[str, tuple[int, int]] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.num_aborted = 0  # live requests ended by abort (a client gone, a deadline, a router's Abort)
         self.num_prefix_waits = 0  # steps a waiting request sat out for a prefix another request was computing
 
     # ---- queue management ----------------------------------------------------------------
@@ -59,6 +60,7 @@ class Scheduler:
         elif request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             self.waiting.remove(request)
         request.transition(RequestStatus.FINISHED_ABORTED)
+        self.num_aborted += 1
         return self._finish(request, [])
 
     # ---- disaggregated decode: KV arrives from a prefill worker ---------------------------
@@ -279,5 +281,5 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_blocks,
             kv_cache_usage=pool.usage, prefix_cache_queries=pool.num_cache_queries,
-            prefix_cache_hits=pool.num_cache_hits, num_preemptions=self.num_preemptions,
+            prefix_cache_hits=pool.num_cache_hits, num_preemptions=self.num_preemptions, num_aborted=self.num_aborted,
         )

@@ -135,7 +135,20 @@ def test_32_concurrent_streams_complete_and_pools_return_to_full(platform, expec
     assert_pools_full(platform)
 
 
+def aborted(cluster: Cluster) -> dict[str, int]:
+    """Per live worker, how many requests its engine ended by abort."""
+    return {w.name: pb_grpc.WorkerStub(grpc.insecure_channel(w.address)).Stats(pb.StatsRequest()).num_aborted_requests
+            for w in cluster.workers if w.popen.poll() is None}
+
+
+def decode_worker(cluster: Cluster) -> str:
+    return next(w.name for w in cluster.workers if w.name.startswith("d"))
+
+
 def test_client_cancel_mid_stream_aborts_on_both_workers(platform):
+    """Left alone, the request would run ~2.6 s more, to the pool's limit; cancelled after 3 tokens, only an
+    abort explains D's engine counting one more aborted request (and P none: its part ended with the prefill)."""
+    before = aborted(platform)
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(platform.router.address))
     params = pb.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
     call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPTS[-1]), sampling=params))
@@ -143,13 +156,18 @@ def test_client_cancel_mid_stream_aborts_on_both_workers(platform):
     assert all(r.token_ids for r in received)
     call.cancel()
     assert_pools_full(platform)
+    d = decode_worker(platform)
+    assert {w: n - before[w] for w, n in aborted(platform).items()} == {w: int(w == d) for w in before}
 
 
 def test_deadline_exceeded(platform):
+    before = aborted(platform)
     with pytest.raises(grpc.RpcError) as info:
         generate(platform.router.address, PROMPTS[-1], max_tokens=1500, timeout=1.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_pools_full(platform)
+    d = decode_worker(platform)
+    assert aborted(platform)[d] == before[d] + 1  # the deadline aborted it; it did not run to its end
 
 
 def test_bad_input_is_invalid_argument_and_the_platform_keeps_serving(platform, expected):

@@ -69,8 +69,7 @@ def disaggregated(cluster, rid: str, prompt: list[int]) -> tuple[list[int], pb.T
         request_id=rid, token_ids=prompt + tokens, sampling=greedy(), handle=pre.handle, prompt_len=len(prompt)))
     for response in stream:
         if timings is None:
-            timings = response.timings
-            stub(cluster.p.address).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=pre.handle.lease_id))
+            timings = response.timings  # D released P's lease itself once its pull ended (lease_released)
         tokens.extend(response.token_ids)
     return tokens, timings
 
@@ -87,10 +86,53 @@ def assert_pools_full(cluster, timeout_s: float = 5.0) -> None:
 
 
 def test_prefill_pull_decode_equals_the_offline_engine(cluster, expected):
+    """The KV moved: every request pulled blocks (at least its last, partial one; leading blocks an earlier,
+    shorter prompt left cached on D are not pulled again) and none fell back to a local prefill, which would give
+    the same tokens."""
+    fallbacks = stub(cluster.d.address).Stats(pb.StatsRequest()).kv_pull_fallbacks
     for i, prompt in enumerate(PROMPTS):
         tokens, timings = disaggregated(cluster, f"r{i}", prompt)
         assert tokens == expected[i], f"prompt {i}"
-        assert timings.transfer_blocks >= 0 and timings.decode_worker == "d1"
+        assert timings.transfer_blocks >= 1 and timings.transfer_bytes > 0 and not timings.local_fallback, timings
+        assert timings.lease_released and timings.decode_worker == "d1"
+    assert stub(cluster.d.address).Stats(pb.StatsRequest()).kv_pull_fallbacks == fallbacks
+    assert_pools_full(cluster)
+
+
+def test_a_failed_pull_falls_back_and_is_counted(cluster, expected):
+    """A handle whose lease the prefill worker does not hold: D's pull is refused, D prefills itself (the same
+    tokens), and says so: in the timings and in its fallback count."""
+    prompt = PROMPTS[5]
+    fallbacks = stub(cluster.d.address).Stats(pb.StatsRequest()).kv_pull_fallbacks
+    pre = stub(cluster.p.address).Prefill(pb.PrefillRequest(request_id="bogus-lease", token_ids=prompt,
+                                                            sampling=greedy()))
+    handle = pb.KVHandle()
+    handle.CopyFrom(pre.handle)
+    handle.lease_id = "00" * 16
+    responses = list(stub(cluster.d.address).Decode(pb.DecodeRequest(
+        request_id="bogus-lease", token_ids=[*prompt, pre.first_token], sampling=greedy(), handle=handle,
+        prompt_len=len(prompt))))
+    assert [pre.first_token, *(t for r in responses for t in r.token_ids)] == expected[5]
+    t = responses[0].timings
+    assert t.local_fallback and "KV pull failed" in t.route_reason and t.transfer_bytes == 0, t
+    assert stub(cluster.d.address).Stats(pb.StatsRequest()).kv_pull_fallbacks == fallbacks + 1
+    assert stub(cluster.p.address).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=pre.handle.lease_id)).found
+    assert_pools_full(cluster)
+
+
+def test_a_workers_abort_ends_a_request_that_would_run_on(cluster):
+    """Worker/Abort on a real decode worker: a request asking for ~900 tokens ends at once, as ABORT, its
+    blocks freed; without the abort it would stream to its LENGTH end."""
+    d = stub(cluster.d.address)
+    before = d.Stats(pb.StatsRequest()).num_aborted_requests
+    call = d.Decode(pb.DecodeRequest(request_id="abort-me", token_ids=PROMPTS[3], sampling=greedy(max_tokens=900)))
+    streamed = [next(call), next(call)]
+    assert d.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+    rest = list(call)
+    assert rest and rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert sum(len(r.token_ids) for r in streamed + rest) < 900
+    assert d.Stats(pb.StatsRequest()).num_aborted_requests == before + 1
+    assert not d.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found  # nothing left to abort
     assert_pools_full(cluster)
 
 
