@@ -23,6 +23,10 @@ import os
 import signal
 import time
 
+import grpc
+
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.client_batch import Batch, generate
 from tests.integration.faults_lib import DEADLINE_S, Checker, FaultPlatform, Reference, ScenarioResult
 
@@ -153,17 +157,33 @@ def _kv_fault(p: FaultPlatform, ref: Reference, name: str, mode: str, why: str |
     """Two pulls through the proxy in ``mode``; ``why``: what the failed pull's reason names (None: it works)."""
     check = Checker(name, ref)
     prompts = [p.prompt(70 + i, 44) for i in range(2)]
+    fallbacks = _pull_fallbacks(p)
     p.proxy.mode = mode
     try:
         outcomes = check.add([generate(p.address, q, 8, DEADLINE_S) for q in prompts], {"OK"})
     finally:
         p.proxy.mode = "pass"
     for o in outcomes:
-        reason = o.last.timings.route_reason if o.last is not None else ""
-        if ("KV pull failed" in reason) != (why is not None) or why is not None and why not in reason:
-            check.problem(f"{mode}: route reason {reason!r}")
+        t = o.last.timings if o.last is not None else pb.Timings()
+        if ("KV pull failed" in t.route_reason) != (why is not None) or why is not None and why not in t.route_reason:
+            check.problem(f"{mode}: route reason {t.route_reason!r}")
+        if why is None and not (t.transfer_bytes > 0 and not t.local_fallback):  # the KV moved, slowly
+            check.problem(f"{mode}: no KV moved ({t.route_reason!r})")
+    counted = _pull_fallbacks(p) - fallbacks  # the decode workers' own count agrees with the reasons
+    if counted != (0 if why is None else len(prompts)):
+        check.problem(f"{mode}: the decode workers counted {counted} pull fallbacks")
     check.add([generate(p.address, q, 8, DEADLINE_S) for q in prompts], {"OK"})  # cached blocks are sound
     return check.finish(p)
+
+
+def _pull_fallbacks(p: FaultPlatform) -> int:
+    """Pull fallbacks the live decode workers counted (``Stats.kv_pull_fallbacks``)."""
+    total = 0
+    for name, proc in p.workers.items():
+        if name.startswith("d") and proc.popen.poll() is None:
+            with grpc.insecure_channel(proc.address) as channel:
+                total += pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5).kv_pull_fallbacks
+    return total
 
 
 def kv_delayed(p: FaultPlatform, ref: Reference) -> ScenarioResult:

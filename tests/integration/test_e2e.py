@@ -104,6 +104,8 @@ def test_disaggregated_equals_offline_engine_and_local_mode(platform, expected):
         assert tokens == expected[i], f"prompt {i} ({len(prompt)} tokens) via {last.timings.route_kind}"
         assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == MAX_TOKENS
         kinds.add(last.timings.route_kind)
+        if last.timings.route_kind == "remote":  # the KV moved: a recompute on D would give the same tokens
+            assert last.timings.transfer_bytes > 0 and not last.timings.local_fallback, last.timings
         local_tokens, local_last = generate(platform.local_router.address, prompt)
         assert local_tokens == expected[i] and local_last.timings.route_kind == "local"
     assert kinds == {"local", "remote"}  # short prompts stay local under the 8-token threshold
@@ -116,6 +118,7 @@ def test_remote_timings_report_the_transfer(platform):
     t = last.timings
     assert t.route_kind == "remote" and t.prefill_worker == "p0" and t.decode_worker == "d0"
     assert t.transfer_blocks == 25 and t.transfer_bytes > 0 and t.transfer_gbps > 0 and t.ttft_ms > 0
+    assert not t.local_fallback and t.lease_released, t
     assert_pools_full(platform)
 
 

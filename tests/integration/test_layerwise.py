@@ -58,7 +58,7 @@ def test_streamed_kv_gives_the_engines_tokens(cluster, expected):  # noqa: F811
         t = final.timings
         assert tokens == expected[i]
         assert (t.route_kind, t.prefill_worker, t.decode_worker) == ("remote", "p0", "d0"), t
-        assert t.kv_layerwise and t.transport == "tcp" and t.transfer_bytes > 0, t
+        assert t.kv_layerwise and t.transport == "tcp" and t.transfer_bytes > 0 and not t.local_fallback, t
     assert_pools_full(cluster)
 
 
@@ -68,7 +68,7 @@ def test_concurrent_streamed_requests_are_exact(cluster, expected):  # noqa: F81
         results = list(pool.map(lambda i: generate(cluster, PROMPTS[i]), indices))
     for i, (tokens, final) in zip(indices, results):
         assert tokens == expected[i]
-        assert final.timings.route_kind == "remote", final.timings
+        assert final.timings.route_kind == "remote" and not final.timings.local_fallback, final.timings
     assert_pools_full(cluster)
 
 
@@ -108,7 +108,7 @@ def test_streamed_kv_over_cma_and_nccl_gives_the_engines_tokens(streaming_cluste
         t = final.timings
         assert tokens == expected[i]
         assert (t.route_kind, t.prefill_worker, t.decode_worker) == ("remote", "p0", "d0"), t
-        assert t.kv_layerwise and t.transport == kind and t.transfer_bytes > 0, t
+        assert t.kv_layerwise and t.transport == kind and t.transfer_bytes > 0 and not t.local_fallback, t
     assert_pools_full(cluster)
 
 

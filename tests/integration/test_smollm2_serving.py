@@ -86,6 +86,6 @@ def test_the_openai_client_asks_the_capital_of_france_and_hears_paris(platform):
                                  sampling=pb.SamplingParams(temperature=0.0, max_tokens=48),
                                  cache_salt="grpc")  # d0 cached the chat above: a fresh salt misses, goes remote
     _, last, text = generate(platform.router.address, request)
-    assert last.timings.route_kind == "remote" and last.timings.transfer_blocks > 0
+    assert last.timings.route_kind == "remote" and last.timings.transfer_blocks > 0 and not last.timings.local_fallback
     assert last.finish_reason == pb.FINISH_REASON_STOP and text == choice.message.content
     assert_pools_full(platform)

@@ -71,7 +71,7 @@ def test_the_pair_uses_the_pullers_first_transport_the_server_offers(cluster, ex
         tokens, timings = generate(cluster, PROMPTS[i])
         assert tokens == expected[i]
         assert (timings.route_kind, timings.decode_worker, timings.prefill_worker) == ("remote", decode_id, "p0")
-        assert timings.transport == transport and timings.transfer_bytes > 0, timings
+        assert timings.transport == transport and timings.transfer_bytes > 0 and not timings.local_fallback, timings
     assert_pools_full(cluster)
     admin = pb_grpc.AdminStub(grpc.insecure_channel(cluster.router.address))
     rows = {w.worker_id: w for w in admin.ListWorkers(pb.ListWorkersRequest(), timeout=10).workers}
