@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -60,11 +61,19 @@ def wait_for(condition, timeout_s: float, proc, log_dir) -> None:
         time.sleep(0.5)
 
 
-def generate(address: str) -> pb.GenerateResponse:
+def generate(address: str, prompt: list[int] | None = None) -> pb.GenerateResponse:
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
     params = pb.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    return list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]), sampling=params),
-                              timeout=30))[-1]
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt or [5, 6, 7, 8]), sampling=params)
+    return list(stub.Generate(request, timeout=30))[-1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
 
 
 def scale(address: str, size: int) -> None:
@@ -73,11 +82,24 @@ def scale(address: str, size: int) -> None:
 
 
 def test_scale_decode_up_then_down(platform):
+    """Scaled up, the new worker serves requests; scaled back, it stops (gone from the registry, its process
+    exited) and the platform keeps serving."""
     address, proc, log_dir = platform
     scale(address, 2)
     wait_for(lambda: decode_workers(address) == ["decode-0", "decode-1"], 90, proc, log_dir)
+    served: set[str] = set()
+
+    def new_worker_served() -> bool:  # concurrent distinct prompts: the router's in-flight books spread them
+        with ThreadPoolExecutor(6) as pool:
+            finals = list(pool.map(lambda i: generate(address, [9 + i, 40 + i, 7, 8, 3 * i + 11]), range(6)))
+        served.update(f.timings.decode_worker for f in finals)
+        return "decode-1" in served
+
+    wait_for(new_worker_served, 60, proc, log_dir)
+    pid = _pid_of("decode-1", str(log_dir.parent))
     scale(address, 1)
-    wait_for(lambda: decode_workers(address) == ["decode-0"], 60, proc, log_dir)
+    wait_for(lambda: _worker(address, "decode-1") is None and not _alive(pid), 90, proc, log_dir)
+    assert decode_workers(address) == ["decode-0"]
     assert generate(address).finish_reason == pb.FINISH_REASON_LENGTH  # still serving
     assert proc.poll() is None
 
