@@ -45,14 +45,14 @@ def expected(model_dir):
 
 
 def start_cluster(model_dir, log_dir, *, prefill: int, decode: int, policy: str = "least_loaded",
-                  router_args=()) -> tuple[Cluster, RedisServer]:
+                  router_args=(), prefill_args=()) -> tuple[Cluster, RedisServer]:
     """The router defaults to the threshold policy here: these tests assert remote/local by prompt length
     (the cost policy's choices depend on rates it learns as the tests run; tests/integration/test_routing.py
     exercises it)."""
     require_redis_server()
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, log_dir)
-    workers = [cluster.start_worker("prefill", worker_id=f"p{i}") for i in range(prefill)]
+    workers = [cluster.start_worker("prefill", *prefill_args, worker_id=f"p{i}") for i in range(prefill)]
     workers += [cluster.start_worker("decode", worker_id=f"d{i}") for i in range(decode)]
     cluster.workers = workers
     cluster.wait_for_workers({w.name for w in workers})
@@ -209,22 +209,28 @@ def test_two_prefill_two_decode_equals_offline_engine(model_dir, tmp_path, expec
 
 
 def test_prefill_worker_killed_mid_flight_requests_still_complete(model_dir, tmp_path, expected):
-    cluster, redis = start_cluster(model_dir, tmp_path, prefill=1, decode=1)
+    """P's steps are slowed (1 s each), so the long prompts are still being prefilled when P is SIGKILLed: each
+    request falls back to a local prefill on D (the only other worker) and is token-exact."""
+    cluster, redis = start_cluster(model_dir, tmp_path, prefill=1, decode=1,
+                                   prefill_args=("--fault-step-delay-s", "1"))
     try:
         long_ones = [i for i, p in enumerate(PROMPTS) if len(p) > 60]
-        results: dict[int, list[int]] = {}
+        results: dict[int, tuple[list[int], pb.GenerateResponse]] = {}
 
         def run(i: int) -> None:
-            results[i] = generate(cluster.router.address, PROMPTS[i], timeout=120)[0]
+            results[i] = generate(cluster.router.address, PROMPTS[i], timeout=120)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in long_ones]
         for t in threads:
             t.start()
-        time.sleep(0.05)
+        time.sleep(0.3)  # sent; P's first step (1 s) has not ended
         cluster.workers[0].kill(signal.SIGKILL)
         for t in threads:
             t.join(120)
-        assert {i: results.get(i) for i in long_ones} == {i: expected[i] for i in long_ones}
+        assert {i: results[i][0] for i in long_ones} == {i: expected[i] for i in long_ones}
+        for i in long_ones:  # the fault path did run: every one was recomputed on D
+            t = results[i][1].timings
+            assert t.route_kind == "local" and "prefill on p0 failed" in t.route_reason, t.route_reason
         assert_pools_full(cluster)
         assert generate(cluster.router.address, PROMPTS[-1])[0] == expected[-1]  # still serving, locally
     finally:
