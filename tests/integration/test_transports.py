@@ -1,6 +1,7 @@
 """The KV transport per worker pair, with real processes: each worker serves every transport it was
 started with; a pull uses the puller's first transport the server offers (shown in the timings); a
-decode worker without the deployment's data-plane secret reads nothing and recomputes locally."""
+decode worker without the deployment's data-plane secret reads nothing and recomputes locally. Every
+transport a worker can be started with serves here: tcp, nccl (gloo), ucx and auto (cma first on one host)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from tests.integration.cluster import Cluster
 from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, _wait_serving, assert_pools_full, expected, model_dir  # noqa: F401
 from tests.redis_server import RedisServer, require_redis_server
 
-DECODES = {"d-nccl": ("nccl,tcp", True), "d-tcp": ("tcp", True), "d-nosecret": ("tcp,nccl", False)}
+# decode worker -> (its --kv-transport, has the data-plane secret); p0 serves every transport that runs here (auto)
+DECODES = {"d-nccl": ("nccl,tcp", True), "d-tcp": ("tcp", True), "d-ucx": ("ucx,tcp", True), "d-auto": ("auto", True),
+           "d-nosecret": ("tcp,nccl", False)}
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +32,9 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811
     secret.write_text("a-deployment-secret-of-32-bytes!\n")
     cluster = Cluster(redis.url, model_dir, logs)
     with_secret = ("--kv-secret-file", str(secret))
-    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", "tcp,nccl", *with_secret, worker_id="p0")]
+    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", "auto", *with_secret, worker_id="p0")]
     for worker_id, (kinds, has_secret) in DECODES.items():
-        cluster.workers.append(cluster.start_worker("decode", "--kv-transport", kinds,
+        cluster.workers.append(cluster.start_worker("decode", "--kv-transport", kinds, "--on-drain", "stay",  # only()
                                                     *(with_secret if has_secret else ()), worker_id=worker_id))
     try:
         cluster.wait_for_workers({"p0", *DECODES})
@@ -64,7 +67,10 @@ def generate(cluster, prompt: list[int]) -> tuple[list[int], pb.Timings]:
     return [t for r in responses for t in r.token_ids], responses[-1].timings
 
 
-@pytest.mark.parametrize("decode_id, transport", [("d-nccl", "nccl"), ("d-tcp", "tcp")])
+# worker processes started with each --kv-transport, serving through the router: nccl (gloo on CPU), tcp, ucx
+# (ucxx over UCX's tcp), and auto, whose first kind on one host is cma (process_vm_readv)
+@pytest.mark.parametrize("decode_id, transport", [("d-nccl", "nccl"), ("d-tcp", "tcp"), ("d-ucx", "ucx"),
+                                                  ("d-auto", "cma")])
 def test_the_pair_uses_the_pullers_first_transport_the_server_offers(cluster, expected, decode_id, transport):  # noqa: F811
     only(cluster, decode_id)
     for i in (20, 23):  # long enough to prefill remotely
