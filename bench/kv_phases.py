@@ -105,9 +105,11 @@ def _run_client(sub: argparse.Namespace, servers: kt.Servers, total_blocks: int)
     client.start()
     peaks = {"client": 0, **{name: 0 for name in servers.endpoints}}
     pids = {"client": client.pid, **{name: servers.procs[name].pid for name in servers.endpoints}}
-    while not pipe.poll(0.2):
+    while True:  # sampled before the first wait too: a phase faster than one period still has its counts
         for name, pid in pids.items():
             peaks[name] = max(peaks[name], task_count(pid))
+        if pipe.poll(0.2):
+            break
         if not client.is_alive():
             return client, ("exited", f"client process exited with code {client.exitcode} before it replied"), peaks
     reply = pipe.recv()
