@@ -231,6 +231,8 @@ def _record_transfer(node, timings: pb.Timings, stats: TransferStats, kind: str)
     timings.transfer_bytes, timings.transfer_ms = stats.num_bytes, stats.seconds * 1e3
     timings.transfer_gbps, timings.transfer_blocks = stats.gbps, stats.num_blocks
     timings.transport = kind
+    if stats.first_layer_s is not None:
+        timings.kv_first_layer_unix_ms = (stats.started_unix_s + stats.first_layer_s) * 1e3
     node.metrics.kv_transfer(stats.num_bytes, stats.seconds, kind)
 
 

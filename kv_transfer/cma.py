@@ -176,9 +176,10 @@ class CmaClient(PooledClient):
             local, remote = pair_rows(request.dst_buffer, src_ids, dst_ids, remote, uri)
             read = functools.partial(self._read, pid, uri=uri, dst_buffer=request.dst_buffer)
             if iovecs.code & IOVECS_STREAMED:  # the lease is still being computed: layer by layer
-                await read_announced(sock, uri, local, remote, layout.num_layers, read, io_s)
+                await read_announced(sock, uri, local, remote, layout.num_layers, read, io_s, request.landed)
             else:
                 await read(local, remote)
+                request.landed.first_layer()
             await send_frame(sock, encode_frame(C_READ_DONE), io_s, what)
             done = await recv_frame(sock, io_s, what)
             if done.kind != DONE:

@@ -28,6 +28,7 @@ from kv_transfer.errors import KVTransferError
 from kv_transfer.progress import LayerProgress
 from kv_transfer.protocol import computed_layers, remote_error
 from kv_transfer.tcp_wire import recv_frame, send_frame
+from kv_transfer.transport import LayerClock
 from kv_transfer.wire import ERR_LEASE, ERROR, Frame, encode_frame
 
 C_LAYERS = 38  # after C_HELLO .. C_READ_DONE (33-37): a kind of cma's own
@@ -55,13 +56,15 @@ async def announce_layers(sock: socket.socket, progress: LayerProgress, timeout_
 
 
 async def read_announced(sock: socket.socket, uri: str, local: np.ndarray, remote: np.ndarray, num_layers: int,
-                         read: ReadRows, timeout_s: float) -> None:
+                         read: ReadRows, timeout_s: float, landed: LayerClock) -> None:
     """Read the rows of ``local``/``remote`` (layer-major, as many per layer) of each layer a C_LAYERS names,
-    as they come; raises what an ERROR says (the unread layers stay untouched)."""
+    as they come (``landed`` marks the first); raises what an ERROR says (the unread layers stay untouched)."""
     rows, done = len(local) // num_layers, 0
     while done < num_layers:
         ready = _layers_ready(uri, await recv_frame(sock, timeout_s, f"KV server {uri}"), done, num_layers)
         await read(local[done * rows : ready * rows], remote[done * rows : ready * rows])
+        if not done:
+            landed.first_layer()
         done = ready
 
 

@@ -315,6 +315,8 @@ class NcclClient(KVClient):
             recv = functools.partial(exchange, channel.group, tensors[first : first + per_batch], send=False,
                                      timeout_s=io_s)
             await unless_closed(channel.call(recv, bound_s=io_s, what="receiving KV"), sock, what)
+            if not first:
+                request.landed.first_layer()
         done = await recv_frame(sock, io_s, what)
         if done.kind != DONE:
             raise remote_error(channel.uri, done)

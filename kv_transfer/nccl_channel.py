@@ -150,16 +150,18 @@ async def unless_closed(work, sock: socket.socket, what: str) -> None:
     """Await the receive ``work``; if the peer closes the control socket meanwhile (a server that died or
     stopped mid-transfer), say so rather than report gloo's timeout, once ``work`` has ended (bounded):
     until then bytes may still land."""
-    work, watch = asyncio.ensure_future(work), asyncio.ensure_future(wait_readable(sock, float("inf")))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        work.cancel()
-        await asyncio.wait({work})  # Channel.call lets the receive end before it gives up
-        raise
-    finally:
-        watch.cancel()
-        await asyncio.wait({watch})  # its reader is off the socket before anyone else waits on it
+    loop, readable = asyncio.get_running_loop(), asyncio.Event()
+    work = asyncio.ensure_future(work)
+    with _reader(loop, sock, readable.set):  # off the socket before this returns: the channel may close next
+        watch = asyncio.ensure_future(readable.wait())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            await asyncio.wait({work})  # Channel.call lets the receive end before it gives up
+            raise
+        finally:
+            watch.cancel()
     if work.done() or not channel_closed(sock):
         await work  # the socket holds the next frame: DONE may overtake the last KV bytes
         return
@@ -171,14 +173,25 @@ async def unless_closed(work, sock: socket.socket, what: str) -> None:
 async def wait_readable(sock: socket.socket, timeout_s: float) -> bool:
     """Wait for the next frame of an idle channel; False after ``timeout_s`` of silence."""
     loop, ready = asyncio.get_running_loop(), asyncio.Event()
-    loop.add_reader(sock.fileno(), ready.set)
+    with _reader(loop, sock, ready.set):
+        try:
+            await asyncio.wait_for(ready.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+
+@contextlib.contextmanager
+def _reader(loop: asyncio.AbstractEventLoop, sock: socket.socket, callback: Callable[[], object]):
+    """``callback`` while ``sock`` is readable. The reader is removed by the fd it was added with, at once on
+    exit (never from a task that may run after the socket closed: a selector left holding a closed fd breaks
+    the next socket that gets the same number)."""
+    fd = sock.fileno()
+    loop.add_reader(fd, callback)
     try:
-        await asyncio.wait_for(ready.wait(), timeout_s)
-        return True
-    except TimeoutError:
-        return False
+        yield
     finally:
-        loop.remove_reader(sock.fileno())
+        loop.remove_reader(fd)
 
 
 def join_group(host: str, store_port: int, prefix: str, local_host: str, timeout_s: float, device: torch.device):

@@ -138,7 +138,10 @@ class TcpClient(PooledClient):
             check_hello_ok(uri, layout, await recv_frame(sock, io_s, what))
             check_data(uri, request.num_bytes, await recv_frame(sock, io_s, what))
             views = request.dst_buffer.segments(request.dst_ids)  # [num_layers x runs of dst ids], views into dst
-            await transfer(sock, views, write=False, timeout_s=io_s, what=what)
+            first = len(views) // layout.num_layers  # layer 0's runs: when they land is the pull's first layer
+            await transfer(sock, views[:first], write=False, timeout_s=io_s, what=what)
+            request.landed.first_layer()
+            await transfer(sock, views[first:], write=False, timeout_s=io_s, what=what)
             done = await recv_frame(sock, io_s, what)
             if done.kind != DONE:
                 raise remote_error(uri, done)

@@ -74,6 +74,10 @@ class TransferStats:
     num_blocks: int
     num_bytes: int
     seconds: float  # request (or connect, without a kept-alive connection) to last byte, as the decode side sees it
+    # from the same start until layer 0 of every block had landed (a streamed read lands it while the later
+    # layers still compute); None where the transport cannot tell (local://, ucx://)
+    first_layer_s: float | None = None
+    started_unix_s: float = 0.0  # the start, by the wall clock (to compare with other processes' instants)
 
     @property
     def gbps(self) -> float:
@@ -93,6 +97,19 @@ class KVServer(Protocol):
         ...
 
 
+class LayerClock:
+    """When a pull's first layer had landed: a client calls ``first_layer()`` once layer 0 of every block is
+    in the destination (again on a retried attempt: the last one counts)."""
+
+    __slots__ = ("first_layer_at",)
+
+    def __init__(self) -> None:
+        self.first_layer_at: float | None = None  # time.perf_counter()
+
+    def first_layer(self) -> None:
+        self.first_layer_at = time.perf_counter()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pull:
     """One pull's arguments, checked (``check_pull_args``), block ids as ints."""
@@ -103,6 +120,7 @@ class Pull:
     src_ids: list[int]
     dst_buffer: KVBuffer
     dst_ids: list[int]
+    landed: LayerClock = field(default_factory=LayerClock)
 
     @property
     def num_bytes(self) -> int:
@@ -120,13 +138,16 @@ class KVClient:
     async def pull(self, uri: str, layout: KVLayout, lease_id: str, src_block_ids: Sequence[int],
                    dst_buffer: KVBuffer, dst_block_ids: Sequence[int]) -> TransferStats:
         """Read leased blocks ``src_block_ids`` of the server at ``uri`` into ``dst_block_ids`` of ``dst_buffer``."""
-        start = time.perf_counter()
+        start, started_unix_s = time.perf_counter(), time.time()
         check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
         request = Pull(uri=uri, layout=layout, lease_id=lease_id, src_ids=[int(b) for b in src_block_ids],
                        dst_buffer=dst_buffer, dst_ids=[int(b) for b in dst_block_ids])
         await self._pull(request)
+        first_at = request.landed.first_layer_at
         return TransferStats(num_blocks=len(request.src_ids), num_bytes=request.num_bytes,
-                             seconds=time.perf_counter() - start)
+                             seconds=time.perf_counter() - start,
+                             first_layer_s=None if first_at is None else first_at - start,
+                             started_unix_s=started_unix_s)
 
     async def _pull(self, request: Pull) -> None:
         raise NotImplementedError

@@ -47,7 +47,7 @@ class PrefillServicer(WorkerServicer):
             rid, list(request.token_ids), first_params, priority=request.priority,
             cache_salt=request.cache_salt, hold_blocks=True)
         deltas = [d async for d in node.async_engine.stream(rid, add)]
-        prefill_ms = (time.perf_counter() - started) * 1e3
+        prefill_ms, ended_unix_ms = (time.perf_counter() - started) * 1e3, time.time() * 1e3
         last = deltas[-1]
         if last.finish_reason is FinishReason.ABORT:
             raise CapacityExceeded(f"prefill of {rid} was aborted")
@@ -58,7 +58,8 @@ class PrefillServicer(WorkerServicer):
         response = pb.PrefillResponse(
             first_token=last.new_token_ids[0], finish_reason=FINISH_TO_PB[finish],
             num_cached_tokens=last.num_cached_tokens,
-            timings=pb.Timings(prefill_ms=prefill_ms, prefill_worker=node.worker_id),
+            timings=pb.Timings(prefill_ms=prefill_ms, prefill_worker=node.worker_id,
+                               prefill_end_unix_ms=ended_unix_ms),
         )
         if last.queue_s is not None:
             response.timings.queue_ms = last.queue_s * 1e3

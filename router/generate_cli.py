@@ -60,6 +60,8 @@ def format_timings(final: pb.GenerateResponse) -> str:
              f"route {t.route_kind or '?'} ({t.route_reason})" if t.route_reason else f"route {t.route_kind or '?'}"]
     if t.transfer_blocks or t.transfer_bytes:
         via = (f", {t.transport}" if t.transport else "") + (", streamed by layer" if t.kv_layerwise else "")
+        if t.kv_layerwise and t.kv_first_layer_unix_ms and t.prefill_end_unix_ms > t.kv_first_layer_unix_ms:
+            via += f", first layer in {t.prefill_end_unix_ms - t.kv_first_layer_unix_ms:.1f} ms before P finished"
         parts.append(f"KV {t.transfer_blocks} blocks {_bytes(t.transfer_bytes)} in {t.transfer_ms:.2f} ms "
                      f"({t.transfer_gbps:.2f} GB/s{via})")
     else:

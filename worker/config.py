@@ -34,6 +34,7 @@ class WorkerConfig:
     drain_settle_s: float = 5.0  # idle this long while draining before exiting
     tls: TlsConfig | None = None  # serve gRPC over TLS (mTLS when it has a CA); None: plaintext
     fault_step_delay_s: float = 0.0  # fault injection (tests, drills): every engine step first sleeps this long
+    fault_layer_delay_s: float = 0.0  # fault injection: each decoder layer of a step takes this much longer
 
 
 def transport_config(config: WorkerConfig) -> TransportConfig:

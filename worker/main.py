@@ -85,6 +85,9 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--fault-step-delay-s", type=float, default=0.0,
                    help="fault injection for tests and drills: every engine step first sleeps this long, as on an "
                    "overloaded device (default: 0, none)")
+    p.add_argument("--fault-layer-delay-s", type=float, default=0.0,
+                   help="fault injection: each decoder layer of every step takes this much longer before it "
+                   "writes its KV, as a big model's layers do; layer-wise streaming shows (default: 0, none)")
     p.add_argument("--otel-console", action="store_true",
                    help="print OpenTelemetry trace spans on stderr (also $BATON_OTEL_CONSOLE=1; OTLP export: "
                    "the standard OTEL_* variables, see proto/tracing.py)")
@@ -114,7 +117,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         calibrate_tokens=args.calibrate_tokens, lease_ttl_s=args.lease_ttl_s, heartbeat_ttl_s=args.heartbeat_ttl_s,
         heartbeat_interval_s=min(2.0, args.heartbeat_ttl_s / 3), metrics_port=args.metrics_port,
         on_drain=args.on_drain, drain_settle_s=args.drain_settle_s, tls=tls_config,
-        fault_step_delay_s=args.fault_step_delay_s,
+        fault_step_delay_s=args.fault_step_delay_s, fault_layer_delay_s=args.fault_layer_delay_s,
     )
 
 

@@ -59,6 +59,8 @@ class WorkerNode:
             await asyncio.to_thread(self.engine.calibrate, self.config.calibrate_tokens)
         if self.config.fault_step_delay_s > 0:
             _slow_steps(self.engine, self.config.fault_step_delay_s)
+        if self.config.fault_layer_delay_s > 0:
+            _slow_layers(self.engine, self.config.fault_layer_delay_s)
         self.layout = _layout(self.engine)
         self.async_engine = AsyncEngine(self.engine, on_held=self.on_held, step_hooks=self.step_hooks())
         self.async_engine.start()
@@ -198,6 +200,23 @@ def _slow_steps(engine: Engine, delay_s: float) -> None:
     def slow_step(*args, **kwargs):
         time.sleep(delay_s)
         return step(*args, **kwargs)
+
+    engine.step = slow_step
+
+
+def _slow_layers(engine: Engine, delay_s: float) -> None:
+    """Fault injection (``--fault-layer-delay-s``): in every step, each decoder layer sleeps ``delay_s`` before
+    the step's per-layer hook reports its KV written (a streamed read sees the layers come one by one)."""
+    logger.warning("fault injection: every decoder layer of a step is delayed by %.3f s", delay_s)
+    step = engine.step
+
+    def slow_step(*args, on_layer=None, **kwargs):
+        def slow_layer(layer: int) -> None:
+            time.sleep(delay_s)
+            if on_layer is not None:
+                on_layer(layer)
+
+        return step(*args, on_layer=slow_layer, **kwargs)
 
     engine.step = slow_step
 

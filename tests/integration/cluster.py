@@ -23,6 +23,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def interrupt(popen: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Ctrl-C a `baton up` (it stops every process it started); killed if it has not exited in ``timeout_s``."""
+    popen.send_signal(signal.SIGINT)
+    try:
+        popen.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+
+
 def _no_metrics(extra: tuple[str, ...]) -> list[str]:
     """Many processes share this host: no /metrics endpoint (and no HTTP front) unless a test asks."""
     return [] if "--metrics-port" in extra else ["--metrics-port", "0"]

@@ -79,14 +79,19 @@ def test_a_first_token_that_ends_the_request_stops_the_waiting_decode(cluster, e
     assert_pools_full(cluster)  # D's reservation aborted, P's lease released
 
 
-@pytest.fixture(scope="module", params=["cma", "nccl"])
+LAYER_DELAY_S = 0.4  # the streaming clusters' P: each of the tiny model's 2 layers takes this much longer
+
+
+@pytest.fixture(scope="module", params=["tcp", "cma", "nccl"])
 def streaming_cluster(request, model_dir, tmp_path_factory):  # noqa: F811
-    """P and D serving and pulling over one other streaming transport (``STREAMING_KINDS``) only."""
+    """P and D serving and pulling over one streaming transport (``STREAMING_KINDS``) only; P's layers are slow
+    on purpose (``--fault-layer-delay-s``), as a big model's are, so a streamed pull visibly overlaps them."""
     kind = request.param
     require_redis_server()
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp(f"layerwise-{kind}-logs"))
-    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", kind, worker_id="p0"),
+    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", kind, "--fault-layer-delay-s",
+                                            str(LAYER_DELAY_S), worker_id="p0"),
                        cluster.start_worker("decode", "--kv-transport", kind, worker_id="d0")]
     try:
         cluster.wait_for_workers({"p0", "d0"})
@@ -99,7 +104,11 @@ def streaming_cluster(request, model_dir, tmp_path_factory):  # noqa: F811
         redis.stop()
 
 
-def test_streamed_kv_over_cma_and_nccl_gives_the_engines_tokens(streaming_cluster, expected):  # noqa: F811
+def test_streamed_kv_lands_while_p_still_computes_and_gives_the_engines_tokens(streaming_cluster,  # noqa: F811
+                                                                                expected):  # noqa: F811
+    """By the instants the workers record (one host, one clock): D had the first layer of every block while
+    P's step was still computing the second, a layer's time before it ended; a P that handed the KV out
+    only once its step ended would have D's first layer land after that."""
     kind, cluster = streaming_cluster
     indices = [20, 21, 23, 22]
     with ThreadPoolExecutor(2) as pool:
@@ -109,6 +118,9 @@ def test_streamed_kv_over_cma_and_nccl_gives_the_engines_tokens(streaming_cluste
         assert tokens == expected[i]
         assert (t.route_kind, t.prefill_worker, t.decode_worker) == ("remote", "p0", "d0"), t
         assert t.kv_layerwise and t.transport == kind and t.transfer_bytes > 0 and not t.local_fallback, t
+        assert t.kv_first_layer_unix_ms > 0 and t.prefill_end_unix_ms > 0, t
+        ahead_ms = t.prefill_end_unix_ms - t.kv_first_layer_unix_ms
+        assert ahead_ms > LAYER_DELAY_S * 1e3 / 4, f"the first layer landed {ahead_ms:.0f} ms before P's step ended"
     assert_pools_full(cluster)
 
 

@@ -1,8 +1,9 @@
-"""`baton admin scale` under `baton up`: a second decode worker joins routing; scaling back drains it
-(no new work, stopped once idle) and the platform keeps serving."""
+"""`baton admin plan --apply` and `baton admin scale` under `baton up`: a second decode worker joins routing;
+scaling back drains it (no new work, stopped once idle) and the platform keeps serving."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from engine.tiny import build_model
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
-from tests.integration.cluster import ROOT, free_port
+from tests.integration.cluster import ROOT, free_port, interrupt
 from tests.redis_server import require_redis_server
 
 
@@ -35,12 +36,7 @@ def platform(tmp_path_factory):
         wait_for(lambda: decode_workers(address) == ["decode-0"], 90, proc, log_dir)
         yield address, proc, log_dir
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
 
 
 def decode_workers(address: str) -> list[str]:
@@ -59,6 +55,11 @@ def wait_for(condition, timeout_s: float, proc, log_dir) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out:\n{(log_dir / 'up.out').read_text()[-3000:]}")
         time.sleep(0.5)
+
+
+def prefill_workers(address: str) -> list[str]:
+    reply = pb_grpc.AdminStub(grpc.insecure_channel(address)).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    return sorted(w.worker_id for w in reply.workers if w.role == "prefill" and w.state == pb.WORKER_STATE_UP)
 
 
 def generate(address: str, prompt: list[int] | None = None) -> pb.GenerateResponse:
@@ -81,12 +82,33 @@ def scale(address: str, size: int) -> None:
     admin.ScalePool(pb.ScalePoolRequest(role="decode", size=size), timeout=5)
 
 
-def test_scale_decode_up_then_down(platform):
-    """Scaled up, the new worker serves requests; scaled back, it stops (gone from the registry, its process
+# A profile and traffic for which `baton admin plan` says 1 prefill and 2 decode workers: 10 requests/s of 60
+# output tokens at 20 ms ITL keep 12 sequences decoding, and a worker holds 8 of them within the 20 ms ITL
+# SLO; the prefill pool's 10 ms per 100-token prompt meets a 1 s TTFT with one worker.
+PLAN_FOR_TWO_DECODE = {"prefill": {"prompt_lens": [100, 1000], "tokens_per_s": [10000, 10000]},
+                       "decode": {"batch_sizes": [1, 8], "itl_ms": [10, 20]}}
+
+
+def plan_apply(address: str, tmp_path) -> str:
+    """`baton admin plan ... --apply`, as an operator runs it; returns what it printed."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PLAN_FOR_TWO_DECODE))
+    cmd = [sys.executable, "-m", "deploy.cli", "admin", "--router", address, "plan", "--ttft-p90", "1000",
+           "--itl-p90", "20", "--rate", "10", "--isl", "100", "--osl", "60", "--profile", str(profile), "--apply"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_plan_apply_scales_decode_up_and_scale_takes_it_down(platform, tmp_path):
+    """`baton admin plan --apply` sets the pools to the plan (2 decode workers) and the running `baton up`
+    starts the second, which serves requests; scaled back, it stops (gone from the registry, its process
     exited) and the platform keeps serving."""
     address, proc, log_dir = platform
-    scale(address, 2)
+    printed = plan_apply(address, tmp_path)
+    assert "applied" in printed.lower(), printed
     wait_for(lambda: decode_workers(address) == ["decode-0", "decode-1"], 90, proc, log_dir)
+    assert prefill_workers(address) == ["prefill-0"]  # the plan's 1 prefill worker: unchanged
     served: set[str] = set()
 
     def new_worker_served() -> bool:  # concurrent distinct prompts: the router's in-flight books spread them

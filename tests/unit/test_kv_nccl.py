@@ -5,6 +5,8 @@ a stalled sender is a timeout. On CPU the group is gloo; the GPU test needs two 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
 import time
 
@@ -293,5 +295,44 @@ def test_a_streamed_pull_that_fails_drops_its_channel_and_the_next_pull_is_exact
         finally:
             client.close()
             await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("cancel_after", range(16))
+def test_a_cancelled_receive_leaves_no_reader_on_its_socket(cancel_after: int) -> None:
+    """However far a receive has got when its pull is cancelled, the control socket's reader is gone by the
+    time the cancellation surfaces (the channel closes next): a reader left behind outlives the socket and
+    breaks the next socket given the same fd (seen as ``Invalid file descriptor: -1`` on a fresh clone)."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+
+        async def receive() -> None:
+            for _ in range(3):
+                await asyncio.sleep(0)
+
+        async def pull() -> None:  # as NcclClient._pull: a failed receive closes its channel at once
+            try:
+                await nccl_channel.unless_closed(receive(), ours, "test")
+            finally:
+                ours.close()
+
+        fd = ours.fileno()
+        try:
+            task = asyncio.create_task(pull())
+            for _ in range(cancel_after):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for _ in range(3):  # any task left behind runs now
+                await asyncio.sleep(0)
+            assert not loop.remove_reader(fd), "a reader outlived the socket"
+        finally:
+            ours.close()
+            theirs.close()
 
     run(scenario())

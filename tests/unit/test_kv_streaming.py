@@ -22,7 +22,7 @@ from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
 from kv_transfer.progress import LayerProgress
-from kv_transfer.transport import STREAMING_KINDS, TransportConfig, kind_available, make_server, pull
+from kv_transfer.transport import STREAMING_KINDS, LayerClock, TransportConfig, kind_available, make_server, pull
 
 LAYOUT = KVLayout(
     model_fingerprint=b"streaming", dtype="float32", block_size=4, num_layers=4, num_kv_heads=2, head_dim=8
@@ -153,14 +153,22 @@ def test_progress_waits_for_the_layers_ready_probe_and_fails_fast() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_streamed_pull_receives_each_layer_as_it_completes(kind: str) -> None:
+def test_streamed_pull_receives_each_layer_as_it_completes(kind: str, monkeypatch) -> None:
     seen: dict[str, bool] = {}
+    first_layer_marked, mark = threading.Event(), LayerClock.first_layer
+
+    def marked(clock: LayerClock) -> None:
+        mark(clock)
+        first_layer_marked.set()
+
+    monkeypatch.setattr(LayerClock, "first_layer", marked)
 
     def engine_thread(prefill: Prefill, progress: LayerProgress) -> None:
         for layer in range(LAYOUT.num_layers):
             if layer == LAYOUT.num_layers - 1:  # before the last layer completes:
                 seen["earlier_layers_landed"] = all(prefill.landed(l) for l in range(layer))
                 seen["last_layer_untouched"] = prefill.untouched(layer)
+                seen["first_layer_marked"] = first_layer_marked.wait(5.0)  # what Timings reports of the pull
             progress.complete(layer)
             seen[f"layer{layer}"] = _poll(lambda: prefill.landed(layer))
 
@@ -173,10 +181,11 @@ def test_streamed_pull_receives_each_layer_as_it_completes(kind: str) -> None:
             stats = await task
             await asyncio.to_thread(thread.join, 10)
             assert stats.num_bytes == len(SRC_IDS) * LAYOUT.bytes_per_block
+            assert 0 < stats.first_layer_s < stats.seconds
             prefill.assert_exact()
 
     run(scenario())
-    assert seen == {"earlier_layers_landed": True, "last_layer_untouched": True,
+    assert seen == {"earlier_layers_landed": True, "last_layer_untouched": True, "first_layer_marked": True,
                     **{f"layer{l}": True for l in range(LAYOUT.num_layers)}}
 
 

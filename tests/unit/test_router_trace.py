@@ -60,3 +60,19 @@ def test_queue_ms_of_the_worker_reaches_the_final_timings_and_the_cli_line():
     final = pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH, timings=t,
                                 usage=pb.Usage(prompt_tokens=80, completion_tokens=1))
     assert format_timings(final).startswith("[TTFT 50.0 ms | queue 12.5 ms | prefill p0 | decode d0 | route remote")
+
+
+def test_the_workers_instants_say_how_far_ahead_of_ps_compute_the_first_layer_landed():
+    from router.generate_cli import format_timings
+
+    trace = RequestTrace(Clock())
+    trace.route("remote", "cost")
+    trace.merge(pb.Timings(prefill_worker="p0", prefill_end_unix_ms=1_000_400.0))  # P's final message
+    trace.merge(pb.Timings(decode_worker="d0", kv_layerwise=True, transport="tcp", transfer_blocks=3,
+                           transfer_bytes=3 << 10, transfer_ms=2.0, kv_first_layer_unix_ms=1_000_012.5))
+    t = trace.final(prefill_worker="p0", decode_worker="d0")
+    assert (t.prefill_end_unix_ms, t.kv_first_layer_unix_ms) == (1_000_400.0, 1_000_012.5)
+    line = format_timings(pb.GenerateResponse(timings=t))
+    assert "streamed by layer, first layer in 387.5 ms before P finished" in line
+    t.kv_first_layer_unix_ms = 1_000_401.0  # it landed after P finished: nothing hid behind the compute
+    assert "before P finished" not in format_timings(pb.GenerateResponse(timings=t))
