@@ -188,10 +188,8 @@ class DecodeServicer(WorkerServicer):
         (the first of this worker's kinds the peer serves); the layouts are compared before any byte moves."""
         node = self.node
         uri = choose_uri(handle.data_plane_uri, node.kv_kinds)
-        kind = uri_kind(uri)
-        stats = await node.kv_client(kind).pull(uri, layout_from_pb(handle.layout), handle.lease_id, src,
-                                                node.kv_buffer, dst)
-        return stats, kind
+        stats = await node.pull_kv(uri, layout_from_pb(handle.layout), handle.lease_id, src, dst)
+        return stats, uri_kind(uri)
 
     async def _first_token(self, request: pb.DecodeRequest, context) -> int:
         """Layer-wise: wait for P's first token (the router's FirstToken) while the call lives: the router

@@ -392,7 +392,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_open_leases", "queued_prefill_tokens", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_aborted_requests", "kv_pull_fallbacks")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_open_leases", "queued_prefill_tokens", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_aborted_requests", "kv_pull_fallbacks", "num_staging_blocks", "num_free_staging_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -409,6 +409,8 @@ class StatsResponse(_message.Message):
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_PULL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_STAGING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -425,7 +427,9 @@ class StatsResponse(_message.Message):
     kv_transfer_seconds: float
     num_aborted_requests: int
     kv_pull_fallbacks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_open_leases: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_aborted_requests: _Optional[int] = ..., kv_pull_fallbacks: _Optional[int] = ...) -> None: ...
+    num_staging_blocks: int
+    num_free_staging_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_open_leases: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_aborted_requests: _Optional[int] = ..., kv_pull_fallbacks: _Optional[int] = ..., num_staging_blocks: _Optional[int] = ..., num_free_staging_blocks: _Optional[int] = ...) -> None: ...
 
 class AdminWorker(_message.Message):
     __slots__ = ("worker_id", "role", "grpc_address", "kv_uri", "state", "has_load", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "kv_cache_usage", "load_age_ms", "prefix_cache_hit_rate", "transfer_gbps", "restarts")

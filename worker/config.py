@@ -33,6 +33,8 @@ class WorkerConfig:
     on_drain: str = "exit"  # drained by the admin: exit once idle (exit) or stay up, idle (stay)
     drain_settle_s: float = 5.0  # idle this long while draining before exiting
     tls: TlsConfig | None = None  # serve gRPC over TLS (mTLS when it has a CA); None: plaintext
+    kv_staging: str = "auto"  # auto: a device-resident cache goes through host staging; always: any cache does
+    kv_staging_blocks: int | None = None  # host staging blocks (None: half the cache, room for the longest prompt)
     fault_step_delay_s: float = 0.0  # fault injection (tests, drills): every engine step first sleeps this long
     fault_layer_delay_s: float = 0.0  # fault injection: each decoder layer of a step takes this much longer
 

@@ -15,11 +15,15 @@ Event-loop thread only (the engine thread reaches it through ``loop.call_soon_th
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 
 from kv_transfer.leases import Lease, LeaseTable
 from kv_transfer.progress import LayerProgress
+from kv_transfer.staging import StagedLeases, StagingFull, StagingPool
+
+logger = logging.getLogger(__name__)
 
 FreeBlocks = Callable[[Sequence[int]], None]  # hands blocks back to the engine
 
@@ -32,20 +36,35 @@ class WorkerLeases:
         self._admitted: dict[str, Lease] = {}  # layer-wise: pinned at admission, until the prefill hands over
         self._progress: dict[str, LayerProgress] = {}  # lease id -> layers written so far (layer-wise)
         self._waiters: dict[str, asyncio.Future] = {}  # request id -> its admitted lease, for PrefillStream
+        self._staging: StagedLeases | None = None  # host staging of every lease (``stage_through``)
 
     def __len__(self) -> int:
         return len(self.table)
 
+    def stage_through(self, pool: StagingPool) -> None:
+        """Serve every lease from host staging (``kv_transfer/staging.py``): each is copied there as it opens,
+        its handle names the staging blocks, and they are freed as it ends."""
+        self._staging = StagedLeases(pool, self.table.resolver(self._clock))
+
+    def _opened(self, lease: Lease, progress: LayerProgress | None = None) -> Lease:
+        if self._staging is not None:
+            try:
+                self._staging.stage(lease.lease_id, lease.block_ids, progress)
+            except StagingFull as exc:  # its reads are refused: the reader recomputes the prompt
+                logger.warning("lease %s is not staged: %s", lease.lease_id[:8], exc)
+        return lease
+
     # ---- opening ---------------------------------------------------------------------------
     def pin(self, block_ids: Sequence[int]) -> Lease:
         """A new lease on blocks already pinned in the engine (a cached prefix)."""
-        return self.table.create(block_ids, now=self._clock())
+        return self._opened(self.table.create(block_ids, now=self._clock()))
 
     def pin_admitted(self, request_id: str, block_ids: Sequence[int], progress: LayerProgress) -> Lease:
         """Layer-wise: pin the request's blocks as their computing step starts; wakes its ``wait_admitted``."""
         lease = self.table.create(block_ids, now=self._clock())
         self._admitted[request_id] = self._of_request[request_id] = lease
         self._progress[lease.lease_id] = progress
+        self._opened(lease, progress)
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(lease)
@@ -57,7 +76,7 @@ class WorkerLeases:
         released / expired meanwhile, which freed its blocks; only what the request holds beyond them is freed."""
         admitted = self._admitted.pop(request_id, None)
         if admitted is None:
-            self._of_request[request_id] = self.table.create(block_ids, now=self._clock())
+            self._of_request[request_id] = self._opened(self.table.create(block_ids, now=self._clock()))
             return
         self._progress.pop(admitted.lease_id, None)
         renewed = self.table.renew(admitted.lease_id, now=self._clock())
@@ -81,12 +100,23 @@ class WorkerLeases:
 
     # ---- reading ---------------------------------------------------------------------------
     def progress(self, lease_id: str) -> LayerProgress | None:
-        """The layers written so far of a lease pinned at admission (None: all of them are)."""
+        """The layers written so far of a lease pinned at admission (None: all of them are); staged: the
+        layers copied to host memory so far."""
+        if self._staging is not None:
+            return self._staging.progress(lease_id)
         return self._progress.get(lease_id)
 
-    def resolver(self) -> Callable[[str], tuple[int, ...]]:
-        """A transport ``resolve`` callback: lease id -> its block ids, LeaseNotFound if not live."""
+    def resolver(self) -> Callable[[str], Sequence[int]]:
+        """A transport ``resolve`` callback: lease id -> the block ids a reader asks for (staged: the staging
+        blocks), LeaseNotFound if not live."""
+        if self._staging is not None:
+            return self._staging.resolve
         return self.table.resolver(self._clock)
+
+    def read_ids(self, lease: Lease) -> list[int]:
+        """The block ids a reader of ``lease`` asks for (what its handle names)."""
+        staged = self._staging.ids_of(lease.lease_id) if self._staging is not None else None
+        return list(lease.block_ids) if staged is None else staged
 
     def expiry_unix_ms(self, lease: Lease) -> int:
         """When ``lease`` expires, on the wall clock a peer can compare."""
@@ -114,6 +144,8 @@ class WorkerLeases:
 
     def _end(self, lease: Lease) -> None:
         self._free(lease.block_ids)
+        if self._staging is not None:
+            self._staging.end(lease.lease_id)
         self._progress.pop(lease.lease_id, None)
         for request_id in [r for r, held in self._of_request.items() if held.lease_id == lease.lease_id]:
             del self._of_request[request_id]

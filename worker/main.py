@@ -41,6 +41,11 @@ def add_worker_options(group) -> None:
                        "recomputes the prompt locally")
     group.add_argument("--kv-io-timeout-s", type=float, default=10.0,
                        help="decode role: the longest a KV pull waits on its peer at any one point (default: %(default)s)")
+    group.add_argument("--kv-staging", default="auto", choices=["auto", "always"],
+                       help="serve and pull the KV through pinned host staging blocks: auto when the cache is on a "
+                       "GPU (a transport that cannot read device memory); always for any cache (default: %(default)s)")
+    group.add_argument("--kv-staging-blocks", type=int, default=None,
+                       help="host staging blocks (default: half the cache, and room for the longest prompt)")
     group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-seqs", type=int, default=64)
@@ -117,6 +122,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         calibrate_tokens=args.calibrate_tokens, lease_ttl_s=args.lease_ttl_s, heartbeat_ttl_s=args.heartbeat_ttl_s,
         heartbeat_interval_s=min(2.0, args.heartbeat_ttl_s / 3), metrics_port=args.metrics_port,
         on_drain=args.on_drain, drain_settle_s=args.drain_settle_s, tls=tls_config,
+        kv_staging=args.kv_staging, kv_staging_blocks=args.kv_staging_blocks,
         fault_step_delay_s=args.fault_step_delay_s, fault_layer_delay_s=args.fault_layer_delay_s,
     )
 

@@ -14,17 +14,19 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.async_engine import AsyncEngine, StepHooks
 from engine.core.outputs import RequestDelta, SchedulerStats
 from engine.engine import Engine
-from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.layout import KVLayout
+from kv_transfer.staging import KVRegion, StagingPool, needs_staging, pull_staged
 from kv_transfer.registry import HeartbeatTask, Registry, connect
 from kv_transfer.workers import WorkerInfo, WorkerLoad
-from kv_transfer.transport import STREAMING_KINDS, KVClient, connect as kv_connect, make_server, parse_kinds, uri_kind
+from kv_transfer.transport import (
+    STREAMING_KINDS, KVClient, TransferStats, connect as kv_connect, make_server, parse_kinds, uri_kind,
+)
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from proto.malformed import MalformedRequestInterceptor
@@ -64,8 +66,16 @@ class WorkerNode:
         self.layout = _layout(self.engine)
         self.async_engine = AsyncEngine(self.engine, on_held=self.on_held, step_hooks=self.step_hooks())
         self.async_engine.start()
-        # a byte view: numpy has no bfloat16, and the data plane moves bytes (CPU caches; CUDA needs staging)
-        self.kv_buffer = KVBuffer(self.layout, self.engine.runner.kv_cache.view(torch.uint8).numpy())
+        # the data plane moves bytes: a host cache is served in place, a device one (or any, with --kv-staging
+        # always) through pinned host staging blocks (kv_transfer/staging.py)
+        region = KVRegion(self.layout, self.engine.runner.kv_cache)
+        self.staging: StagingPool | None = None
+        if needs_staging(region, self.config.kv_staging):
+            self.staging = StagingPool(region, self.config.kv_staging_blocks or default_staging_blocks(self.engine))
+            self.leases.stage_through(self.staging)
+            logger.info("KV data plane through host staging: %d blocks (%.1f MiB)", self.staging.num_blocks,
+                        self.staging.host.numel() / 2**20)
+        self.kv_buffer = region.host_buffer() if self.staging is None else self.staging.buffer  # what is served
         # Every transport of --kv-transport is served (kv_uri lists their URIs, space-separated) and tried
         # in that order when pulling: the pair's transport is the puller's first one the server offers.
         self.kv_kinds = parse_kinds(self.config.kv_transport, str(self.engine.device))
@@ -125,6 +135,15 @@ class WorkerNode:
         logger.info("gRPC on %s:%d is %s", self.config.host, self.grpc_port, describe(self.config.tls))
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         return f"{self.config.host}:{self.grpc_port}"
+
+    async def pull_kv(self, uri: str, layout: KVLayout, lease_id: str, src: Sequence[int],
+                      dst: Sequence[int]) -> TransferStats:
+        """Pull a peer's leased blocks ``src`` into this worker's cache blocks ``dst`` (through host staging
+        when this worker stages)."""
+        client = self.kv_client(uri_kind(uri))
+        if self.staging is None:
+            return await client.pull(uri, layout, lease_id, src, self.kv_buffer, dst)
+        return await pull_staged(client, self.staging, uri, layout, lease_id, src, dst)
 
     def kv_client(self, kind: str) -> KVClient:
         """This worker's client for transport ``kind``, kept across pulls (nccl reuses its channels)."""
@@ -219,6 +238,12 @@ def _slow_layers(engine: Engine, delay_s: float) -> None:
         return step(*args, on_layer=slow_layer, **kwargs)
 
     engine.step = slow_step
+
+
+def default_staging_blocks(engine: Engine) -> int:
+    """Half the cache, and at least room for the longest prompt's blocks."""
+    size, total = engine.cache_config.block_size, engine.kv_cache_manager.pool.num_blocks
+    return min(total, max(total // 2, -(-engine.max_model_len // size) + 1))
 
 
 def _sample(engine: Engine) -> tuple[SchedulerStats, WorkerLoad]:

@@ -57,7 +57,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         node = self.node
         return pb.KVHandle(
             worker_id=node.worker_id, data_plane_uri=uri or node.kv_uri, lease_id=lease.lease_id,
-            block_ids=list(lease.block_ids), num_tokens=num_tokens, layout=layout_to_pb(node.layout),
+            block_ids=node.leases.read_ids(lease), num_tokens=num_tokens, layout=layout_to_pb(node.layout),
             lease_expires_unix_ms=node.leases.expiry_unix_ms(lease), grpc_address=node.grpc_address,
         )
 
@@ -115,7 +115,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         stats = await self.node.async_engine.call(lambda e: e.stats())
-        load = self.node.load
+        load, staging = self.node.load, self.node.staging
         return pb.StatsResponse(
             worker_id=self.node.worker_id, role=self.node.config.role, num_running=stats.num_running,
             num_waiting=stats.num_waiting, num_free_blocks=stats.num_free_blocks,
@@ -125,6 +125,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             num_preemptions=stats.num_preemptions, kv_transfer_bytes=self.node.metrics.transfer_bytes_total,
             kv_transfer_seconds=self.node.metrics.transfer_seconds_total, num_aborted_requests=stats.num_aborted,
             kv_pull_fallbacks=self.node.metrics.pull_fallbacks_total,
+            num_staging_blocks=staging.num_blocks if staging is not None else 0,
+            num_free_staging_blocks=staging.num_free if staging is not None else 0,
         )
 
 

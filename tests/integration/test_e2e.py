@@ -90,7 +90,7 @@ def assert_pools_full(cluster: Cluster, timeout_s: float = 10.0) -> None:
         stats = [pb_grpc.WorkerStub(grpc.insecure_channel(w.address)).Stats(pb.StatsRequest())
                  for w in cluster.workers if w.popen.poll() is None]
         if all(s.num_free_blocks == s.num_total_blocks and s.num_open_leases == 0 and s.num_running == 0
-               for s in stats):
+               and s.num_free_staging_blocks == s.num_staging_blocks for s in stats):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"pools not back to full: {stats}")

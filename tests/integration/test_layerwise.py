@@ -82,17 +82,20 @@ def test_a_first_token_that_ends_the_request_stops_the_waiting_decode(cluster, e
 LAYER_DELAY_S = 0.4  # the streaming clusters' P: each of the tiny model's 2 layers takes this much longer
 
 
-@pytest.fixture(scope="module", params=["tcp", "cma", "nccl"])
+@pytest.fixture(scope="module", params=["tcp", "cma", "nccl", "tcp+staged"])
 def streaming_cluster(request, model_dir, tmp_path_factory):  # noqa: F811
     """P and D serving and pulling over one streaming transport (``STREAMING_KINDS``) only; P's layers are slow
-    on purpose (``--fault-layer-delay-s``), as a big model's are, so a streamed pull visibly overlaps them."""
-    kind = request.param
+    on purpose (``--fault-layer-delay-s``), as a big model's are, so a streamed pull visibly overlaps them.
+    ``+staged``: both move the KV through host staging blocks (``--kv-staging always``, as a GPU cache would)."""
+    kind, _, staged = request.param.partition("+")
     require_redis_server()
     redis = RedisServer.start()
-    cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp(f"layerwise-{kind}-logs"))
-    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", kind, "--fault-layer-delay-s",
-                                            str(LAYER_DELAY_S), worker_id="p0"),
-                       cluster.start_worker("decode", "--kv-transport", kind, worker_id="d0")]
+    cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp(f"layerwise-{kind}{staged}-logs"))
+    flags = ("--kv-transport", kind, *(("--kv-staging", "always") if staged else ()))
+    cluster.workers = [cluster.start_worker("prefill", *flags, "--fault-layer-delay-s", str(LAYER_DELAY_S),
+                                            worker_id="p0"),
+                       cluster.start_worker("decode", *flags, worker_id="d0")]
+    cluster.staged = bool(staged)
     try:
         cluster.wait_for_workers({"p0", "d0"})
         cluster.router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "least_loaded",
@@ -121,7 +124,11 @@ def test_streamed_kv_lands_while_p_still_computes_and_gives_the_engines_tokens(s
         assert t.kv_first_layer_unix_ms > 0 and t.prefill_end_unix_ms > 0, t
         ahead_ms = t.prefill_end_unix_ms - t.kv_first_layer_unix_ms
         assert ahead_ms > LAYER_DELAY_S * 1e3 / 4, f"the first layer landed {ahead_ms:.0f} ms before P's step ended"
-    assert_pools_full(cluster)
+    if cluster.staged:  # the KV went through both workers' staging blocks, all back in their pools
+        stats = [pb_grpc.WorkerStub(grpc.insecure_channel(w.address)).Stats(pb.StatsRequest(), timeout=10)
+                 for w in cluster.workers]
+        assert all(s.num_staging_blocks > 0 for s in stats), stats
+    assert_pools_full(cluster)  # staging blocks too
 
 
 # ---- the RPCs by hand ------------------------------------------------------------------------------

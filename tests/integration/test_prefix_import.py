@@ -2,8 +2,9 @@
 
 The RPCs are driven by hand, as the router drives them: ``LeasePrefix`` on the worker holding a cached
 prefix, ``Decode`` on the other with ``prefix_handle`` (it pulls the prefix over tcp and prefills only the
-rest), then ``ReleaseLease``. Greedy output equals the offline engine token for token, and every pool is
-full again afterwards, also when the handle is bad (the decode worker recomputes and says why).
+rest), then ``ReleaseLease``; both workers move the KV through host staging (``--kv-staging always``).
+Greedy output equals the offline engine token for token, and every pool (staging too) is full again
+afterwards, also when the handle is bad (the decode worker recomputes and says why).
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811
     require_redis_server()
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("prefix-import-logs"))
-    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", "tcp", worker_id="pa"),
-                       cluster.start_worker("decode", "--kv-transport", "tcp", worker_id="db")]
+    # both through host staging (--kv-staging always, as GPU caches): the handles name pa's staging blocks, db
+    # pulls into its own and copies them into its cache (test_tls imports a prefix without staging)
+    staged = ("--kv-transport", "tcp", "--kv-staging", "always")
+    cluster.workers = [cluster.start_worker("prefill", *staged, worker_id="pa"),
+                       cluster.start_worker("decode", *staged, worker_id="db")]
     try:
         cluster.wait_for_workers({"pa", "db"})
         yield cluster
