@@ -8,6 +8,7 @@ import sys
 _BENCHMARKS = {
     "throughput": "bench.throughput",
     "kv-transfer": "bench.kv_transfer",
+    "kv-staging": "bench.kv_staging",
     "router-overhead": "bench.router_overhead",
     "decision-latency": "bench.decision_latency",
     "routing": "bench.routing",
