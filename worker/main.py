@@ -105,6 +105,8 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
     tls_config = tls.from_args(args)
     if tls_config is not None:
         tls_config.require_server_identity()
+    if args.kv_staging_blocks is not None and args.kv_staging_blocks < 1:
+        raise ValueError(f"--kv-staging-blocks must be at least 1, got {args.kv_staging_blocks}")
     if args.kv_transport.strip() != "auto":
         parse_kinds(args.kv_transport)  # names a transport that cannot run here: refused before loading
     engine = EngineConfig(

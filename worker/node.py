@@ -21,8 +21,8 @@ from engine.async_engine import AsyncEngine, StepHooks
 from engine.core.outputs import RequestDelta, SchedulerStats
 from engine.engine import Engine
 from kv_transfer.layout import KVLayout
-from kv_transfer.staging import KVRegion, StagingPool, needs_staging, pull_staged
 from kv_transfer.registry import HeartbeatTask, Registry, connect
+from kv_transfer.staging import KVRegion, StagingPool, needs_staging, pull_staged
 from kv_transfer.workers import WorkerInfo, WorkerLoad
 from kv_transfer.transport import (
     STREAMING_KINDS, KVClient, TransferStats, connect as kv_connect, make_server, parse_kinds, uri_kind,

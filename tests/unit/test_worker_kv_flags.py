@@ -43,3 +43,13 @@ def test_kv_transport_list_and_secret_reach_the_config(tmp_path, monkeypatch):
     secret.write_text("short")
     with pytest.raises(ValueError, match="at least 16 bytes"):
         config("decode", "--kv-secret-file", str(secret))
+
+
+def test_kv_staging_flags_reach_the_config_and_bad_values_are_refused():
+    assert (config("decode").kv_staging, config("decode").kv_staging_blocks) == ("auto", None)
+    c = config("prefill", "--kv-staging", "always", "--kv-staging-blocks", "64")
+    assert (c.kv_staging, c.kv_staging_blocks) == ("always", 64)
+    with pytest.raises(ValueError, match="kv-staging-blocks"):
+        config("decode", "--kv-staging-blocks", "0")
+    with pytest.raises(SystemExit):  # argparse: not a mode
+        config("decode", "--kv-staging", "sometimes")
