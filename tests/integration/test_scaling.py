@@ -28,7 +28,7 @@ def platform(tmp_path_factory):
     port, log_dir = free_port(), tmp_path_factory.mktemp("up")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "deploy.cli", "up", "--model", str(model_dir), "--port", str(port),
-           "--metrics-port", str(free_port()), "--log-dir", str(log_dir)]
+           "--metrics-port", str(free_port()), "--http-port", "0", "--log-dir", str(log_dir)]  # no fixed port 8000
     with (log_dir / "up.out").open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     address = f"127.0.0.1:{port}"
