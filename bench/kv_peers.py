@@ -10,6 +10,9 @@ at setup (a real deployment exchanges them at startup); each timed transfer is d
 
 - ``nixl``: ``nixl-cu12`` (imports as ``nixl_cu12``), UCX backend, READ. On one host UCX picks its
   same-host transport (cma, cross-memory attach) by default; ``ucx_tls`` (e.g. ``"tcp"``) restricts it.
+  Without its progress thread by default, as Baton's nixl transport runs it (NIXL 1.5's thread never
+  pauses: a core per agent); the server then polls its agent (``poll``), the client polls its READ.
+  ``nixl_progress_thread=1`` runs NIXL's defaults instead.
 - ``mooncake``: ``mooncake-transfer-engine-non-cuda``, TCP protocol, P2PHANDSHAKE metadata (no etcd);
   needs Debian's ``libibverbs1`` to import.
 
@@ -57,6 +60,10 @@ class PeerServer(Protocol):
 class PeerClient(Protocol):
     def read(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> int:
         """READ the server's blocks into ours; returns the bytes moved."""
+        ...
+
+    def poll(self) -> None:
+        """Let the peer make progress (called about every millisecond while the server is up)."""
         ...
 
     def close(self) -> None: ...
@@ -141,8 +148,9 @@ def _nixl_ucx_env(options: dict[str, str]) -> dict[str, str]:
 
 def _nixl_agent(name: str, buffer: KVBuffer, options: dict[str, str]) -> tuple[Any, Any]:
     nixl = _import("nixl")
+    thread = options.get("nixl_progress_thread") == "1"
     with _env(_nixl_ucx_env(options)):
-        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=thread, backends=["UCX"]))
     registered = agent.register_memory([(buffer_address(buffer), buffer.array.nbytes, 0, "")], "DRAM")  # 4-tuples
     return agent, registered
 
@@ -158,6 +166,9 @@ class NixlServer:
             "address": name, "metadata": self._agent.get_agent_metadata(),
             "base_addr": buffer_address(buffer), "num_blocks": buffer.num_blocks,
         }
+
+    def poll(self) -> None:
+        self._agent.get_new_notifs()  # progresses the agent (needed without its thread, e.g. over UCX tcp)
 
     def close(self) -> None:
         self._agent.deregister_memory(self._registered)
@@ -219,6 +230,9 @@ class MooncakeServer:
             "address": f"127.0.0.1:{self._engine.get_rpc_port()}", "metadata": b"",
             "base_addr": self._base, "num_blocks": buffer.num_blocks,
         }
+
+    def poll(self) -> None:
+        pass  # the Transfer Engine has threads of its own
 
     def close(self) -> None:
         self._engine.unregister_memory(self._base)

@@ -46,7 +46,7 @@ def phase_client(args: argparse.Namespace, endpoints: dict[str, dict], total_blo
 
 def plan(args: argparse.Namespace) -> list[tuple[str, list[str], list[str]]]:
     """(phase name, transports, peers) per phase; a raw-only phase when no system was asked for."""
-    phases = [(kind, [kind], []) for kind in args.transports] + [(name, [], [name]) for name in args.peers]
+    phases = [(kind, [kind], []) for kind in args.transports] + [(kt.peer_system(name), [], [name]) for name in args.peers]
     return phases or [(BASELINE, [], [])]
 
 

@@ -123,7 +123,8 @@ def peer_server(name: str, num_blocks: int, options: dict[str, str], conn, stop)
         conn.send(("skip", _reason(exc)))
         return
     conn.send(("ok", server.endpoint))
-    stop.wait()
+    while not stop.wait(0.001):
+        server.poll()
     server.close()
 
 
@@ -159,8 +160,8 @@ def start_servers(args: argparse.Namespace, num_blocks: int) -> Servers:
     targets = {BASELINE: (raw_server, (num_blocks * SMALL.bytes_per_block,))}
     for kind in args.transports:
         targets[kind] = (transport_server, (kind, num_blocks, args.uvloop))
-    for name in args.peers:
-        targets[name] = (peer_server, (name, num_blocks, _peer_options(args)))
+    for name in args.peers:  # "<peer>-peer": Baton has a nixl transport of its own, measured beside NIXL itself
+        targets[peer_system(name)] = (peer_server, (name, num_blocks, _peer_options(args)))
     for name, (target, extra) in targets.items():
         pipes[name], child = ctx.Pipe()
         servers.procs[name] = ctx.Process(target=target, args=(*extra, child, servers.stop), daemon=True)
@@ -192,8 +193,17 @@ def stop_servers(servers: Servers) -> None:
             proc.join(5)
 
 
+PEER_SUFFIX = "-peer"
+
+
+def peer_system(name: str) -> str:
+    """The system name of peer ``name`` (``nixl-peer``), apart from Baton's transport of the same name."""
+    return name + PEER_SUFFIX
+
+
 def _peer_options(args: argparse.Namespace) -> dict[str, str]:
-    return {"nixl_ucx_tls": args.nixl_ucx_tls} if args.nixl_ucx_tls else {}
+    options = {"nixl_progress_thread": "1" if args.nixl_progress_thread else "0"}
+    return options | ({"nixl_ucx_tls": args.nixl_ucx_tls} if args.nixl_ucx_tls else {})
 
 
 # --- client side: a system is a name and a timed pull ---------------------------------------------
@@ -249,8 +259,8 @@ def make_systems(
 
 
 def _client(name: str, endpoint: dict, args: argparse.Namespace, dst: KVBuffer, loop) -> tuple[Pull, Callable]:
-    if name in kv_peers.PEER_NAMES:
-        peer = kv_peers.connect(name, endpoint, dst, _peer_options(args))
+    if name.endswith(PEER_SUFFIX):
+        peer = kv_peers.connect(name.removesuffix(PEER_SUFFIX), endpoint, dst, _peer_options(args))
 
         def peer_pull(src_ids: list[int], dst_ids: list[int]) -> tuple[float, int]:
             start = time.perf_counter()
@@ -365,11 +375,13 @@ def describe(started: list[str], args: argparse.Namespace) -> dict[str, str]:
     """What each started system is, for the JSON."""
     out = {BASELINE: "sendall / recv_into of one contiguous buffer, one connection per transfer"}
     for name in started:
-        if name == "nixl":
-            out[name] = (f"nixl-cu12 {kv_peers.peer_version(name)}, UCX backend, READ, "
-                         f"UCX_TLS={args.nixl_ucx_tls or 'default (same host: cma)'}")
-        elif name == "mooncake":
-            out[name] = f"mooncake-transfer-engine-non-cuda {kv_peers.peer_version(name)}, tcp, P2PHANDSHAKE, READ"
+        if name == peer_system("nixl"):
+            out[name] = (f"nixl-cu12 {kv_peers.peer_version('nixl')}, UCX backend, READ, "
+                         f"UCX_TLS={args.nixl_ucx_tls or 'default (same host: cma)'}, progress thread "
+                         f"{'on' if args.nixl_progress_thread else 'off (polled)'}")
+        elif name == peer_system("mooncake"):
+            out[name] = (f"mooncake-transfer-engine-non-cuda {kv_peers.peer_version('mooncake')}, tcp, "
+                         "P2PHANDSHAKE, READ")
         elif name != BASELINE:
             out[name] = f"Baton {name} transport: make_server / connect(uri).pull, request to last byte (kept-alive)"
     return out
@@ -442,6 +454,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="peer systems (default: all; none with a bare --peers)")
     parser.add_argument("--nixl-ucx-tls", default=None,
                         help="UCX_TLS for NIXL's UCX, e.g. tcp (default: UCX picks; cma on one host)")
+    parser.add_argument("--nixl-progress-thread", action="store_true",
+                        help="run the NIXL peer with its progress thread (NIXL's default; it spins a core per agent). "
+                             "Default: without, polled, as Baton's nixl transport runs it")
     parser.add_argument("--uvloop", action="store_true", help="run Baton's asyncio ends on uvloop")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON path; the PNG goes beside it")
     parser.add_argument("--isolate", action="store_true",

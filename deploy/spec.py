@@ -17,7 +17,7 @@ from deploy.fields import Fields, SpecError, check_dns_label
 
 API_VERSION = "baton.ai/v1alpha1"
 KIND = "BatonGraphDeployment"
-TRANSPORTS = ("ucx", "nccl", "tcp")
+TRANSPORTS = ("ucx", "nccl", "nixl", "tcp")
 DEFAULT_IMAGE = "ghcr.io/baton-ai/baton:latest"
 DEFAULT_REDIS_IMAGE = "redis:7.4-alpine"
 ROUTER_PORT = 50051
@@ -92,7 +92,7 @@ class Model:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVTransport:
-    backend: str  # ucx | nccl | tcp
+    backend: str  # ucx | nccl | nixl | tcp
     rdma_resource: str | None = None  # extended resource of the RDMA device, e.g. rdma/ib; None for tcp
     rdma_count: int = 1
 
@@ -233,7 +233,7 @@ def _transport(f: Fields) -> KVTransport:
     backend = f.string("backend", "tcp", choices=TRANSPORTS)
     if backend == "tcp":
         if f.has("rdmaResource"):
-            raise SpecError(f.at("rdmaResource"), "only for backend ucx or nccl (tcp needs no RDMA device)")
+            raise SpecError(f.at("rdmaResource"), "only for backend ucx, nccl or nixl (tcp needs no RDMA device)")
         transport = KVTransport(backend=backend, rdma_resource=None, rdma_count=f.integer("rdmaCount", 1, minimum=1))
     else:
         transport = KVTransport(backend=backend, rdma_resource=f.string("rdmaResource", "rdma/ib"),

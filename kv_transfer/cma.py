@@ -57,12 +57,13 @@ import struct
 import numpy as np
 
 from kv_transfer import checksum
-from kv_transfer.cma_memory import boot_id, buffer_iovecs, pair_rows, pid_namespace, readv, split_rows
+from kv_transfer.cma_memory import boot_id, pid_namespace, readv
 from kv_transfer.cma_stream import IOVECS_STREAMED, NOT_STREAMING, announce_layers, read_announced
 from kv_transfer.conn_pool import PooledClient, connect_socket, send_request
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer
 from kv_transfer.progress import ProgressLookup
+from kv_transfer.rows import buffer_iovecs, pair_rows, split_rows
 from kv_transfer.protocol import check_hello_ok, remote_error, sign_read, verify_done
 from kv_transfer.socket_server import ReadKinds, SocketServer
 from kv_transfer.tcp_wire import recv_frame, send_frame

@@ -36,15 +36,17 @@ _IMPLEMENTATIONS: dict[str, tuple[str, str, str]] = {
     "ucx": ("kv_transfer.ucx", "UcxServer", "UcxClient"),
     "nccl": ("kv_transfer.nccl", "NcclServer", "NcclClient"),
     "cma": ("kv_transfer.cma", "CmaServer", "CmaClient"),
+    "nixl": ("kv_transfer.nixl", "NixlServer", "NixlClient"),
 }
 TRANSPORT_KINDS = tuple(_IMPLEMENTATIONS)
 # What a worker serves and a decode worker prefers, in order, for ``--kv-transport auto``: on a host
 # buffer, CMA first (process_vm_readv: same-host peers only; a cma:// server on another host is refused
 # before any byte moves), then TCP (measured fastest here for one-shot pulls over a network), then UCX (shared
 # memory / RDMA when the fabric has it), then NCCL (gloo on CPU: real, slower); on a CUDA cache, the GPU-native
-# paths first.
+# paths first: NIXL (one-sided READs of registered VRAM), NCCL, UCX. NIXL is not offered for a host cache by
+# default (over TCP it moved 0.5-0.9 GB/s here, below our tcp); name it to use it.
 # ``local`` is in-process only (tests, benchmarks), never served by a worker.
-AUTO_PREFERENCE = {"cpu": ("cma", "tcp", "ucx", "nccl"), "cuda": ("nccl", "ucx", "tcp")}
+AUTO_PREFERENCE = {"cpu": ("cma", "tcp", "ucx", "nccl"), "cuda": ("nixl", "nccl", "ucx", "tcp")}
 
 # The kinds whose server streams a lease's KV layer by layer while the prompt computes (a ``progress``
 # lookup, kv_transfer/progress.py); the others serve a lease only once every layer is written.
@@ -195,6 +197,10 @@ def kind_available(kind: str) -> str | None:
         from kv_transfer.cma_memory import unavailable_reason
 
         return unavailable_reason()
+    if kind == "nixl":
+        from kv_transfer.nixl import unavailable_reason as nixl_unavailable
+
+        return nixl_unavailable()
     return None
 
 
@@ -202,14 +208,16 @@ def parse_kinds(spec: str, device: str = "cpu") -> tuple[str, ...]:
     """``--kv-transport``: "auto" (every transport that runs here, in ``AUTO_PREFERENCE`` order) or a
     comma-separated list in the caller's order of preference; raises ValueError naming what cannot run."""
     if spec.strip() == "auto":
-        return tuple(k for k in AUTO_PREFERENCE["cuda" if device.startswith("cuda") else "cpu"]
-                     if kind_available(k) is None)
+        kinds = tuple(k for k in AUTO_PREFERENCE["cuda" if device.startswith("cuda") else "cpu"]
+                      if kind_available(k) is None)
+        # nixl and ucx each load a UCX library of their own; two in one process crashed it here: nixl wins
+        return tuple(k for k in kinds if k != "ucx") if "nixl" in kinds else kinds
     kinds = tuple(dict.fromkeys(k.strip() for k in spec.split(",") if k.strip()))
     if not kinds:
         raise ValueError("--kv-transport: name at least one transport, or auto")
     for kind in kinds:
         if kind == "local":
-            raise ValueError("--kv-transport: local is in-process only (tests); use tcp, ucx, nccl or auto")
+            raise ValueError("--kv-transport: local is in-process only (tests); use tcp, cma, ucx, nccl, nixl or auto")
         if (why := kind_available(kind)) is not None:
             raise ValueError(f"--kv-transport {kind}: {why}")
     return kinds

@@ -31,7 +31,7 @@ def add_worker_options(group) -> None:
     take them from here."""
     group.add_argument("--kv-transport", default="tcp",
                        help="KV data plane: auto (every transport that runs here) or a comma-separated list in order of "
-                       "preference, of tcp, ucx, nccl (default: %(default)s). All are served; a pull uses the "
+                       "preference, of tcp, cma, ucx, nccl, nixl (default: %(default)s). All are served; a pull uses the "
                        "pulling worker's first transport the serving worker offers")
     group.add_argument("--kv-secret-file", default=None,
                        help="file holding the deployment's KV data-plane secret (default: $BATON_KV_SECRET); with one, "

@@ -79,6 +79,9 @@ class WorkerNode:
         # Every transport of --kv-transport is served (kv_uri lists their URIs, space-separated) and tried
         # in that order when pulling: the pair's transport is the puller's first one the server offers.
         self.kv_kinds = parse_kinds(self.config.kv_transport, str(self.engine.device))
+        if {"ucx", "nixl"} <= set(self.kv_kinds):
+            logger.warning("--kv-transport serves both ucx and nixl: each loads its own UCX library, and two in "
+                           "one process have crashed it when a peer died (docs/operations.md); serve one of them")
         self.transport_config = transport_config(self.config)
         self._kv_clients: dict[str, KVClient] = {}
         resolve = self.leases.resolver()

@@ -1,7 +1,8 @@
 """The KV transport per worker pair, with real processes: each worker serves every transport it was
 started with; a pull uses the puller's first transport the server offers (shown in the timings); a
 decode worker without the deployment's data-plane secret reads nothing and recomputes locally. Every
-transport a worker can be started with serves here: tcp, nccl (gloo), ucx and auto (cma first on one host)."""
+transport a worker can be started with serves here: tcp, nccl (gloo), ucx, nixl (NIXL READs of host memory) and
+auto (cma first on one host)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,23 @@ import time
 import grpc
 import pytest
 
+from kv_transfer.nixl import unavailable_reason as nixl_unavailable
 from kv_transfer.registry import Registry, connect
+from kv_transfer.transport import parse_kinds
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, _wait_serving, assert_pools_full, expected, model_dir  # noqa: F401
 from tests.redis_server import RedisServer, require_redis_server
 
-# decode worker -> (its --kv-transport, has the data-plane secret); p0 serves every transport that runs here (auto)
+# decode worker -> (its --kv-transport, has the data-plane secret); p0 serves every transport that runs here
+# (auto's, and nixl: auto offers it only for a CUDA cache)
 DECODES = {"d-nccl": ("nccl,tcp", True), "d-tcp": ("tcp", True), "d-ucx": ("ucx,tcp", True), "d-auto": ("auto", True),
            "d-nosecret": ("tcp,nccl", False)}
+NIXL = nixl_unavailable()
+if NIXL is None:
+    DECODES["d-nixl"] = ("nixl,tcp", True)
+P0_KINDS = ",".join((*parse_kinds("auto"), *(() if NIXL else ("nixl",))))
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,7 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811
     secret.write_text("a-deployment-secret-of-32-bytes!\n")
     cluster = Cluster(redis.url, model_dir, logs)
     with_secret = ("--kv-secret-file", str(secret))
-    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", "auto", *with_secret, worker_id="p0")]
+    cluster.workers = [cluster.start_worker("prefill", "--kv-transport", P0_KINDS, *with_secret, worker_id="p0")]
     for worker_id, (kinds, has_secret) in DECODES.items():
         cluster.workers.append(cluster.start_worker("decode", "--kv-transport", kinds, "--on-drain", "stay",  # only()
                                                     *(with_secret if has_secret else ()), worker_id=worker_id))
@@ -68,9 +76,12 @@ def generate(cluster, prompt: list[int]) -> tuple[list[int], pb.Timings]:
 
 
 # worker processes started with each --kv-transport, serving through the router: nccl (gloo on CPU), tcp, ucx
-# (ucxx over UCX's tcp), and auto, whose first kind on one host is cma (process_vm_readv)
-@pytest.mark.parametrize("decode_id, transport", [("d-nccl", "nccl"), ("d-tcp", "tcp"), ("d-ucx", "ucx"),
-                                                  ("d-auto", "cma")])
+# (ucxx over UCX's tcp), nixl (NIXL's UCX picks cma on one host), and auto, whose first kind on one host is cma
+# (process_vm_readv)
+@pytest.mark.parametrize("decode_id, transport", [
+    ("d-nccl", "nccl"), ("d-tcp", "tcp"), ("d-ucx", "ucx"), ("d-auto", "cma"),
+    pytest.param("d-nixl", "nixl", marks=pytest.mark.skipif(NIXL is not None, reason=NIXL or "")),
+])
 def test_the_pair_uses_the_pullers_first_transport_the_server_offers(cluster, expected, decode_id, transport):  # noqa: F811
     only(cluster, decode_id)
     for i in (20, 23):  # long enough to prefill remotely

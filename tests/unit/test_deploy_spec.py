@@ -56,7 +56,7 @@ def test_unknown_transport_is_named():
     data["spec"]["kvTransport"]["backend"] = "carrier-pigeon"
     err = _error(data)
     assert err.path == "spec.kvTransport.backend"
-    assert "ucx, nccl, tcp" in str(err)
+    assert "ucx, nccl, nixl, tcp" in str(err)
 
 
 def test_misspelled_field_is_rejected_not_ignored():

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from kv_transfer import cma, cma_memory, wire
+from kv_transfer import cma, cma_memory, rows, wire
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
@@ -223,7 +223,7 @@ def test_partial_reads_are_resumed_and_large_reads_batched(monkeypatch) -> None:
 def test_split_cuts_long_rows() -> None:
     local = np.array([[1000, 10], [5000, 3]], np.uint64)
     remote = np.array([[9000, 10], [7000, 3]], np.uint64)
-    new_local, new_remote = cma_memory.split_rows(local, remote, 4)
+    new_local, new_remote = rows.split_rows(local, remote, 4)
     assert new_local.tolist() == [[1000, 4], [1004, 4], [1008, 2], [5000, 3]]
     assert new_remote.tolist() == [[9000, 4], [9004, 4], [9008, 2], [7000, 3]]
 

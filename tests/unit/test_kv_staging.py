@@ -28,8 +28,15 @@ def _runnable(kinds):
             for k in sorted(kinds)]
 
 
+def _nixl_kind():
+    from tests.unit.test_kv_nixl import nixl_skip_reason  # in a process of its own: see test_kv_nixl.py
+
+    why = nixl_skip_reason()
+    return pytest.param("nixl", marks=pytest.mark.skipif(why is not None, reason=why or ""))
+
+
 KINDS = _runnable(STREAMING_KINDS)  # the transports that stream a lease's layers
-ALL_KINDS = _runnable(STREAMING_KINDS | {"ucx"})
+ALL_KINDS = [*_runnable(STREAMING_KINDS | {"ucx"}), _nixl_kind()]
 
 
 def run(coro, timeout_s: float = 20.0):
