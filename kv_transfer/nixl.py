@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import functools
 import importlib
+import importlib.util
 import logging
 import os
 import secrets
@@ -103,6 +104,13 @@ def nixl_module() -> Any:
         if hasattr(module, "nixl_agent"):
             return module
     raise ImportError(INSTALL_HINT)
+
+
+def installed() -> bool:
+    """Whether a NIXL package is installed, found without importing it. Importing NIXL loads the libraries it
+    bundles (its own UCX, gRPC, protobuf, absl) into the process: in a process that later loads grpc_tools'
+    protoc that crashed it here, so test processes ask this instead (a worker serving nixl imports it)."""
+    return any(importlib.util.find_spec(name) is not None for name in NIXL_MODULES)
 
 
 def unavailable_reason() -> str | None:
@@ -224,6 +232,8 @@ class NixlServer(SocketServer):
         self.num_notifications = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
+        if (why := unavailable_reason()) is not None:
+            raise KVTransferError(f"nixl:// cannot serve here: {why}")
         if self.agent is None:
             self.agent = Agent(f"baton-kv-{os.getpid()}-{self.incarnation.hex()}")
             self.agent.register(self.memory)

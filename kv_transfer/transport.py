@@ -197,10 +197,10 @@ def kind_available(kind: str) -> str | None:
         from kv_transfer.cma_memory import unavailable_reason
 
         return unavailable_reason()
-    if kind == "nixl":
-        from kv_transfer.nixl import unavailable_reason as nixl_unavailable
+    if kind == "nixl":  # found, not imported: importing NIXL loads the libraries it bundles (kv_transfer/nixl.py)
+        from kv_transfer.nixl import INSTALL_HINT, installed
 
-        return nixl_unavailable()
+        return None if installed() else INSTALL_HINT
     return None
 
 

@@ -95,6 +95,17 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # save_pretrained's shard bars
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """NIXL must never be imported by the main test process: the libraries it bundles (its own UCX, gRPC,
+    protobuf) crashed it later (tests/unit/test_kv_nixl.py runs nixl's cases in a process of their own)."""
+    import sys
+
+    loaded = [name for name in ("nixl_cu12", "nixl_cu13", "nixl") if sys.modules.get(name) is not None]
+    if loaded and os.environ.get("BATON_TEST_NIXL") != "1":
+        session.config.get_terminal_writer().line(f"ERROR: the main test process imported {loaded}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def build_tiny_model(spec: TinySpec, seed: int = 0):
     """A random fp32 transformers model for ``spec`` (eval mode, no EOS in its generation config)."""
     import torch

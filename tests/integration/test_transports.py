@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from kv_transfer.nixl import unavailable_reason as nixl_unavailable
+from kv_transfer.nixl import INSTALL_HINT as NIXL_HINT, installed as nixl_installed
 from kv_transfer.registry import Registry, connect
 from kv_transfer.transport import parse_kinds
 from proto import baton_pb2 as pb
@@ -25,7 +25,7 @@ from tests.redis_server import RedisServer, require_redis_server
 # (auto's, and nixl: auto offers it only for a CUDA cache)
 DECODES = {"d-nccl": ("nccl,tcp", True), "d-tcp": ("tcp", True), "d-ucx": ("ucx,tcp", True), "d-auto": ("auto", True),
            "d-nosecret": ("tcp,nccl", False)}
-NIXL = nixl_unavailable()
+NIXL = None if nixl_installed() else NIXL_HINT  # never imported here: the workers import it (see kv_transfer/nixl.py)
 if NIXL is None:
     DECODES["d-nixl"] = ("nixl,tcp", True)
 P0_KINDS = ",".join((*parse_kinds("auto"), *(() if NIXL else ("nixl",))))
