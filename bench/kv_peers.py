@@ -22,12 +22,11 @@ skipped with the reason.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.metadata
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +34,7 @@ import numpy as np
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, paired_runs
+from kv_transfer.nixl import environment  # imports no NIXL
 
 PEER_PACKAGES = {"nixl": "nixl-cu12", "mooncake": "mooncake-transfer-engine-non-cuda"}
 PEER_NAMES = tuple(PEER_PACKAGES)
@@ -118,21 +118,6 @@ def read_descriptors(
     return src.ravel(), dst_addr.ravel(), np.ascontiguousarray(lengths).ravel()
 
 
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    """``values`` set in the environment while a UCX context is created (UCX reads it then), restored after."""
-    old = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _nixl_ucx_env(options: dict[str, str]) -> dict[str, str]:
     """NIXL's bundled UCX: ``UCX_TLS`` from ``--nixl-ucx-tls``; without RDMA devices its ib module is not
     loaded (NIXL 1.5.1 segfaults at exit tearing it down on a host without any)."""
@@ -149,7 +134,7 @@ def _nixl_ucx_env(options: dict[str, str]) -> dict[str, str]:
 def _nixl_agent(name: str, buffer: KVBuffer, options: dict[str, str]) -> tuple[Any, Any]:
     nixl = _import("nixl")
     thread = options.get("nixl_progress_thread") == "1"
-    with _env(_nixl_ucx_env(options)):
+    with environment(_nixl_ucx_env(options)):
         agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=thread, backends=["UCX"]))
     registered = agent.register_memory([(buffer_address(buffer), buffer.array.nbytes, 0, "")], "DRAM")  # 4-tuples
     return agent, registered

@@ -131,12 +131,20 @@ def _ucx_env() -> Iterator[None]:
     environment is restored afterwards, so another UCX in the process (ucxx) is not affected."""
     ib = Path("/sys/class/infiniband")
     wanted = {} if ib.is_dir() and any(ib.iterdir()) else {"UCX_MODULES": os.environ.get("UCX_MODULES", "^ib")}
-    # No memory-event hooks: a second UCX in the process (ucxx's) hooks mmap/munmap too, and the two sets of
-    # hooks together crashed ucxx's peer-failure path here. NIXL registers the KV buffers once and Baton keeps
-    # them mapped while registered, so no registration cache needs invalidating.
+    # No memory-event hooks, a precaution: another UCX in the process (ucxx's) hooks mmap/munmap as well.
+    # NIXL registers the KV buffers once and Baton keeps them mapped while registered, so no registration
+    # cache needs invalidating. (The crashes seen beside ucxx came from NIXL's bundled libraries being loaded
+    # at all: tests/unit/test_kv_nixl.py.)
     wanted["UCX_MEM_EVENTS"] = os.environ.get("BATON_NIXL_UCX_MEM_EVENTS", "no")
-    old = {name: os.environ.get(name) for name in wanted}
-    os.environ.update(wanted)
+    with environment(wanted):
+        yield
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in the environment for the block (a UCX context reads it when made), restored after."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
