@@ -59,18 +59,17 @@ import numpy as np
 from kv_transfer import checksum
 from kv_transfer.cma_memory import boot_id, pid_namespace, readv
 from kv_transfer.cma_stream import IOVECS_STREAMED, NOT_STREAMING, announce_layers, read_announced
-from kv_transfer.conn_pool import PooledClient, connect_socket, send_request
+from kv_transfer.conn_pool import PooledClient
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer
 from kv_transfer.progress import ProgressLookup
+from kv_transfer.protocol import remote_error
 from kv_transfer.rows import buffer_iovecs, pair_rows, split_rows
-from kv_transfer.protocol import check_hello_ok, remote_error, sign_read, verify_done
 from kv_transfer.socket_server import ReadKinds, SocketServer
 from kv_transfer.tcp_wire import recv_frame, send_frame
 from kv_transfer.transport import Pull, Resolver, TransportConfig
 from kv_transfer.wire import (
-    DONE, ERR_PROTOCOL, ERR_REFUSED, ERROR, MAX_PAYLOAD_BYTES, READ_CHECKSUM, READ_STREAM, Frame, ReadRequest,
-    encode_frame, encode_read,
+    DONE, ERR_PROTOCOL, ERR_REFUSED, ERROR, MAX_PAYLOAD_BYTES, READ_CHECKSUM, READ_STREAM, Frame, encode_frame,
 )
 
 # kinds of their own: a tcp:// (1-6) or nccl:// (17-19) peer refuses them, and vice versa
@@ -162,37 +161,21 @@ class CmaClient(PooledClient):
     (``conn_pool``); ``close()`` closes the idle ones."""
 
     async def _pull(self, request: Pull) -> None:
-        uri, layout, src_ids, dst_ids = request.uri, request.layout, request.src_ids, request.dst_ids
-        io_s, what = self.config.io_timeout_s, f"KV server {uri}"
+        uri, io_s = request.uri, self.config.io_timeout_s
 
-        async def exchange(sock: socket.socket) -> Frame:
-            hello = layout.to_json().encode()  # signed per attempt: a retry carries a fresh nonce
-            payload, flags = sign_read(self.config, C_READ, hello, encode_read(ReadRequest(request.lease_id, src_ids)))
-            flags |= READ_STREAM | (READ_CHECKSUM if self.config.checksum else 0)
-            frames = [encode_frame(C_HELLO, hello), encode_frame(C_READ, payload, flags)]
-            await send_request(sock, frames, self.config, what)
-            check_hello_ok(uri, layout, await recv_frame(sock, io_s, what), C_HELLO_OK)
-            iovecs = await recv_frame(sock, io_s, what)
+        async def read(sock: socket.socket) -> None:
+            iovecs = await recv_frame(sock, io_s, f"KV server {uri}")
             pid, remote = _check_iovecs(uri, iovecs)
-            local, remote = pair_rows(request.dst_buffer, src_ids, dst_ids, remote, uri)
-            read = functools.partial(self._read, pid, uri=uri, dst_buffer=request.dst_buffer)
+            local, remote = pair_rows(request.dst_buffer, request.src_ids, request.dst_ids, remote, uri)
+            read_rows = functools.partial(self._read, pid, uri=uri, dst_buffer=request.dst_buffer)
             if iovecs.code & IOVECS_STREAMED:  # the lease is still being computed: layer by layer
-                await read_announced(sock, uri, local, remote, layout.num_layers, read, io_s, request.landed)
+                await read_announced(sock, uri, local, remote, request.layout.num_layers, read_rows, io_s,
+                                     request.landed)
             else:
-                await read(local, remote)
+                await read_rows(local, remote)
                 request.landed.first_layer()
-            await send_frame(sock, encode_frame(C_READ_DONE), io_s, what)
-            done = await recv_frame(sock, io_s, what)
-            if done.kind != DONE:
-                raise remote_error(uri, done)
-            return done
 
-        try:
-            done = await self.pool.run(uri, lambda: connect_socket(uri, self.config, "cma"), exchange)
-        except OSError as exc:
-            raise KVTransferError(f"KV pull from {uri} failed: {exc!r}") from exc
-        if self.config.checksum:
-            verify_done(uri, request.dst_buffer, dst_ids, done.payload)
+        await self.one_sided_read(request, "cma", CmaServer.kinds, C_READ_DONE, READ_STREAM, read)
 
     async def _read(self, pid: int, local: np.ndarray, remote: np.ndarray, *, uri: str, dst_buffer: KVBuffer) -> None:
         """Read ``remote`` rows into ``local`` ones: on the event loop when small, else in a worker thread."""

@@ -32,8 +32,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.tcp_wire import peek_byte, transfer, tune_socket
-from kv_transfer.transport import KVClient, TransportConfig, parse_uri
+from kv_transfer.protocol import check_hello_ok, remote_error, sign_read, verify_done
+from kv_transfer.socket_server import ReadKinds
+from kv_transfer.tcp_wire import peek_byte, recv_frame, send_frame, transfer, tune_socket
+from kv_transfer.transport import KVClient, Pull, TransportConfig, parse_uri
+from kv_transfer.wire import DONE, READ_CHECKSUM, Frame, ReadRequest, encode_frame, encode_read
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +127,37 @@ class PooledClient(KVClient):
     def close(self) -> None:
         """Close the idle connections (those of pulls still running close when they end)."""
         self.pool.close()
+
+    async def one_sided_read(self, request: Pull, scheme: str, kinds: ReadKinds, read_done: int, flags: int,
+                             read: Callable[[socket.socket], Awaitable[None]]) -> None:
+        """A pull whose bytes the client reads itself (cma, nixl), as one exchange on a pooled connection:
+        HELLO + READ (signed per attempt: a retry carries a fresh nonce; ``flags`` and READ_CHECKSUM as
+        configured) -> HELLO_OK checked -> ``read(sock)`` (the transport's answer frame and its reading of
+        the bytes) -> ``read_done`` -> DONE, whose checksums are verified when asked."""
+        uri, layout = request.uri, request.layout
+        io_s, what = self.config.io_timeout_s, f"KV server {uri}"
+
+        async def exchange(sock: socket.socket) -> Frame:
+            hello = layout.to_json().encode()
+            payload, signed = sign_read(self.config, kinds.read, hello,
+                                        encode_read(ReadRequest(request.lease_id, request.src_ids)))
+            code = signed | flags | (READ_CHECKSUM if self.config.checksum else 0)
+            await send_request(sock, [encode_frame(kinds.hello, hello), encode_frame(kinds.read, payload, code)],
+                               self.config, what)
+            check_hello_ok(uri, layout, await recv_frame(sock, io_s, what), kinds.hello_ok)
+            await read(sock)
+            await send_frame(sock, encode_frame(read_done), io_s, what)
+            done = await recv_frame(sock, io_s, what)
+            if done.kind != DONE:
+                raise remote_error(uri, done)
+            return done
+
+        try:
+            done = await self.pool.run(uri, lambda: connect_socket(uri, self.config, scheme), exchange)
+        except OSError as exc:
+            raise KVTransferError(f"KV pull from {uri} failed: {exc!r}") from exc
+        if self.config.checksum:
+            verify_done(uri, request.dst_buffer, request.dst_ids, done.payload)
 
 
 def _close_all(idle: dict[str, list[tuple[socket.socket, float]]]) -> None:

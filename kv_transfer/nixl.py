@@ -62,18 +62,17 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kv_transfer import checksum
-from kv_transfer.conn_pool import PooledClient, connect_socket, send_request
+from kv_transfer.conn_pool import PooledClient
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer
 from kv_transfer.progress import ProgressLookup
-from kv_transfer.protocol import check_hello_ok, remote_error, sign_read, verify_done
+from kv_transfer.protocol import remote_error
 from kv_transfer.rows import buffer_iovecs, pair_rows
 from kv_transfer.socket_server import ReadKinds, SocketServer
 from kv_transfer.tcp_wire import peek_byte, recv_frame, send_frame
 from kv_transfer.transport import Pull, Resolver, TransportConfig
 from kv_transfer.wire import (
-    DONE, ERR_PROTOCOL, ERR_REFUSED, ERROR, MAX_PAYLOAD_BYTES, READ_CHECKSUM, Frame, encode_frame, encode_read,
-    ReadRequest,
+    DONE, ERR_PROTOCOL, ERR_REFUSED, ERROR, MAX_PAYLOAD_BYTES, READ_CHECKSUM, Frame, encode_frame,
 )
 
 logger = logging.getLogger(__name__)
@@ -388,33 +387,16 @@ class NixlClient(PooledClient):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def _pull(self, request: Pull) -> None:
-        uri, layout, src_ids, dst_ids = request.uri, request.layout, request.src_ids, request.dst_ids
-        io_s, what = self.config.io_timeout_s, f"KV server {uri}"
+        uri = request.uri
         await self._call(self._prepare, request.dst_buffer)
 
-        async def exchange(sock: socket.socket) -> Frame:
-            hello = layout.to_json().encode()  # signed per attempt: a retry carries a fresh nonce
-            payload, flags = sign_read(self.config, N_READ, hello, encode_read(ReadRequest(request.lease_id, src_ids)))
-            flags |= READ_CHECKSUM if self.config.checksum else 0
-            await send_request(sock, [encode_frame(N_HELLO, hello), encode_frame(N_READ, payload, flags)],
-                               self.config, what)
-            check_hello_ok(uri, layout, await recv_frame(sock, io_s, what), N_HELLO_OK)
-            descs = _parse_descs(uri, await recv_frame(sock, io_s, what))
-            local, remote = pair_rows(request.dst_buffer, src_ids, dst_ids, descs.rows, uri)
+        async def read(sock: socket.socket) -> None:
+            descs = _parse_descs(uri, await recv_frame(sock, self.config.io_timeout_s, f"KV server {uri}"))
+            local, remote = pair_rows(request.dst_buffer, request.src_ids, request.dst_ids, descs.rows, uri)
             await self._read(descs, local, remote, request)
             request.landed.first_layer()
-            await send_frame(sock, encode_frame(N_READ_DONE), io_s, what)
-            done = await recv_frame(sock, io_s, what)
-            if done.kind != DONE:
-                raise remote_error(uri, done)
-            return done
 
-        try:
-            done = await self.pool.run(uri, lambda: connect_socket(uri, self.config, "nixl"), exchange)
-        except OSError as exc:
-            raise KVTransferError(f"KV pull from {uri} failed: {exc!r}") from exc
-        if self.config.checksum:
-            verify_done(uri, request.dst_buffer, dst_ids, done.payload)
+        await self.one_sided_read(request, "nixl", NixlServer.kinds, N_READ_DONE, 0, read)
 
     # --- on the agent's thread -------------------------------------------------------------------
 
