@@ -22,6 +22,7 @@ import time
 from bench import kv_transfer as kt
 
 BASELINE = kt.BASELINE
+POOLED = (*kt.RAW_VARIANTS, kt.REFERENCE)  # measured in every phase: pooled over them (raw: the faster variant)
 
 
 def task_count(pid: int | None = None) -> int:
@@ -119,25 +120,29 @@ def _run_client(sub: argparse.Namespace, servers: kt.Servers, total_blocks: int)
 
 def _raw_entry(result: dict) -> dict:
     raw = result["systems"][BASELINE]
-    return {"tokens": result["tokens"], **{k: raw[k] for k in ("gbps", "p50_ms", "p99_ms", "seconds")}}
+    return {"tokens": result["tokens"], **{k: raw[k] for k in ("gbps", "p50_ms", "p99_ms", "seconds", "best_of")}}
 
 
 def merge(phases: dict[str, dict]) -> list[dict]:
     """One result per prompt size: each system's figures from its own phase (its ratio against that
-    phase's raw, ``raw_gbps`` beside it) and ``raw`` pooled over every phase's raw transfers."""
+    phase's raw, ``raw_gbps`` beside it); ``raw`` and ``memcpy`` pooled over every phase's."""
     merged: dict[int, dict] = {}
-    raw_seconds: dict[int, list[float]] = {}
+    pooled_seconds: dict[int, dict[str, list[float]]] = {}  # raw and the memcpy reference, every phase's
     for label, phase in phases.items():
         for result in phase["results"]:
             tokens, raw = result["tokens"], result["systems"][BASELINE]
             sizes = {k: result[k] for k in ("tokens", "blocks", "num_bytes")}
             entry = merged.setdefault(tokens, {**sizes, "systems": {}})
-            raw_seconds.setdefault(tokens, []).extend(raw["seconds"])
             for name, stats in result["systems"].items():
-                if name != BASELINE:
+                if name == BASELINE:
+                    continue  # a copy of the faster variant: chosen again from the pooled ones
+                if name in POOLED:
+                    pooled_seconds.setdefault(tokens, {}).setdefault(name, []).extend(stats["seconds"])
+                else:
                     entry["systems"][name] = {**stats, "phase": label, "raw_gbps": raw["gbps"]}
     out = []
     for tokens, entry in merged.items():
-        pooled = kt.summarize({BASELINE: raw_seconds[tokens]}, {BASELINE: entry["num_bytes"]}, entry["num_bytes"])
+        seconds = pooled_seconds[tokens]
+        pooled = kt.summarize(seconds, dict.fromkeys(seconds, entry["num_bytes"]), entry["num_bytes"])
         out.append({**entry, "systems": pooled | entry["systems"]})
     return out

@@ -23,18 +23,27 @@ def test_tiny_run_writes_results_with_the_expected_bytes(tmp_path, monkeypatch):
 
     doc = json.loads(out.read_text())
     assert doc["runs"] == 2
-    assert set(doc["systems"]) == {"raw", "tcp"}
+    assert set(doc["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", "tcp"}
     assert set(doc["skipped"]) == {"nosuch"}  # an unknown kind is reported, not a crash
     [result] = doc["results"]
     assert (result["tokens"], result["blocks"]) == (64, 4)
     assert result["num_bytes"] == 4 * SMALL.bytes_per_block == 4 * 128 * 1024
-    assert set(result["systems"]) == {"raw", "tcp/contiguous", "tcp/scattered"}
+    assert set(result["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", "tcp/contiguous", "tcp/scattered",
+                                      "tcp/merged"}
     for name, stats in result["systems"].items():
         assert stats["bytes_moved"] == result["num_bytes"], name
         assert len(stats["seconds"]) == 2 and all(s > 0 for s in stats["seconds"])
         assert stats["gbps"] > 0 and 0 < stats["p50_ms"] <= stats["p99_ms"]
     assert result["systems"]["raw"]["ratio_vs_raw"] == 1.0
+    _assert_raw_is_the_faster_variant(result["systems"])
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+def _assert_raw_is_the_faster_variant(systems: dict) -> None:
+    raw, variants = systems["raw"], {name: systems[name] for name in kv_transfer.RAW_VARIANTS}
+    best = max(variants, key=lambda name: variants[name]["gbps"])
+    assert raw["best_of"] == best and raw["seconds"] == variants[best]["seconds"]
+    assert all(stats["ratio_vs_raw"] <= 1.0 for stats in variants.values())
 
 
 def test_isolated_run_has_a_phase_per_system_with_its_own_raw(tmp_path, monkeypatch):
@@ -46,19 +55,23 @@ def test_isolated_run_has_a_phase_per_system_with_its_own_raw(tmp_path, monkeypa
 
     doc = json.loads(out.read_text())
     assert doc["isolated"] is True
-    assert set(doc["systems"]) == {"raw", "tcp"} and set(doc["skipped"]) == {"nosuch"}
+    assert set(doc["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", "tcp"} and set(doc["skipped"]) == {"nosuch"}
     [phase_raw] = doc["phases"]["tcp"]["raw"]
     assert phase_raw["tokens"] == 64 and len(phase_raw["seconds"]) == 2
     threads = doc["phases"]["tcp"]["threads"]
     assert threads["processes_left_after_phase"] == 0 and threads["client_peak"] >= 1
     [result] = doc["results"]
-    assert set(result["systems"]) == {"raw", "tcp/contiguous", "tcp/scattered"}
-    for name in ("tcp/contiguous", "tcp/scattered"):
+    assert set(result["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", "tcp/contiguous", "tcp/scattered",
+                                      "tcp/merged"}
+    assert len(result["systems"]["memcpy"]["seconds"]) == 2  # measured in the phase, pooled like raw
+    for name in ("tcp/contiguous", "tcp/scattered", "tcp/merged"):
         stats = result["systems"][name]
         assert stats["bytes_moved"] == result["num_bytes"] and stats["phase"] == "tcp"
         assert stats["raw_gbps"] == phase_raw["gbps"]
         assert stats["ratio_vs_raw"] == pytest.approx(stats["gbps"] / phase_raw["gbps"])
     assert result["systems"]["raw"]["ratio_vs_raw"] == 1.0
+    _assert_raw_is_the_faster_variant(result["systems"])  # chosen again from the pooled variants
+    assert phase_raw["best_of"] in kv_transfer.RAW_VARIANTS
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -79,10 +92,14 @@ def test_read_descriptors_cover_exactly_the_requested_blocks():
 
 
 def test_prompt_blocks_are_distinct_and_in_range():
-    src_ids, patterns = kv_transfer.prompt_blocks(1000, 200)
+    patterns = kv_transfer.prompt_blocks(1000, 200)
+    assert set(patterns) == set(kv_transfer.PATTERNS)
+    src_ids, first = patterns["contiguous"]
     assert len(src_ids) == 63 and src_ids == sorted(set(src_ids)) and max(src_ids) < 200
-    assert patterns["contiguous"] == list(range(63))
-    assert len(set(patterns["scattered"])) == 63 and max(patterns["scattered"]) < 200
+    assert src_ids != first == list(range(63))  # spread over the pool, into the first blocks
+    assert patterns["scattered"][0] == src_ids
+    assert len(set(patterns["scattered"][1])) == 63 and max(patterns["scattered"][1]) < 200
+    assert patterns["merged"] == (first, first)  # one run per layer on both sides
 
 
 def test_a_peer_that_does_not_import_is_unavailable_with_the_reason(monkeypatch):
