@@ -32,7 +32,7 @@ class EngineConfig:
     """What a user chooses; the engine derives the component configs from it."""
 
     model: str | None = None  # a HF folder, a .gguf file, or a name (tiny, small, smollm2); None: tiny
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: bfloat16 on CUDA (float16 for a GPU without bf16: pass it), float32 on CPU
     device: str = "auto"  # auto: cuda when available, else cpu
     attention_backend: str = "auto"  # auto | torch | flashinfer
     block_size: int = 16

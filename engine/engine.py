@@ -288,7 +288,7 @@ def _pick_dtype(dtype: str, device: torch.device) -> str | None:
         if dtype not in ("float32", "float16", "bfloat16"):
             raise InvalidRequest(f"dtype must be auto|float32|float16|bfloat16, got {dtype!r}")
         return dtype
-    return None if device.type == "cuda" else "float32"
+    return "bfloat16" if device.type == "cuda" else "float32"  # bf16 on a GPU, whatever the checkpoint holds
 
 
 def _pick_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -14,6 +14,7 @@ from engine.core.outputs import SampledTokens, ScheduledSeq, SchedulerOutput
 from engine.model.config import ModelConfig
 from engine.sampler import Sampler
 from engine.sampling.builder import SamplingBatchBuilder
+from engine.step_inputs import StepInputs
 
 # Layer-wise KV streaming: ``on_layer(i)`` runs on the engine thread after decoder layer i wrote this
 # step's KV, layers in order. On CPU the forward is synchronous, so layer i's KV is in the cache when the
@@ -45,11 +46,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # the whole paged cache
         self.kv_layers = list(self.kv_cache.unbind(0))  # per layer: [num_blocks, 2, bs, kvh, d]
         self.layer_events: list = []  # CUDA only: one event per layer of the last hooked step
+        self.inputs = StepInputs(device)  # persistent (pinned on CUDA) input buffers
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, on_layer: LayerHook | None = None) -> SampledTokens:
         self.sampling.forget(output.preempted_ids)
-        input_ids, positions, logit_rows = self._prepare_inputs(output.seqs)
+        input_ids, positions, logit_rows = self.inputs.fill(output.seqs)
         slices = [SeqSlice(s.start, s.num_new_tokens, s.block_ids) for s in output.seqs]
         metadata = self.backend.build_metadata(slices, self.block_size, self.device)
         batch = ForwardBatch(positions, self.kv_layers, self.backend, metadata)
@@ -90,18 +92,6 @@ class ModelRunner:
             on_layer(layer_index)
 
         return hook
-
-    def _prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logit_rows: list[int] = []
-        for s in seqs:
-            input_ids.extend(s.request.all_token_ids[s.start : s.end])
-            positions.extend(range(s.start, s.end))
-            if s.samples:
-                logit_rows.append(len(input_ids) - 1)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return as_tensor(input_ids), as_tensor(positions), as_tensor(logit_rows)
 
 
 def _logprob_lists(result) -> list[tuple[float, list[tuple[int, float]]]] | None:
