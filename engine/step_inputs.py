@@ -5,7 +5,7 @@ allocation, a list walk per element, and on CUDA a copy from pageable memory). `
 host buffer per input (in pinned memory on CUDA, so the copy is a real asynchronous DMA) and one device
 buffer, both grown by doubling when a step has more tokens than they hold, and fills them per step with
 numpy over whole arrays: the token ids are the only per-sequence work (one list slice per sequence,
-converted at C speed); positions and logit rows come from the per-sequence starts and counts, vectorized.
+flattened and converted at C speed); positions and logit rows come from the per-sequence starts and counts, vectorized.
 
 Reuse is safe because every step ends in a host sync (the sampled ids' ``tolist``): by the time the next
 step overwrites the host buffers, the previous step's copies out of them and every kernel reading the
@@ -15,6 +15,7 @@ device buffers have completed. On CPU the host buffers are the inputs themselves
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import torch
@@ -41,8 +42,8 @@ class StepInputs:
             self._allocate(max(num_tokens, 2 * self.capacity))
         ends = np.cumsum(counts)  # [B] one past each sequence's last row
         ids, pos, rows = self._host_np
-        for s, end in zip(seqs, ends.tolist()):  # per sequence, not per token: a list slice numpy converts
-            ids[end - s.num_new_tokens : end] = s.request.all_token_ids[s.start : s.end]
+        # a list slice per sequence, flattened and converted in C (no Python step per token)
+        ids[:num_tokens] = list(chain.from_iterable(s.request.all_token_ids[s.start : s.end] for s in seqs))
         # position of row r of sequence i: starts[i] + (r - first row of i)
         np.subtract(np.arange(num_tokens), np.repeat(ends - counts - starts, counts), out=pos[:num_tokens])
         sampled = np.fromiter((s.samples for s in seqs), bool, len(seqs))  # [B]
