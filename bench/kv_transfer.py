@@ -325,6 +325,7 @@ class RawClient:
     def __init__(self, port: int, blocking: bool = True) -> None:
         self._sock = socket.create_connection(("127.0.0.1", port))
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.setblocking(blocking)  # an 8-byte request always fits the idle socket's buffer
         self._epoll = None if blocking else select.epoll()
         if self._epoll is not None:
             self._epoll.register(self._sock.fileno(), select.EPOLLIN)
@@ -332,9 +333,7 @@ class RawClient:
     def pull(self, dst: np.ndarray) -> tuple[float, int]:
         view = memoryview(dst)
         start = time.perf_counter()
-        self._sock.setblocking(True)
         self._sock.sendall(struct.pack("<Q", view.nbytes))
-        self._sock.setblocking(self._epoll is None)
         got, flags = 0, socket.MSG_WAITALL if self._epoll is None else 0
         while got < view.nbytes:  # blocking: one call, unless a signal interrupts it
             try:

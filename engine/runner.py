@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, ForwardBatch, SeqSlice
-from engine.core.outputs import SampledTokens, ScheduledSeq, SchedulerOutput
+from engine.core.outputs import SampledTokens, SchedulerOutput
 from engine.model.config import ModelConfig
 from engine.sampler import Sampler
 from engine.sampling.builder import SamplingBatchBuilder

@@ -7,9 +7,10 @@ buffer, both grown by doubling when a step has more tokens than they hold, and f
 numpy over whole arrays: the token ids are the only per-sequence work (one list slice per sequence,
 flattened and converted at C speed); positions and logit rows come from the per-sequence starts and counts, vectorized.
 
-Reuse is safe because every step ends in a host sync (the sampled ids' ``tolist``): by the time the next
-step overwrites the host buffers, the previous step's copies out of them and every kernel reading the
-device buffers have completed. On CPU the host buffers are the inputs themselves (no copy).
+Reuse: before the host buffers are overwritten, ``fill`` waits on an event recorded after the previous
+step's copies out of them (a step that samples nothing ends without a host sync, so its copies may still
+be pending); the device buffers are overwritten by copies on the same stream as every kernel reading them,
+so in order. On CPU the host buffers are the inputs themselves (no copy, nothing to wait for).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class StepInputs:
         self.device = device
         self.capacity = 0
         self.grown = 0  # times the buffers were (re)allocated, for tests and logs
+        self._copied = None  # CUDA: an event recorded after the last step's host-to-device copies
         self._allocate(max(capacity, 1))
 
     def fill(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -38,6 +40,8 @@ class StepInputs:
         counts = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))  # [B]
         starts = np.fromiter((s.start for s in seqs), np.int64, len(seqs))  # [B]
         num_tokens = int(counts.sum())
+        if self._copied is not None:  # never run here (no GPU)
+            self._copied.synchronize()  # the last step's copies out of the host buffers are done
         if num_tokens > self.capacity:
             self._allocate(max(num_tokens, 2 * self.capacity))
         ends = np.cumsum(counts)  # [B] one past each sequence's last row
@@ -59,13 +63,16 @@ class StepInputs:
         for host, device, n in zip(self._host, self._device, sizes):  # never run here (no GPU)
             device[:n].copy_(host[:n], non_blocking=True)
             out.append(device[:n])
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return tuple(out)  # type: ignore[return-value]
 
     def _allocate(self, capacity: int) -> None:
-        sizes = (capacity, capacity, capacity)  # ids, positions, logit rows (at most one per token)
-        on_host = self.device.type == "cpu"
-        self._host = [torch.empty(n, dtype=torch.int64, pin_memory=self.device.type == "cuda") for n in sizes]
+        # ids, positions, logit rows (at most one per token): ``capacity`` each
+        self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda") for _ in range(3)]
         self._host_np = [t.numpy() for t in self._host]
-        self._device = None if on_host else [torch.empty(n, dtype=torch.int64, device=self.device) for n in sizes]
+        self._device = None if self.device.type == "cpu" else [
+            torch.empty(capacity, dtype=torch.int64, device=self.device) for _ in range(3)]
         self.capacity = capacity
         self.grown += 1
