@@ -1,7 +1,7 @@
 """Offline throughput: Baton's engine vs transformers ``generate`` with static batches, same run.
 
     python -m bench.throughput [--model small|smollm2|PATH] [--requests 128] [--concurrency 32 64]
-                               [--hf-batch 32] [--threads 2] [--llama-cpp]
+                               [--hf-batch 32] [--threads 2] [--device auto|cpu|cuda] [--compare-eager] [--llama-cpp]
 
 Every side: the same checkpoint (default the "small" preset; ``--model smollm2`` is the real
 SmolLM2-135M-Instruct GGUF, which transformers and Baton both dequantize to float32), greedy, ignore_eos,
@@ -10,6 +10,10 @@ and runs it to the batch's longest output; only each request's own tokens count 
 holding real tokens / slots reserved, averaged over decode steps. ``--llama-cpp`` (a GGUF model and the
 ``llama-cpp-python`` package) adds llama.cpp on the same file and threads: it runs the *quantized* weights,
 one sequence at a time (its Python API decodes one sequence per context).
+
+``--device`` puts both Baton and the transformers baseline on the same device in the same dtype (float32 on the
+CPU, bfloat16 on CUDA: Baton's default there). On CUDA Baton decodes through CUDA graphs; ``--compare-eager``
+adds a row of Baton with ``enforce_eager`` (no graphs) in the same run.
 """
 
 from __future__ import annotations
@@ -39,13 +43,15 @@ class RunResult:
         return self.generated_tokens / self.seconds
 
 
-def run_baton(model_dir: Path, requests: list[SyntheticRequest], concurrency: int, threads: int) -> RunResult:
+def run_baton(model_dir: Path, requests: list[SyntheticRequest], concurrency: int, threads: int, device: str,
+              eager: bool = False) -> RunResult:
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(
         model=str(model_dir), max_num_seqs=concurrency, max_num_batched_tokens=2048, num_threads=threads,
+        device=device, enforce_eager=eager,
     ))
     for i, r in enumerate(requests):
         engine.add_request(str(i), r.prompt_token_ids,
@@ -64,19 +70,20 @@ def run_baton(model_dir: Path, requests: list[SyntheticRequest], concurrency: in
             print(f"  baton c={concurrency}: {generated} tokens, {time.perf_counter() - started:.0f} s", flush=True)
     seconds = time.perf_counter() - started
     pool.check_invariants()
-    return RunResult("baton", concurrency, generated, seconds, used / max(reserved, 1))
+    return RunResult("baton-eager" if eager else "baton", concurrency, generated, seconds, used / max(reserved, 1))
 
 
-def run_hf(model_dir: Path, requests: list[SyntheticRequest], batch_size: int, threads: int) -> RunResult:
+def run_hf(model_dir: Path, requests: list[SyntheticRequest], batch_size: int, threads: int, device: str) -> RunResult:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # Baton's default on each
     if model_dir.is_file():  # a GGUF: transformers dequantizes it to float32, as Baton does
         model = AutoModelForCausalLM.from_pretrained(model_dir.parent, gguf_file=model_dir.name, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = model.eval()
+    model = model.to(device=device, dtype=dtype).eval()
     generated, used, reserved = 0, 0, 0
     started = time.perf_counter()
     for b in range(0, len(requests), batch_size):
@@ -129,6 +136,7 @@ def _hf_batch(model, batch: list[SyntheticRequest]) -> tuple[int, int, int]:
     for i, r in enumerate(batch):
         ids[i, max_prompt - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
         mask[i, max_prompt - len(r.prompt_token_ids):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -149,6 +157,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto",
+                        help="auto (cuda when there is one; default), cpu or cuda[:N]: Baton and the transformers "
+                        "baseline both run there")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="also run Baton with enforce_eager (no CUDA graphs), at the first concurrency")
     parser.add_argument("--skip-hf", action="store_true", help="only run Baton (no baseline, no ratio)")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also run llama.cpp (llama-cpp-python) on the same GGUF file and threads")
@@ -169,9 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     requests = sharegpt_like(args.requests, vocab_size=vocab_size, seed=args.seed)
     print(f"workload: {len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
           f"{sum(r.max_tokens for r in requests)} output tokens; model {model_dir}", flush=True)
-    results = [run_baton(model_dir, requests, c, args.threads) for c in args.concurrency]
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = [run_baton(model_dir, requests, c, args.threads, device) for c in args.concurrency]
+    if args.compare_eager:
+        results.append(run_baton(model_dir, requests, args.concurrency[0], args.threads, device, eager=True))
     if not args.skip_hf:
-        results.append(run_hf(model_dir, requests, args.hf_batch, args.threads))
+        results.append(run_hf(model_dir, requests, args.hf_batch, args.threads, device))
     if args.llama_cpp:
         results.append(run_llama_cpp(model_dir, requests, args.threads))
     _report(results, args)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
 
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batch sizes captured as CUDA graphs
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CacheConfig:
@@ -45,6 +47,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_waiting: int | None = None  # admission control: more queued requests are refused (None: unbounded)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    # CUDA graphs for decode steps of up to max(cuda_graph_sizes) sequences (capped by max_num_seqs); CUDA only
+    cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -52,5 +57,7 @@ class EngineConfig:
                 raise InvalidRequest(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise InvalidRequest(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1:
+            raise InvalidRequest(f"cuda_graph_sizes must be positive batch sizes, got {list(self.cuda_graph_sizes)}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise InvalidRequest(f"attention_backend must be auto|torch|flashinfer, got {self.attention_backend!r}")

@@ -16,6 +16,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import CachedPrefix, PrefixReservation, RequestDelta, SchedulerOutput, SchedulerStats
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
+from engine.decode_graphs import graph_sizes
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.model.config import ModelConfig, RopeConfig
 from engine.model.loader import load_model, open_gguf, read_model_config
@@ -60,8 +61,10 @@ class Engine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(
             model, self.model_config, num_blocks=num_blocks, block_size=config.block_size,
-            device=self.device, backend=_pick_backend(config.attention_backend, self.device),
+            device=self.device, backend=_pick_backend(config.attention_backend, self.device, self.model_config),
         )
+        if self.device.type == "cuda" and not config.enforce_eager:  # never run here (no GPU)
+            self.runner.use_decode_graphs(graph_sizes(config.cuda_graph_sizes, config.max_num_seqs), capture=True)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.max_num_waiting = config.max_num_waiting
         self.step_rates = StepRates()  # this engine's measured prefill rate and decode step time
@@ -257,6 +260,7 @@ class Engine:
         runs; ``on_layer(i)`` after each decoder layer wrote its KV (``engine.runner.LayerHook``)."""
         output = self.scheduler.schedule()
         if output.is_empty:
+            self.runner.forget(output.preempted_ids)  # a request that preempted itself
             return []
         if on_scheduled is not None:
             on_scheduled(output)
@@ -291,14 +295,17 @@ def _pick_dtype(dtype: str, device: torch.device) -> str | None:
     return "bfloat16" if device.type == "cuda" else "float32"  # bf16 on a GPU, whatever the checkpoint holds
 
 
-def _pick_backend(name: str, device: torch.device) -> AttentionBackend:
+def _pick_backend(name: str, device: torch.device, model: ModelConfig) -> AttentionBackend:
     if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
-        from engine.attention.flashinfer_backend import FlashInferBackend, flashinfer_available
+        from engine.attention.flashinfer_backend import FlashInferBackend, flashinfer_available, kernel_refusal
 
-        if flashinfer_available():
+        refusal = kernel_refusal(model.head_dim) or (
+            None if flashinfer_available() else "needs a CUDA GPU and the flashinfer-python package")
+        if refusal is None and (name == "flashinfer" or model.dtype != "float32"):  # auto: no fp32 kernels
             return FlashInferBackend(device)
         if name == "flashinfer":
-            raise InvalidRequest("attention_backend=flashinfer needs a CUDA GPU and the flashinfer-python package")
+            raise InvalidRequest(f"attention_backend=flashinfer: {refusal}")
+        logger.info("attention: torch backend (flashinfer %s)", refusal or "has no float32 kernels")
     from engine.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()

@@ -1,6 +1,9 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the model once, samples. The only
 torch-facing part of a step; one host sync per step (the sampled ids' ``tolist``, which also brings back
-the sampler's unproven-row flags; a second one only in a step where some row needs a full sort)."""
+the sampler's unproven-row flags; a second one only in a step where some row needs a full sort).
+
+The paged cache holds one block more than the pool hands out: the last one (``pad_block``) belongs to no
+request; the padding rows of a CUDA-graph decode step write their KV there (``engine/decode_graphs.py``)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend, ForwardBatch, SeqSlice
+from engine.attention.base import AttentionBackend, ForwardBatch, SeqSlice, StepBatch
 from engine.core.outputs import SampledTokens, SchedulerOutput
+from engine.decode_graphs import DecodeGraphs
 from engine.model.config import ModelConfig
 from engine.sampler import Sampler
 from engine.sampling.builder import SamplingBatchBuilder
@@ -42,20 +46,29 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling = SamplingBatchBuilder(config.vocab_size, device)  # holds per-request penalty state
         dtype = getattr(torch, config.dtype)
-        shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
+        self.max_blocks_per_seq = -(-config.max_position_embeddings // block_size)
+        self.pad_block = num_blocks  # one block past the pool's (see the module docstring)
+        shape = (config.num_layers, num_blocks + 1, 2, block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # the whole paged cache
-        self.kv_layers = list(self.kv_cache.unbind(0))  # per layer: [num_blocks, 2, bs, kvh, d]
+        self.kv_layers = list(self.kv_cache.unbind(0))  # per layer: [num_blocks + 1, 2, bs, kvh, d]
         self.layer_events: list = []  # CUDA only: one event per layer of the last hooked step
-        self.inputs = StepInputs(device)  # persistent (pinned on CUDA) input buffers
+        self.inputs = StepInputs(device, block_size)  # persistent (pinned on CUDA) input buffers
+        self.graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, sizes: Sequence[int], *, capture: bool) -> None:
+        """Decode steps of up to ``max(sizes)`` sequences run in fixed shapes: captured as CUDA graphs
+        (``capture``, CUDA only) or, without a graph, eagerly in the same shapes (tests on CPU)."""
+        self.graphs = DecodeGraphs(self.model, self.kv_layers, sizes=sizes, max_blocks=self.max_blocks_per_seq,
+                                   block_size=self.block_size, pad_block=self.pad_block, device=self.device,
+                                   capture=capture)
+        if capture:
+            self.graphs.capture_all()  # never run here (no GPU)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, on_layer: LayerHook | None = None) -> SampledTokens:
-        self.sampling.forget(output.preempted_ids)
-        input_ids, positions, logit_rows = self.inputs.fill(output.seqs)
-        slices = [SeqSlice(s.start, s.num_new_tokens, s.block_ids) for s in output.seqs]
-        metadata = self.backend.build_metadata(slices, self.block_size, self.device)
-        batch = ForwardBatch(positions, self.kv_layers, self.backend, metadata)
-        hidden = self.model(input_ids, batch, self._device_hook(on_layer))  # [T, hidden]
+        self.forget(output.preempted_ids)
+        input_ids, logit_rows, batch = self.inputs.fill(output.seqs)
+        hidden = self._forward(input_ids, batch, on_layer)  # [T, hidden]
         sampling = [s for s in output.seqs if s.samples]
         if not sampling:
             return SampledTokens([])
@@ -65,8 +78,16 @@ class ModelRunner:
         return SampledTokens(token_ids, _logprob_lists(result))
 
     def forget(self, request_ids: Sequence[str]) -> None:
-        """Drops per-request sampling state of requests that finished or were aborted (unknown ids: no-op)."""
+        """Drops the per-request state (sampling, block-table row) of requests that finished, were aborted or
+        preempted (unknown ids: no-op)."""
         self.sampling.forget(request_ids)
+        self.inputs.forget(request_ids)
+
+    def _forward(self, input_ids: torch.Tensor, batch: StepBatch, on_layer: LayerHook | None) -> torch.Tensor:
+        if on_layer is None and self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.forward(input_ids, batch)  # [B, hidden]
+        forward_batch = ForwardBatch(batch.positions, self.kv_layers, self.backend, self.backend.build_metadata(batch))
+        return self.model(input_ids, forward_batch, self._device_hook(on_layer))  # [T, hidden]
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: Sequence[int], block_ids: Sequence[int], *, start: int = 0,
@@ -74,11 +95,10 @@ class ModelRunner:
         """Logits of one sequence's tokens at positions [start, start + T) [T, vocab] (``last_only``: the last
         position's [1, vocab], as a step computes them), their KV written into ``block_ids``, which hold the
         first ``start`` tokens' KV already."""
-        slices = [SeqSlice(start, len(token_ids), block_ids)]
-        metadata = self.backend.build_metadata(slices, self.block_size, self.device)
-        positions = torch.arange(start, start + len(token_ids), device=self.device)
+        batch = StepBatch.from_slices([SeqSlice(start, len(token_ids), block_ids)], self.block_size, self.device)
         input_ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, ForwardBatch(positions, self.kv_layers, self.backend, metadata))
+        metadata = self.backend.build_metadata(batch)
+        hidden = self.model(input_ids, ForwardBatch(batch.positions, self.kv_layers, self.backend, metadata))
         return self.model.compute_logits(hidden[-1:] if last_only else hidden)  # [T or 1, vocab]
 
     def _device_hook(self, on_layer: LayerHook | None) -> LayerHook | None:

@@ -1,78 +1,103 @@
-"""A step's token ids, positions and logit rows in persistent buffers, instead of new tensors every step.
+"""A step's inputs in persistent buffers, instead of new tensors every step.
 
-``ModelRunner`` used to build three tensors from Python lists per step (``torch.tensor(list)``: a host
-allocation, a list walk per element, and on CUDA a copy from pageable memory). ``StepInputs`` keeps one
-host buffer per input (in pinned memory on CUDA, so the copy is a real asynchronous DMA) and one device
-buffer, both grown by doubling when a step has more tokens than they hold, and fills them per step with
-numpy over whole arrays: the token ids are the only per-sequence work (one list slice per sequence,
-flattened and converted at C speed); positions and logit rows come from the per-sequence starts and counts, vectorized.
+``ModelRunner`` used to build its tensors from Python lists per step (``torch.tensor(list)``: a host
+allocation, a list walk per element, and on CUDA a copy from pageable memory), and the attention backend
+padded every sequence's block list into a new table. ``StepInputs`` keeps one host buffer (pinned on CUDA,
+so the copy is a real asynchronous DMA) and one device buffer, grown by doubling when a step needs more,
+and packs the whole step into them with numpy over whole arrays: token ids, positions, KV slots, logit rows,
+context lengths and the step's block table (gathered from ``BlockTables``, where each request's row is
+written incrementally). One host-to-device copy per step moves it all. The token ids are the only
+per-sequence work (one list slice per sequence, flattened and converted at C speed).
 
-Reuse: before the host buffers are overwritten, ``fill`` waits on an event recorded after the previous
-step's copies out of them (a step that samples nothing ends without a host sync, so its copies may still
-be pending); the device buffers are overwritten by copies on the same stream as every kernel reading them,
-so in order. On CPU the host buffers are the inputs themselves (no copy, nothing to wait for).
+Reuse: before the host buffer is overwritten, ``fill`` waits on an event recorded after the previous step's
+copy out of it (a step that samples nothing ends without a host sync, so its copy may still be pending); the
+device buffer is overwritten by a copy on the same stream as every kernel reading it, so in order. On CPU
+the host buffer is the inputs themselves (no copy, nothing to wait for).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 
 import numpy as np
 import torch
 
+from engine.attention.base import StepBatch
+from engine.block_table import BlockTables
 from engine.core.outputs import ScheduledSeq
 
-MIN_CAPACITY = 256  # tokens: a decode batch of up to 256 sequences never grows the buffers
+MIN_CAPACITY = 4096  # int64 entries: a decode batch of 64 sequences with 60 blocks each never grows the buffers
 
 
 class StepInputs:
-    def __init__(self, device: torch.device, capacity: int = MIN_CAPACITY) -> None:
+    def __init__(self, device: torch.device, block_size: int, capacity: int = MIN_CAPACITY) -> None:
         self.device = device
+        self.block_size = block_size
+        self.tables = BlockTables()
         self.capacity = 0
         self.grown = 0  # times the buffers were (re)allocated, for tests and logs
-        self._copied = None  # CUDA: an event recorded after the last step's host-to-device copies
+        self._copied = None  # CUDA: an event recorded after the last step's host-to-device copy
         self._allocate(max(capacity, 1))
 
-    def fill(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input ids [T], positions [T], logit rows [S]) of the step, int64, on the device: views of the
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Requests that ended or were preempted give up their block-table rows."""
+        self.tables.drop(request_ids)
+
+    def fill(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
+        """(input ids [T], logit rows [S], the batch) of the step, int64, on the device: views of the
         persistent buffers, valid until the next ``fill``."""
         counts = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))  # [B]
         starts = np.fromiter((s.start for s in seqs), np.int64, len(seqs))  # [B]
-        num_tokens = int(counts.sum())
-        if self._copied is not None:  # never run here (no GPU)
-            self._copied.synchronize()  # the last step's copies out of the host buffers are done
-        if num_tokens > self.capacity:
-            self._allocate(max(num_tokens, 2 * self.capacity))
-        ends = np.cumsum(counts)  # [B] one past each sequence's last row
-        ids, pos, rows = self._host_np
-        # a list slice per sequence, flattened and converted in C (no Python step per token)
-        ids[:num_tokens] = list(chain.from_iterable(s.request.all_token_ids[s.start : s.end] for s in seqs))
-        # position of row r of sequence i: starts[i] + (r - first row of i)
-        np.subtract(np.arange(num_tokens), np.repeat(ends - counts - starts, counts), out=pos[:num_tokens])
         sampled = np.fromiter((s.samples for s in seqs), bool, len(seqs))  # [B]
-        num_rows = int(sampled.sum())
-        np.subtract(ends[sampled], 1, out=rows[:num_rows])
-        return self._to_device(num_tokens, num_rows)
+        contexts = starts + counts  # [B]
+        table = self.tables.gather(self.tables.rows(seqs), int(-(-contexts.max() // self.block_size)))  # [B, W]
+        num_tokens, num_rows, (num_seqs, width) = int(counts.sum()), int(sampled.sum()), table.shape
+        sizes = (num_tokens, num_tokens, num_tokens, num_rows, num_seqs, num_seqs * width)
+        ids, pos, slots, rows, ctx, flat_table = self._host_sections(sizes)
+        # a list slice per sequence, flattened and converted in C (no Python step per token)
+        ids[:] = list(chain.from_iterable(s.request.all_token_ids[s.start : s.end] for s in seqs))
+        ends = np.cumsum(counts)  # [B] one past each sequence's last row
+        # position of row r of sequence i: starts[i] + (r - first row of i)
+        np.subtract(np.arange(num_tokens), np.repeat(ends - counts - starts, counts), out=pos)
+        seq_of_token = np.repeat(np.arange(num_seqs), counts)  # [T]
+        slots[:] = table[seq_of_token, pos // self.block_size] * self.block_size + pos % self.block_size
+        np.subtract(ends[sampled], 1, out=rows)
+        ctx[:] = contexts
+        flat_table[:] = table.reshape(-1)
+        d_ids, d_pos, d_slots, d_rows, d_ctx, d_table = self._to_device(sizes)
+        batch = StepBatch(d_pos, d_slots, d_table.view(num_seqs, width), d_ctx, starts, counts, table, self.block_size)
+        return d_ids, d_rows, batch
 
-    def _to_device(self, num_tokens: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        sizes = (num_tokens, num_tokens, num_rows)
+    def _host_sections(self, sizes: tuple[int, ...]) -> list[np.ndarray]:
+        if self._copied is not None:  # never run here (no GPU)
+            self._copied.synchronize()  # the last step's copy out of the host buffer is done
+        if sum(sizes) > self.capacity:
+            self._allocate(max(sum(sizes), 2 * self.capacity))
+        return _split(self._host_np, sizes)
+
+    def _to_device(self, sizes: tuple[int, ...]) -> list[torch.Tensor]:
         if self._device is None:
-            return tuple(host[:n] for host, n in zip(self._host, sizes))  # type: ignore[return-value]
-        out = []
-        for host, device, n in zip(self._host, self._device, sizes):  # never run here (no GPU)
-            device[:n].copy_(host[:n], non_blocking=True)
-            out.append(device[:n])
+            return _split(self._host, sizes)
+        total = sum(sizes)  # never run here (no GPU): one copy of the whole step
+        self._device[:total].copy_(self._host[:total], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return tuple(out)  # type: ignore[return-value]
+        return _split(self._device, sizes)
 
     def _allocate(self, capacity: int) -> None:
-        # ids, positions, logit rows (at most one per token): ``capacity`` each
-        self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda") for _ in range(3)]
-        self._host_np = [t.numpy() for t in self._host]
-        self._device = None if self.device.type == "cpu" else [
-            torch.empty(capacity, dtype=torch.int64, device=self.device) for _ in range(3)]
+        self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._device = None if self.device.type == "cpu" else torch.empty(capacity, dtype=torch.int64, device=self.device)
         self.capacity = capacity
         self.grown += 1
+
+
+def _split(buffer, sizes: tuple[int, ...]) -> list:
+    """Consecutive sections of ``buffer`` (a tensor or an array) of the given sizes."""
+    out, offset = [], 0
+    for size in sizes:
+        out.append(buffer[offset : offset + size])
+        offset += size
+    return out

@@ -17,8 +17,7 @@
 #   kv-nccl          SKIP: NCCL refuses two ranks on one device
 #   kv-host          bench.kv_transfer on host memory (tcp cma nixl ucx, NIXL as a peer), isolated
 #   d2d-copy         128 MiB device->device and pinned host<->device copies: the machine's ceilings
-#   throughput       bench.throughput, Baton only, on CUDA (the bench has no device option for its baseline)
-#   throughput-vs-hf SKIP: transformers' baseline runs on the CPU only
+#   throughput       bench.throughput on the GPU, bf16: Baton (CUDA graphs), Baton eager and transformers
 #   gpu-tests        pytest -m gpu over the modules that mark tests gpu
 #   parity-backends  greedy torch == flashinfer attention on the GPU (SKIP without flashinfer)
 set -u
@@ -326,13 +325,13 @@ step_d2d_copy() {
 }
 
 step_throughput() {
-    bounded "$1" "$PY" -m bench.throughput --skip-hf --requests 128 --concurrency 64 --threads 4
+    bounded "$1" "$PY" -m bench.throughput --device cuda --compare-eager --requests 128 --concurrency 64 \
+        --hf-batch 32 --threads 4
     local rc=$? line
-    line=$(grep -E '^baton +64 ' "$TMP/last.out" | tail -1)
+    line=$(grep -E '^(baton|baton-eager|transformers) ' "$TMP/last.out" | awk '{ printf "%s%s %s tok/s", sep, $1, $5; sep = ", " }')
     if [ $rc -eq 0 ] && [ -n "$line" ]; then
         STATUS=PASS
-        DETAIL=$(awk '{ printf "Baton on CUDA (dtype auto: bf16): %s tok/s, %s tokens in %s s at concurrency 64",
-                        $5, $3, $4 }' <<<"$line")
+        DETAIL="bf16 on the GPU, concurrency 64 (HF: static batches of 32): $line"
     else
         DETAIL="exit $rc: $(tail -1 "$TMP/last.out")"
     fi
@@ -387,8 +386,6 @@ main() {
     run_step kv-host kv 180 step_kv_host
     run_step d2d-copy kv 60 step_d2d_copy
     run_step throughput throughput 150 step_throughput
-    skip_step throughput-vs-hf "bench.throughput has no device option: its transformers baseline runs on the CPU" \
-        "(fp32), so no same-GPU ratio"
     run_step gpu-tests gpu-tests $((fi_timeout + 60)) step_gpu_tests
     run_step parity-backends parity "$fi_timeout" step_parity_backends
     summary

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_GRAPH_SIZES, EngineConfig
 from engine.model_source import MODEL_HELP
 from kv_transfer.auth import load_secret
 from kv_transfer.transport import parse_kinds
@@ -53,8 +53,16 @@ def add_worker_options(group) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-waiting", type=int, default=None,
                        help="admission control: refuse new requests (RESOURCE_EXHAUSTED) past this many queued")
-    group.add_argument("--dtype", default="auto")
-    group.add_argument("--device", default="auto")
+    group.add_argument("--dtype", default="auto",
+                       help="auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16")
+    group.add_argument("--device", default="auto", help="auto (cuda when there is one), cpu, cuda or cuda:N")
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"],
+                       help="auto: flashinfer on CUDA where its kernels fit the model, else torch")
+    group.add_argument("--cuda-graph-sizes", default=",".join(map(str, DEFAULT_GRAPH_SIZES)),
+                       help="decode batch sizes captured as CUDA graphs, comma-separated (capped by --max-num-seqs; "
+                       "default: %(default)s)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="no CUDA graphs: every step runs eagerly (graphs are CUDA only in any case)")
     group.add_argument("--calibrate-tokens", type=int, default=256,
                        help="at start, time a prefill of this many tokens and one decode step, so the router prices "
                        "this worker from its first heartbeat (default: %(default)s; 0: learn from traffic only)")
@@ -62,6 +70,16 @@ def add_worker_options(group) -> None:
     group.add_argument("--heartbeat-ttl-s", type=float, default=6.0)
     group.add_argument("--drain-settle-s", type=float, default=5.0,
                        help="while draining, exit only after this long with nothing in flight (default: %(default)s)")
+
+
+def _graph_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--cuda-graph-sizes takes comma-separated positive batch sizes, got {text!r}")
+    return sizes
 
 
 def parser(role: str) -> argparse.ArgumentParser:
@@ -114,6 +132,8 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting, num_threads=args.num_threads,
+        attention_backend=args.attention_backend, cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
+        enforce_eager=args.enforce_eager,
     )
     return WorkerConfig(
         role=role, engine=engine, redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),

@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from engine.attention.base import SeqSlice
+from engine.attention.base import StepBatch
 from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-KV scratch size
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 def flashinfer_available() -> bool:
@@ -45,6 +46,14 @@ def flashinfer_available() -> bool:
     except Exception:  # ImportError, or a broken CUDA install failing at import
         return False
     return True
+
+
+def kernel_refusal(head_dim: int) -> str | None:
+    """Why FlashInfer's paged kernels cannot serve a model's attention, or None when they can (head dims 64,
+    128 and 256; float32 is served by the torch fallback inside the backend)."""
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"has no kernels for head_dim {head_dim} (only {', '.join(map(str, KERNEL_HEAD_DIMS))})"
+    return None
 
 
 def window_left(window: int | None) -> int:
@@ -63,30 +72,28 @@ class PagedKVTables:
     kv_last_page_len: torch.Tensor  # [S] filled slots of each sequence's last page, in [1, block_size]
 
 
-def paged_kv_tables(slices: Sequence[SeqSlice], block_size: int) -> PagedKVTables:
-    """The pages holding each sequence's context (its new tokens included) after this step's write."""
-    num_pages = [-(-s.context_len // block_size) for s in slices]
-    assert all(len(s.block_ids) >= n for s, n in zip(slices, num_pages)), "block table shorter than context"
-    indices = [block for s, n in zip(slices, num_pages) for block in s.block_ids[:n]]
-    last_page_len = [s.context_len - (n - 1) * block_size for s, n in zip(slices, num_pages)]
+def paged_kv_tables(batch: StepBatch) -> PagedKVTables:
+    """The pages holding each sequence's context (its new tokens included) after this step's write, from the
+    batch's host arrays (planning never reads the device)."""
+    size = batch.block_size
+    contexts = batch.context_lens_host  # [B]
+    num_pages = -(-contexts // size)  # [B]
+    table = batch.block_table_host  # [B, W]
+    assert table.shape[1] >= num_pages.max(initial=0), "block table shorter than context"
+    used = np.arange(table.shape[1])[None, :] < num_pages[:, None]  # [B, W]
     return PagedKVTables(
-        qo_indptr=_int32(_offsets([s.num_new_tokens for s in slices])),
+        qo_indptr=_int32(_offsets(batch.counts)),
         kv_indptr=_int32(_offsets(num_pages)),
-        kv_indices=_int32(indices),
-        kv_last_page_len=_int32(last_page_len),
+        kv_indices=_int32(table[used]),  # row-major: sequence after sequence
+        kv_last_page_len=_int32(contexts - (num_pages - 1) * size),
     )
 
 
-def kv_cache_rows(slices: Sequence[SeqSlice], tables: PagedKVTables, block_size: int) -> torch.Tensor:
-    """[T] int64 (CPU): where each new token's key goes in a layer's cache viewed as
+def kv_cache_rows(batch: StepBatch) -> torch.Tensor:
+    """[T] int64 on the batch's device: where each new token's key goes in a layer's cache viewed as
     ``[num_blocks * 2 * block_size, num_kv_heads, head_dim]``; its value goes ``block_size`` rows on."""
-    first_row = tables.qo_indptr[:-1].long()  # [S]
-    first_page = tables.kv_indptr[:-1].long()  # [S]
-    seq = torch.repeat_interleave(torch.arange(len(slices)), tables.qo_indptr.diff().long())  # [T]
-    starts = torch.tensor([s.start for s in slices], dtype=torch.int64)  # [S]
-    positions = starts[seq] + torch.arange(seq.numel()) - first_row[seq]  # [T]
-    blocks = tables.kv_indices.long()[first_page[seq] + positions // block_size]  # [T]
-    return blocks * (2 * block_size) + positions % block_size  # [T]
+    block, offset = batch.slots // batch.block_size, batch.slots % batch.block_size  # [T]
+    return block * (2 * batch.block_size) + offset
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows, value_rows) -> None:
@@ -99,7 +106,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows,
 @dataclass(slots=True)
 class FlashInferMetadata:
     step: int  # which build_metadata call made it; a wrapper's plan belongs to one step
-    slices: tuple[SeqSlice, ...]
+    batch: StepBatch
     block_size: int
     tables: PagedKVTables  # on the CPU, for plan()
     key_rows: torch.Tensor  # [T] int64 on the device
@@ -135,13 +142,11 @@ class FlashInferBackend:
         self._reference = TorchAttentionBackend()
         self._warned_fallback = False
 
-    def build_metadata(self, slices: Sequence[SeqSlice], block_size: int, device: torch.device) -> FlashInferMetadata:
-        tables = paged_kv_tables(slices, block_size)
-        key_rows = kv_cache_rows(slices, tables, block_size).to(device)  # [T]
+    def build_metadata(self, batch: StepBatch) -> FlashInferMetadata:
+        key_rows = kv_cache_rows(batch)  # [T]
         return FlashInferMetadata(
-            step=next(self._steps), slices=tuple(slices), block_size=block_size, tables=tables,
-            key_rows=key_rows, value_rows=key_rows + block_size,
-            decode_only=all(s.num_new_tokens == 1 for s in slices),
+            step=next(self._steps), batch=batch, block_size=batch.block_size, tables=paged_kv_tables(batch),
+            key_rows=key_rows, value_rows=key_rows + batch.block_size, decode_only=batch.is_decode_only,
         )
 
     def forward(self, q, k, v, kv_cache, metadata: FlashInferMetadata, window, scale):
@@ -180,7 +185,7 @@ class FlashInferBackend:
             if not self._warned_fallback:
                 logger.warning("FlashInfer has no %s kernels; attention runs on the torch backend", q.dtype)
                 self._warned_fallback = True
-            metadata.reference = self._reference.build_metadata(metadata.slices, metadata.block_size, q.device)
+            metadata.reference = self._reference.build_metadata(metadata.batch)
         return self._reference.forward(q, k, v, kv_cache, metadata.reference, window, scale)
 
 
@@ -206,9 +211,9 @@ def _plan_decode(wrapper, tables: PagedKVTables, plan: _Plan) -> None:
     )
 
 
-def _offsets(counts: Sequence[int]) -> list[int]:
-    return [0, *itertools.accumulate(counts)]
+def _offsets(counts: np.ndarray) -> np.ndarray:  # [n] -> [n + 1]
+    return np.concatenate(([0], np.cumsum(counts)))
 
 
-def _int32(values: Sequence[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
+def _int32(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))

@@ -4,18 +4,23 @@ Decode sequences (one query token) are bucketed by context length (powers of two
 step costs a handful of batched gathers + SDPA calls per layer with at most 2x padding, instead of
 one call per sequence or padding everyone to the longest context. Prefill chunks attend one
 sequence at a time (there are few per step); a chunk with no cached context skips the gather.
+The plan is built from the step's host arrays (``StepBatch``): no host sync.
+
+``StaticDecode`` is the same decode attention in fixed shapes (a batch of G sequences, tables of NB
+blocks, all in persistent tensors), which a CUDA graph can capture once and replay every step
+(``engine/decode_graphs.py``).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import SeqSlice
+from engine.attention.base import SeqSlice, StepBatch, to_device
 
 _MIN_BUCKET_TOKENS = 64
 
@@ -23,7 +28,7 @@ _MIN_BUCKET_TOKENS = 64
 @dataclass(slots=True)
 class _DecodeGroup:
     token_index: torch.Tensor  # [B] flat index of each sequence's query token
-    block_table: torch.Tensor  # [B, nb] each sequence's blocks, padded with block 0 (masked)
+    block_table: torch.Tensor  # [B, nb] each sequence's blocks (entries past its context are masked)
     context_lens: torch.Tensor  # [B]
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L] bool
 
@@ -70,31 +75,24 @@ class TorchAttentionMetadata:
     decode_groups: list[_DecodeGroup]
     prefills: list[_PrefillSeq]
 
+    def forget_masks(self) -> None:
+        """Masks are computed by a step's first layer and reused by the others; a replayed plan recomputes."""
+        for group in self.decode_groups:
+            group.masks.clear()
+
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def build_metadata(self, slices: Sequence[SeqSlice], block_size: int, device: torch.device) -> TorchAttentionMetadata:
-        tables = _block_tables(slices, device)  # [S, max_blocks]
-        num_new = torch.tensor([s.num_new_tokens for s in slices], device=device)  # [S]
-        starts = torch.tensor([s.start for s in slices], device=device)  # [S]
-        seq_of_token = torch.repeat_interleave(torch.arange(len(slices), device=device), num_new)  # [T]
-        first_row = torch.cumsum(num_new, 0) - num_new  # [S]
-        positions = starts[seq_of_token] + torch.arange(seq_of_token.numel(), device=device) - first_row[seq_of_token]
-        buckets: dict[int, list[int]] = defaultdict(list)
-        prefills: list[_PrefillSeq] = []
-        row = 0
-        for i, s in enumerate(slices):
-            if s.num_new_tokens == 1:
-                buckets[((s.context_len - 1) // _MIN_BUCKET_TOKENS).bit_length()].append(i)
-            else:
-                prefills.append(_prefill_seq(row, s, tables[i], block_size))
-            row += s.num_new_tokens
-        rows = first_row.tolist()
-        groups = [_decode_group(idx, slices, rows, tables, block_size) for _, idx in sorted(buckets.items())]
-        return TorchAttentionMetadata(
-            tables[seq_of_token, positions // block_size], positions % block_size, groups, prefills
-        )
+    def build_metadata(self, batch: StepBatch) -> TorchAttentionMetadata:
+        counts, contexts = batch.counts, batch.context_lens_host  # [B] host
+        first_rows = np.cumsum(counts) - counts  # [B] each sequence's first row in the flat batch
+        decodes = np.flatnonzero(counts == 1)
+        buckets = _bucket(contexts[decodes])  # [D]
+        groups = [_decode_group(decodes[buckets == b], first_rows, batch) for b in np.unique(buckets)]
+        prefills = [_prefill_seq(int(first_rows[i]), int(batch.starts[i]), int(counts[i]), batch.block_table[i],
+                                 batch.block_size) for i in np.flatnonzero(counts != 1)]
+        return TorchAttentionMetadata(batch.slots // batch.block_size, batch.slots % batch.block_size, groups, prefills)
 
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, window, scale):
         # kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]
@@ -105,6 +103,47 @@ class TorchAttentionBackend:
         for seq in metadata.prefills:
             out[seq.token_start : seq.token_end] = _prefill_attention(q, k, v, kv_cache, seq, window, scale)
         return out
+
+    def static_decode(self, max_seqs: int, max_blocks: int, block_size: int, pad_block: int,
+                      device: torch.device) -> StaticDecode:
+        return StaticDecode(max_seqs, max_blocks, block_size, pad_block, device)
+
+
+class StaticDecode:
+    """Decode attention in fixed shapes for CUDA graphs: up to ``max_seqs`` sequences of up to ``max_blocks``
+    blocks, in tensors that live as long as the graphs. ``fill`` writes a step into them (B real sequences,
+    padded to a graph's G with sequences of one token whose KV goes to ``pad_block``, a block no request
+    owns); ``metadata(G, NB)`` is the plan a graph captures, reading only these tensors."""
+
+    def __init__(self, max_seqs: int, max_blocks: int, block_size: int, pad_block: int, device: torch.device) -> None:
+        self.block_size, self.pad_block = block_size, pad_block
+        self.slot_block = torch.full((max_seqs,), pad_block, dtype=torch.int64, device=device)  # [G]
+        self.slot_offset = torch.zeros(max_seqs, dtype=torch.int64, device=device)  # [G]
+        self.block_table = torch.full((max_seqs, max_blocks), pad_block, dtype=torch.int64, device=device)  # [G, NB]
+        self.context_lens = torch.ones(max_seqs, dtype=torch.int64, device=device)  # [G]
+        self.token_index = torch.arange(max_seqs, device=device)  # [G]
+
+    def block_buckets(self, max_blocks: int) -> list[int]:
+        """The table widths graphs are captured for: each step uses the narrowest that holds its contexts."""
+        widths = [w for w in (4 << i for i in range(32)) if w < max_blocks]
+        return [*widths, max_blocks]
+
+    def metadata(self, num_seqs: int, num_blocks: int) -> TorchAttentionMetadata:
+        group = _DecodeGroup(self.token_index[:num_seqs], self.block_table[:num_seqs, :num_blocks],
+                             self.context_lens[:num_seqs])
+        return TorchAttentionMetadata(self.slot_block[:num_seqs], self.slot_offset[:num_seqs], [group], [])
+
+    def fill(self, batch: StepBatch, num_seqs: int) -> None:
+        """A decode-only step of B <= ``num_seqs`` sequences; rows B.. are padding."""
+        real, width = batch.num_seqs, batch.block_table.shape[1]
+        self.slot_block[:real].copy_(batch.slots // self.block_size)
+        self.slot_offset[:real].copy_(batch.slots % self.block_size)
+        self.block_table[:real, :width].copy_(batch.block_table)  # columns past width: stale ids, masked
+        self.context_lens[:real].copy_(batch.context_lens)
+        self.slot_block[real:num_seqs] = self.pad_block
+        self.slot_offset[real:num_seqs] = 0
+        self.block_table[real:num_seqs, 0] = self.pad_block
+        self.context_lens[real:num_seqs] = 1
 
 
 def _decode_attention(q, kv_cache, group: _DecodeGroup, window, scale) -> torch.Tensor:
@@ -139,25 +178,24 @@ def _prefill_attention(q, k, v, kv_cache, seq: _PrefillSeq, window, scale) -> to
     return out.transpose(0, 1)  # [q, h, d]
 
 
-def _block_tables(slices: Sequence[SeqSlice], device) -> torch.Tensor:
-    width = max(len(s.block_ids) for s in slices)
-    padded = [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in slices]
-    return torch.tensor(padded, dtype=torch.int64, device=device)  # [S, width]
+def _bucket(context_lens: np.ndarray) -> np.ndarray:
+    """[D] bucket of each decode's context: 0 up to 64 tokens, then one per power of two (bit_length)."""
+    return np.frexp((context_lens - 1) // _MIN_BUCKET_TOKENS)[1]  # the exponent of q = m * 2**e: q's bit_length
 
 
-def _prefill_seq(row: int, s: SeqSlice, table: torch.Tensor, block_size: int) -> _PrefillSeq:
-    if s.start == 0:
-        return _PrefillSeq(row, row + s.num_new_tokens, 0, None, None)
-    key_pos = torch.arange(s.context_len, device=table.device)  # [ctx]
-    return _PrefillSeq(row, row + s.num_new_tokens, s.start, table[key_pos // block_size], key_pos % block_size)
+def _prefill_seq(row: int, start: int, count: int, table: torch.Tensor, block_size: int) -> _PrefillSeq:
+    if start == 0:
+        return _PrefillSeq(row, row + count, 0, None, None)
+    key_pos = torch.arange(start + count, device=table.device)  # [ctx]
+    return _PrefillSeq(row, row + count, start, table[key_pos // block_size], key_pos % block_size)
 
 
-def _decode_group(members: list[int], slices, rows: list[int], tables: torch.Tensor, block_size: int) -> _DecodeGroup:
-    device = tables.device
-    num_blocks = -(-max(slices[i].context_len for i in members) // block_size)
-    index = torch.tensor(members, device=device)  # [B]
+def _decode_group(members: np.ndarray, first_rows: np.ndarray, batch: StepBatch) -> _DecodeGroup:
+    device = batch.block_table.device
+    num_blocks = -(-int(batch.context_lens_host[members].max()) // batch.block_size)
+    index = to_device(members, device)  # [B]
     return _DecodeGroup(
-        torch.tensor([rows[i] for i in members], device=device),
-        tables[index, :num_blocks],  # [B, nb] (padding entries are block 0; masked)
-        torch.tensor([slices[i].context_len for i in members], device=device),
+        to_device(first_rows[members], device),
+        batch.block_table.index_select(0, index)[:, :num_blocks],  # [B, nb]
+        batch.context_lens.index_select(0, index),
     )

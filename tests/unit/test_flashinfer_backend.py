@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from engine.attention.base import SeqSlice
+from engine.attention.base import SeqSlice, StepBatch
 from engine.attention.flashinfer_backend import (
     WORKSPACE_BYTES,
     FlashInferBackend,
@@ -65,6 +65,10 @@ def next_mixed_slices() -> list[SeqSlice]:
     return _with_blocks([(37, 9), (7, 1), (0, 2), (40, 1)])
 
 
+def batch_of(slices, device="cpu", block_size=BLOCK_SIZE) -> StepBatch:
+    return StepBatch.from_slices(slices, block_size, torch.device(device))
+
+
 def make_inputs(slices, num_kv_heads, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
     num_tokens = sum(s.num_new_tokens for s in slices)
@@ -78,7 +82,7 @@ def make_inputs(slices, num_kv_heads, dtype, device, seed):
 def torch_reference(slices, q, k, v, cache, window):
     """The torch backend in float32 on upcast inputs: (output, cache after the write)."""
     backend, cache32 = TorchAttentionBackend(), cache.float().clone()
-    metadata = backend.build_metadata(slices, BLOCK_SIZE, q.device)
+    metadata = backend.build_metadata(batch_of(slices, q.device))
     out = backend.forward(q.float(), k.float(), v.float(), cache32, metadata, window, SCALE)
     return out, cache32
 
@@ -134,21 +138,21 @@ def test_paged_kv_tables_and_cache_rows_exact():
         SeqSlice(0, 4, [2]),  # fresh prefill filling one page
         SeqSlice(2, 3, [5, 1]),  # chunk at 2..4 over 2 cached tokens: crosses into page 1
     ]
-    tables = paged_kv_tables(slices, block_size)
+    tables = paged_kv_tables(batch_of(slices, block_size=block_size))
     assert tables.qo_indptr.tolist() == [0, 1, 5, 8]
     assert tables.kv_indptr.tolist() == [0, 2, 3, 5]
     assert tables.kv_indices.tolist() == [7, 3, 2, 5, 1]
     assert tables.kv_last_page_len.tolist() == [2, 4, 1]
     assert {t.dtype for t in _csr(tables)} == {torch.int32}
     # key row = block * 2 * block_size + offset; the value row is block_size further on
-    assert kv_cache_rows(slices, tables, block_size).tolist() == [25, 16, 17, 18, 19, 42, 43, 8]
+    assert kv_cache_rows(batch_of(slices, block_size=block_size)).tolist() == [25, 16, 17, 18, 19, 42, 43, 8]
 
 
 def test_write_kv_matches_torch_backend_write():
     slices = mixed_slices()
     q, k, v, cache = make_inputs(slices, 2, torch.float32, "cpu", seed=0)
     _, expected = torch_reference(slices, q, k, v, cache, None)
-    rows = kv_cache_rows(slices, paged_kv_tables(slices, BLOCK_SIZE), BLOCK_SIZE)
+    rows = kv_cache_rows(batch_of(slices))
     write_kv(cache, k, v, rows, rows + BLOCK_SIZE)
     assert torch.equal(cache, expected)
 
@@ -160,7 +164,7 @@ def test_page_tables_under_flashinfer_semantics_match_torch_backend(make_slices,
     slices = make_slices()
     q, k, v, cache = make_inputs(slices, num_kv_heads, torch.float32, "cpu", seed=1)
     expected, written = torch_reference(slices, q, k, v, cache, window)
-    tables = paged_kv_tables(slices, BLOCK_SIZE)
+    tables = paged_kv_tables(batch_of(slices))
     out = flashinfer_semantics(q, written, _csr(tables), causal=True, window_left=window_left(window), sm_scale=SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -224,7 +228,7 @@ def fake_flashinfer(monkeypatch):
 def run_steps(backend, num_kv_heads, dtype, device, atol):
     """Mixed, decode-only, mixed again: four layers each, checked against the reference."""
     for step, slices in enumerate((mixed_slices(), decode_slices(), next_mixed_slices())):
-        metadata = backend.build_metadata(slices, BLOCK_SIZE, device)
+        metadata = backend.build_metadata(batch_of(slices, device))
         for layer, window in enumerate(LAYER_WINDOWS):
             q, k, v, cache = make_inputs(slices, num_kv_heads, dtype, device, seed=10 * step + layer)
             expected, expected_cache = torch_reference(slices, q, k, v, cache, window)

@@ -1,4 +1,4 @@
-"""The worker's KV data-plane flags reach its config and its transport settings (what it pulls with)."""
+"""The worker's engine and KV data-plane flags reach its config and its transport settings (what it pulls with)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,16 @@ def test_kv_staging_flags_reach_the_config_and_bad_values_are_refused():
         config("decode", "--kv-staging-blocks", "0")
     with pytest.raises(SystemExit):  # argparse: not a mode
         config("decode", "--kv-staging", "sometimes")
+
+
+def test_engine_flags_reach_the_engine_config_and_bad_graph_sizes_are_refused():
+    engine = config("decode").engine
+    assert (engine.attention_backend, engine.enforce_eager) == ("auto", False)
+    assert engine.cuda_graph_sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    engine = config("decode", "--device", "cuda:1", "--attention-backend", "torch", "--cuda-graph-sizes", "1,2,8",
+                    "--enforce-eager").engine
+    assert (engine.device, engine.attention_backend, engine.cuda_graph_sizes, engine.enforce_eager) == (
+        "cuda:1", "torch", (1, 2, 8), True)
+    for bad in ("0,2", "a,b", ""):
+        with pytest.raises(ValueError, match="cuda-graph-sizes"):
+            config("decode", "--cuda-graph-sizes", bad)
