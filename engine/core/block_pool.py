@@ -22,11 +22,18 @@ class BlockEventKind(enum.Enum):
     REMOVED = "removed"
 
 
+TIER_POOL, TIER_HOST = "gpu", "cpu"  # the index's tier names: the KV pool (whatever its device), the host tier
+
+
 @dataclass(frozen=True, slots=True)
 class BlockEvent:
+    """A block hash entered (STORED) or left (REMOVED) one tier of this engine. A hash may be in both tiers at
+    once (the host tier keeps a copy of what it gave back); ``block_id`` is the block's id in its tier."""
+
     kind: BlockEventKind
     block_hash: BlockHash
     block_id: int
+    tier: str = TIER_POOL
 
 
 class BlockPool:
