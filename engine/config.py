@@ -16,6 +16,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int
     enable_prefix_caching: bool = True
+    num_host_blocks: int = 0  # the host tier below the pool (0: none)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +48,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_waiting: int | None = None  # admission control: more queued requests are refused (None: unbounded)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    kv_host_blocks: int = 0  # host-memory tier below the KV pool, in blocks (pinned on CUDA); 0: none
     # CUDA graphs for decode steps of up to max(cuda_graph_sizes) sequences (capped by max_num_seqs); CUDA only
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
@@ -55,6 +57,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_host_blocks < 0:
+            raise InvalidRequest(f"kv_host_blocks must be >= 0, got {self.kv_host_blocks}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise InvalidRequest(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1:

@@ -12,6 +12,7 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.block_pool import BlockEvent
+from engine.core.host_tier import HostCopies
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import CachedPrefix, PrefixReservation, RequestDelta, SchedulerOutput, SchedulerStats
 from engine.core.request import Request
@@ -51,7 +52,8 @@ class Engine:
                             self.model_config.max_position_embeddings)
         num_blocks = config.num_blocks or _default_num_blocks(config, self.model_config, max_model_len, self.device)
         self.cache_config = CacheConfig(
-            block_size=config.block_size, num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching
+            block_size=config.block_size, num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching,
+            num_host_blocks=config.kv_host_blocks if config.enable_prefix_caching else 0,
         )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -62,6 +64,7 @@ class Engine:
         self.runner = ModelRunner(
             model, self.model_config, num_blocks=num_blocks, block_size=config.block_size,
             device=self.device, backend=_pick_backend(config.attention_backend, self.device, self.model_config),
+            num_host_blocks=self.cache_config.num_host_blocks,
         )
         if self.device.type == "cuda" and not config.enforce_eager:  # never run here (no GPU)
             self.runner.use_decode_graphs(graph_sizes(config.cuda_graph_sizes, config.max_num_seqs), capture=True)
@@ -111,6 +114,7 @@ class Engine:
         request = self._new_request(request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,
                                     output_token_ids)
         reserved = self.scheduler.add_remote(request, len(prompt_token_ids))
+        self._copy_host_blocks(wait=True)  # what the reservation evicted goes down before the pull overwrites it
         return None if reserved is None else (request, *reserved)
 
     def activate_remote(self, request_id: str, first_token: int | None = None) -> None:
@@ -155,6 +159,7 @@ class Engine:
         request = self._new_request(request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,
                                     output_token_ids)
         reserved = self.scheduler.add_remote(request, request.num_tokens)
+        self._copy_host_blocks(wait=True)
         if reserved is None:
             return None
         num_hit, block_ids = reserved
@@ -212,7 +217,8 @@ class Engine:
         num_blocks = self.kv_cache_manager.blocks_needed(len(prompt_token_ids))
         if num_blocks > pool.num_free_blocks:
             raise CapacityExceeded(f"scoring needs {num_blocks} free KV blocks, {pool.num_free_blocks} are free")
-        block_ids = pool.allocate(num_blocks)
+        block_ids = self.kv_cache_manager.allocate_scratch(num_blocks)
+        self._copy_host_blocks()
         try:
             return self.runner.prompt_logits(prompt_token_ids, block_ids)
         finally:
@@ -231,12 +237,15 @@ class Engine:
                          (pool.num_free_blocks - 1) * size)
         if num_tokens < size:
             return None
-        block_ids = pool.allocate(self.kv_cache_manager.blocks_needed(num_tokens + 1))
+        block_ids = self.kv_cache_manager.allocate_scratch(self.kv_cache_manager.blocks_needed(num_tokens + 1))
+        self._copy_host_blocks()
         try:
             tokens = [(7 * i + 3) % self.model_config.vocab_size for i in range(num_tokens + 1)]
             self._timed_forward(tokens[:size], block_ids)  # warm-up
             prefill_s = self._timed_forward(tokens[:num_tokens], block_ids)
             decode_s = self._timed_forward(tokens[num_tokens:], block_ids, start=num_tokens)
+            if self.runner.host is not None:
+                self._price_host_tier(num_tokens / prefill_s, block_ids)
         finally:
             pool.free(block_ids)
         rates = (num_tokens / prefill_s, decode_s)
@@ -244,6 +253,19 @@ class Engine:
         logger.info("calibrated: prefill %.0f tokens/s (%d tokens), decode step %.1f ms", rates[0], num_tokens,
                     decode_s * 1e3)
         return rates
+
+    def _price_host_tier(self, prefill_tokens_per_s: float, scratch: list[int]) -> None:
+        """Copying a block up from the host tier must beat recomputing it; time a copy of scratch blocks."""
+        host, count = self.runner.host, min(len(scratch), self.cache_config.num_host_blocks)
+        started = time.perf_counter()
+        host.copy(HostCopies(loads=tuple(zip(range(count), scratch))))  # scratch blocks: garbage in, freed after
+        host.sync()
+        copy_s = (time.perf_counter() - started) / count
+        compute_s = self.cache_config.block_size / prefill_tokens_per_s
+        self.kv_cache_manager.host.worth_loading = copy_s < compute_s
+        logger.info("host tier: %d blocks of %.2f MiB; a block copies up in %.3f ms, recomputes in %.3f ms: %s",
+                    self.cache_config.num_host_blocks, host.bytes_per_block / 2**20, copy_s * 1e3, compute_s * 1e3,
+                    "loads hits" if copy_s < compute_s else "recomputes instead")
 
     def _timed_forward(self, token_ids: list[int], block_ids: list[int], start: int = 0) -> float:
         started = time.perf_counter()
@@ -259,6 +281,7 @@ class Engine:
         step's requests are admitted and hold their blocks (``ScheduledSeq.block_ids``), before any layer
         runs; ``on_layer(i)`` after each decoder layer wrote its KV (``engine.runner.LayerHook``)."""
         output = self.scheduler.schedule()
+        self._copy_host_blocks()  # evicted blocks down, host-tier hits up: before the forward writes or reads them
         if output.is_empty:
             self.runner.forget(output.preempted_ids)  # a request that preempted itself
             return []
@@ -278,7 +301,20 @@ class Engine:
         return self.scheduler.stats()
 
     def take_block_events(self) -> list[BlockEvent]:
-        return self.kv_cache_manager.pool.take_events()
+        """Block hashes that entered or left a tier (the KV pool: ``gpu``; the host tier: ``cpu``)."""
+        return self.kv_cache_manager.take_events()
+
+    def host_tier_hashes(self) -> list[bytes]:
+        """Every block hash the host tier holds (empty without one)."""
+        host = self.kv_cache_manager.host
+        return host.hashes() if host is not None else []
+
+    def _copy_host_blocks(self, wait: bool = False) -> None:
+        copies = self.kv_cache_manager.take_host_copies()
+        if copies:
+            self.runner.host.copy(copies)
+            if wait:
+                self.runner.host.sync()
 
 
 def _pick_device(device: str) -> torch.device:

@@ -15,6 +15,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, ForwardBatch, SeqSlice, StepBatch
 from engine.core.outputs import SampledTokens, SchedulerOutput
 from engine.decode_graphs import DecodeGraphs
+from engine.host_cache import HostCache
 from engine.model.config import ModelConfig
 from engine.sampler import Sampler
 from engine.sampling.builder import SamplingBatchBuilder
@@ -37,6 +38,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         backend: AttentionBackend,
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         self.config = config
@@ -54,6 +56,7 @@ class ModelRunner:
         self.layer_events: list = []  # CUDA only: one event per layer of the last hooked step
         self.inputs = StepInputs(device, block_size)  # persistent (pinned on CUDA) input buffers
         self.graphs: DecodeGraphs | None = None
+        self.host = HostCache(self.kv_cache, num_host_blocks) if num_host_blocks else None  # the host tier's memory
 
     def use_decode_graphs(self, sizes: Sequence[int], *, capture: bool) -> None:
         """Decode steps of up to ``max(sizes)`` sequences run in fixed shapes: captured as CUDA graphs

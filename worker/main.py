@@ -47,6 +47,10 @@ def add_worker_options(group) -> None:
     group.add_argument("--kv-staging-blocks", type=int, default=None,
                        help="host staging blocks (default: half the cache, and room for the longest prompt)")
     group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    group.add_argument("--kv-host-blocks", type=int, default=0,
+                       help="a host-memory tier below the KV cache, in blocks (pinned on a GPU): cached blocks the "
+                       "cache evicts are copied down, and a prefix found there is copied back up instead of "
+                       "recomputed (default: %(default)s, none)")
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-seqs", type=int, default=64)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -123,6 +127,8 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
     tls_config = tls.from_args(args)
     if tls_config is not None:
         tls_config.require_server_identity()
+    if args.kv_host_blocks < 0:
+        raise ValueError(f"--kv-host-blocks must be at least 0, got {args.kv_host_blocks}")
     if args.kv_staging_blocks is not None and args.kv_staging_blocks < 1:
         raise ValueError(f"--kv-staging-blocks must be at least 1, got {args.kv_staging_blocks}")
     if args.kv_transport.strip() != "auto":
@@ -133,7 +139,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting, num_threads=args.num_threads,
         attention_backend=args.attention_backend, cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, kv_host_blocks=args.kv_host_blocks,
     )
     return WorkerConfig(
         role=role, engine=engine, redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),

@@ -43,6 +43,11 @@ class WorkerMetrics:
                                   "by why", ["worker_id", "reason"], registry=r)
         self._errors = Counter("baton:request_errors_total", "Worker calls that ended in an error status",
                                ["worker_id", "code"], registry=r)
+        self._host_blocks = Gauge("baton:kv_host_tier_blocks", "Blocks held in the host-memory tier", w, registry=r)
+        self._host_saved = Counter("baton:kv_host_tier_saved", "Blocks the KV cache evicted into the host tier", w,
+                                   registry=r)
+        self._host_loaded = Counter("baton:kv_host_tier_loaded", "Prefix blocks copied back up from the host tier "
+                                    "instead of recomputed", w, registry=r)
         for series in (self._running, self._waiting, self._kv_usage, self._hit_rate, self._queries, self._hits,
                        self._preemptions, self._transfer_bytes, self._transfer_s):
             series.labels(worker_id)  # exported at zero from the start, not from the first event
@@ -61,6 +66,9 @@ class WorkerMetrics:
         self._queries.labels(w).inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
         self._hits.labels(w).inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
         self._preemptions.labels(w).inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self._host_blocks.labels(w).set(stats.host_tier_blocks)
+        self._host_saved.labels(w).inc(max(stats.host_tier_saved - last.host_tier_saved, 0))
+        self._host_loaded.labels(w).inc(max(stats.host_tier_loaded - last.host_tier_loaded, 0))
         self._last = stats
 
     def kv_transfer(self, num_bytes: int, seconds: float, transport: str = "tcp") -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.core.block_pool import BlockEventKind
+from engine.core.block_pool import TIER_POOL, BlockEventKind
 from kv_transfer.hashing import BlockHash
 
 if TYPE_CHECKING:
@@ -20,6 +20,8 @@ class IndexPublisher:
         """One pipeline for everything since the last call; kept for the next call if Redis fails."""
         events = await self.node.async_engine.call(lambda e: e.take_block_events())
         for event in events:
+            if event.tier != TIER_POOL:
+                continue  # the host tier's events reach the index with the index's next version (issue 22)
             self._pending[event.block_hash] = event.kind is BlockEventKind.STORED
         if not self._pending:
             return

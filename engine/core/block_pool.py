@@ -48,6 +48,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._cached: dict[BlockHash, int] = {}
         self._events: list[BlockEvent] = []
+        self._evicted: list[tuple[BlockHash, int]] = []  # (hash, block) evicted by allocate, until taken
         self.num_cache_queries = 0
         self.num_cache_hits = 0
 
@@ -92,7 +93,7 @@ class BlockPool:
             raise RuntimeError(f"allocate({num_blocks}) with only {self.num_free_blocks} free blocks")
         out = []
         for _ in range(num_blocks):
-            block_id = self._free.popleft() if self._free else self._evict_lru()
+            block_id = self._free.popleft() if self._free else self._evict_lru(keep=True)
             self._ref_counts[block_id] = 1
             out.append(block_id)
         return out
@@ -142,12 +143,20 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
-    def _evict_lru(self) -> int:
+    def take_evicted(self) -> list[tuple[BlockHash, int]]:
+        """(hash, block) of each cached block ``allocate`` evicted since the last call: its bytes are still
+        there until the block's new owner writes it (a host tier copies them down first)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _evict_lru(self, keep: bool = False) -> int:
         block_id, _ = self._evictable.popitem(last=False)
         block_hash = self._hashes[block_id]
         self._hashes[block_id] = None
         del self._cached[block_hash]
         self._events.append(BlockEvent(BlockEventKind.REMOVED, block_hash, block_id))
+        if keep:
+            self._evicted.append((block_hash, block_id))
         return block_id
 
     # ---- invariants ----------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""KVCacheManager: maps requests to block lists on top of the BlockPool (vLLM v1's layering)."""
+"""KVCacheManager: maps requests to block lists on top of the BlockPool (vLLM v1's layering), and keeps the
+host tier's books (``engine.core.host_tier``) below the pool: every block the pool evicts is offered to it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from engine.config import CacheConfig
-from engine.core.block_pool import BlockPool
+from engine.core.block_pool import BlockEvent, BlockPool
+from engine.core.host_tier import HostCopies, HostTier
 from engine.core.request import Request
 from kv_transfer.hashing import BlockHash, hash_blocks, root_hash
 
@@ -15,6 +17,7 @@ class KVCacheManager:
         self.block_size = config.block_size
         self.enable_caching = config.enable_prefix_caching
         self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
+        self.host = HostTier(config.num_host_blocks) if config.num_host_blocks and self.enable_caching else None
         self._fingerprint = model_fingerprint
         self._roots: dict[str, BlockHash] = {}
         self._blocks: dict[str, list[int]] = {}
@@ -42,6 +45,47 @@ class KVCacheManager:
         request.update_block_hashes(self.root(request.cache_salt), self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         return self.pool.longest_cached_prefix(request.block_hashes[:max_blocks])
+
+    def host_prefix(self, request: Request, num_pool_blocks: int) -> list[int]:
+        """Host blocks continuing ``request``'s cached prefix past its first ``num_pool_blocks`` (held in the
+        pool), within ``get_computed_blocks``' limit, pinned until ``load_from_host`` or ``unpin_host``; empty
+        without a host tier."""
+        if self.host is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        host_ids = self.host.prefix(request.block_hashes[num_pool_blocks:max_blocks])
+        self.host.pin(host_ids)
+        return host_ids
+
+    def unpin_host(self, host_ids: Sequence[int]) -> None:
+        if host_ids:
+            self.host.unpin(host_ids)
+
+    def load_from_host(self, host_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Queue copies of ``host_ids`` (a ``host_prefix``) up into fresh blocks of the request they continue."""
+        self.host.load(host_ids, block_ids)
+
+    def allocate_scratch(self, num_blocks: int) -> list[int]:
+        """Blocks outside any request (scoring, calibration); free them with ``release``. Take the host copies
+        (``take_host_copies``) before writing into them: an evicted block's bytes go down first."""
+        block_ids = self.pool.allocate(num_blocks)
+        self._offer_evicted()
+        return block_ids
+
+    def take_host_copies(self) -> HostCopies:
+        """The host-tier copies queued since the last call; the caller makes them before anything else writes
+        into the pool blocks they name."""
+        return self.host.take_copies() if self.host is not None else HostCopies()
+
+    def take_events(self) -> list[BlockEvent]:
+        """The pool's block events, then the host tier's."""
+        events = self.pool.take_events()
+        return events if self.host is None else events + self.host.take_events()
+
+    def _offer_evicted(self) -> None:
+        for block_hash, block_id in self.pool.take_evicted():
+            if self.host is not None:
+                self.host.save(block_hash, block_id)
 
     def prompt_hashes(self, token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
         """The full blocks' hashes of ``token_ids``, as a request with ``cache_salt`` computes them."""
@@ -77,6 +121,7 @@ class KVCacheManager:
             return None
         self.pool.touch(computed_blocks)
         new_blocks = self.pool.allocate(max(num_needed, 0))
+        self._offer_evicted()
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
         self._num_committed[request.request_id] = max(

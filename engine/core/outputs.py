@@ -70,6 +70,9 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_aborted: int = 0  # requests ended by abort since the engine started
+    host_tier_blocks: int = 0  # blocks the host tier holds now (0 without one)
+    host_tier_saved: int = 0  # blocks copied down since start
+    host_tier_loaded: int = 0  # blocks copied back up (prefix hits served from host memory) since start
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,21 +174,29 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
             computed = self.kv_cache.get_computed_blocks(request)
-            if computing and self._waits_for(request, len(computed), computing):
+            hosted = self.kv_cache.host_prefix(request, len(computed))  # the prefix's continuation in host memory
+            num_hit = len(computed) + len(hosted)
+            if computing and self._waits_for(request, num_hit, computing):
+                self.kv_cache.unpin_host(hosted)
                 self.num_prefix_waits += 1
                 i += 1
                 continue
-            num_cached = len(computed) * self.kv_cache.block_size
+            num_cached = num_hit * self.kv_cache.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
+                self.kv_cache.unpin_host(hosted)
                 break
             num_new = min(num_new, budget)
-            if self.kv_cache.allocate_slots(request, num_new, computed) is None:
+            fresh = self.kv_cache.allocate_slots(request, len(hosted) * self.kv_cache.block_size + num_new, computed)
+            if fresh is None:
+                self.kv_cache.unpin_host(hosted)
                 break
+            if hosted:  # copied up before the step's forward pass, so they count as cached
+                self.kv_cache.load_from_host(hosted, fresh[: len(hosted)])
             self.waiting.pop(i)
             if computing is not None:  # what it computes now is in progress for the requests behind it
-                computing.update(request.block_hashes[len(computed):])
-            self.kv_cache.record_prefix_lookup(request, len(computed))
+                computing.update(request.block_hashes[num_hit:])
+            self.kv_cache.record_prefix_lookup(request, num_hit)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
@@ -276,8 +284,10 @@ class Scheduler:
         )
 
     def stats(self) -> SchedulerStats:
-        pool = self.kv_cache.pool
-        return SchedulerStats(
+        pool, host = self.kv_cache.pool, self.kv_cache.host
+        tier = {} if host is None else dict(host_tier_blocks=len(host), host_tier_saved=host.num_saved,
+                                            host_tier_loaded=host.num_loaded)
+        return SchedulerStats(**tier,
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_blocks,
             kv_cache_usage=pool.usage, prefix_cache_queries=pool.num_cache_queries,

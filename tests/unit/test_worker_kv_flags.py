@@ -63,6 +63,9 @@ def test_engine_flags_reach_the_engine_config_and_bad_graph_sizes_are_refused():
                     "--enforce-eager").engine
     assert (engine.device, engine.attention_backend, engine.cuda_graph_sizes, engine.enforce_eager) == (
         "cuda:1", "torch", (1, 2, 8), True)
+    assert config("decode", "--kv-host-blocks", "128").engine.kv_host_blocks == 128
+    with pytest.raises(ValueError, match="kv-host-blocks"):
+        config("decode", "--kv-host-blocks", "-1")
     for bad in ("0,2", "a,b", ""):
         with pytest.raises(ValueError, match="cuda-graph-sizes"):
             config("decode", "--cuda-graph-sizes", bad)
