@@ -22,6 +22,7 @@ _BENCHMARKS = {
     "planner": "bench.planner",
     "sampler": "bench.sampler",
     "decode-sampling": "bench.decode_sampling",
+    "speculative": "bench.speculative",
     "step-prep": "bench.step_prep",
 }
 

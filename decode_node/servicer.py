@@ -248,6 +248,9 @@ def _response(delta: RequestDelta, timings: pb.Timings | None) -> pb.DecodeRespo
                                  num_cached_tokens=delta.num_cached_tokens)
     if timings is not None:
         response.timings.CopyFrom(timings)
+    if delta.num_draft_tokens:  # the finishing delta of a request that speculated
+        response.timings.spec_draft_tokens = delta.num_draft_tokens
+        response.timings.spec_accepted_tokens = delta.num_accepted_tokens
     return response
 
 

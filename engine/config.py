@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.core.speculation import SpeculativeConfig
 from engine.errors import InvalidRequest
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batch sizes captured as CUDA graphs
@@ -49,6 +50,7 @@ class EngineConfig:
     max_num_waiting: int | None = None  # admission control: more queued requests are refused (None: unbounded)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     kv_host_blocks: int = 0  # host-memory tier below the KV pool, in blocks (pinned on CUDA); 0: none
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (n-gram drafts); None: off
     # CUDA graphs for decode steps of up to max(cuda_graph_sizes) sequences (capped by max_num_seqs); CUDA only
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly

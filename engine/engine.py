@@ -17,6 +17,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import CachedPrefix, PrefixReservation, RequestDelta, SchedulerOutput, SchedulerStats
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
+from engine.core.speculation import Speculator
 from engine.decode_graphs import graph_sizes
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.model.config import ModelConfig, RopeConfig
@@ -60,7 +61,8 @@ class Engine:
             max_model_len=max_model_len,
         )
         self.kv_cache_manager = KVCacheManager(self.cache_config, self.fingerprint)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        speculator = Speculator(config.speculative_config) if config.speculative_config else None
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, speculator)
         self.runner = ModelRunner(
             model, self.model_config, num_blocks=num_blocks, block_size=config.block_size,
             device=self.device, backend=_pick_backend(config.attention_backend, self.device, self.model_config),

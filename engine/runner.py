@@ -72,11 +72,11 @@ class ModelRunner:
         self.forget(output.preempted_ids)
         input_ids, logit_rows, batch = self.inputs.fill(output.seqs)
         hidden = self._forward(input_ids, batch, on_layer)  # [T, hidden]
-        sampling = [s for s in output.seqs if s.samples]
-        if not sampling:
+        rows = [(s.request, offset) for s in output.seqs for offset in range(s.num_rows)]  # drafts: one row each
+        if not rows:
             return SampledTokens([])
         logits = self.model.compute_logits(hidden[logit_rows])  # [S, vocab]
-        result = self.sampler(logits, self.sampling.build([s.request for s in sampling]), scratch=True)
+        result = self.sampler(logits, self.sampling.build_rows(rows), scratch=True)
         token_ids, result = self.sampler.read(result)  # the step's one host sync (two if some row falls back)
         return SampledTokens(token_ids, _logprob_lists(result))
 

@@ -49,20 +49,22 @@ class StepInputs:
         persistent buffers, valid until the next ``fill``."""
         counts = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))  # [B]
         starts = np.fromiter((s.start for s in seqs), np.int64, len(seqs))  # [B]
-        sampled = np.fromiter((s.samples for s in seqs), bool, len(seqs))  # [B]
+        row_counts = np.fromiter((s.num_rows for s in seqs), np.int64, len(seqs))  # [B] logit rows per sequence
         contexts = starts + counts  # [B]
         table = self.tables.gather(self.tables.rows(seqs), int(-(-contexts.max() // self.block_size)))  # [B, W]
-        num_tokens, num_rows, (num_seqs, width) = int(counts.sum()), int(sampled.sum()), table.shape
+        num_tokens, num_rows, (num_seqs, width) = int(counts.sum()), int(row_counts.sum()), table.shape
         sizes = (num_tokens, num_tokens, num_tokens, num_rows, num_seqs, num_seqs * width)
         ids, pos, slots, rows, ctx, flat_table = self._host_sections(sizes)
         # a list slice per sequence, flattened and converted in C (no Python step per token)
-        ids[:] = list(chain.from_iterable(s.request.all_token_ids[s.start : s.end] for s in seqs))
+        ids[:] = list(chain.from_iterable(_tokens(s) for s in seqs))
         ends = np.cumsum(counts)  # [B] one past each sequence's last row
         # position of row r of sequence i: starts[i] + (r - first row of i)
         np.subtract(np.arange(num_tokens), np.repeat(ends - counts - starts, counts), out=pos)
         seq_of_token = np.repeat(np.arange(num_seqs), counts)  # [T]
         slots[:] = table[seq_of_token, pos // self.block_size] * self.block_size + pos % self.block_size
-        np.subtract(ends[sampled], 1, out=rows)
+        # a sequence's logit rows are its last row_counts[i] rows (its last known token's, then its drafts')
+        row_ends = np.cumsum(row_counts)  # [B]
+        np.add(np.repeat(ends - row_ends, row_counts), np.arange(num_rows), out=rows)
         ctx[:] = contexts
         flat_table[:] = table.reshape(-1)
         d_ids, d_pos, d_slots, d_rows, d_ctx, d_table = self._to_device(sizes)
@@ -92,6 +94,13 @@ class StepInputs:
         self._device = None if self.device.type == "cpu" else torch.empty(capacity, dtype=torch.int64, device=self.device)
         self.capacity = capacity
         self.grown += 1
+
+
+def _tokens(seq: ScheduledSeq):
+    """The slice's token ids: its known tokens, then its speculative drafts (usually none)."""
+    if not seq.draft_token_ids:
+        return seq.request.all_token_ids[seq.start : seq.end]
+    return seq.request.all_token_ids[seq.start : seq.end - len(seq.draft_token_ids)] + list(seq.draft_token_ids)
 
 
 def _split(buffer, sizes: tuple[int, ...]) -> list:

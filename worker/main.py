@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.config import DEFAULT_GRAPH_SIZES, EngineConfig
+from engine.core.speculation import SpeculativeConfig
+from engine.errors import InvalidRequest
 from engine.model_source import MODEL_HELP
 from kv_transfer.auth import load_secret
 from kv_transfer.transport import parse_kinds
@@ -65,6 +68,10 @@ def add_worker_options(group) -> None:
     group.add_argument("--cuda-graph-sizes", default=",".join(map(str, DEFAULT_GRAPH_SIZES)),
                        help="decode batch sizes captured as CUDA graphs, comma-separated (capped by --max-num-seqs; "
                        "default: %(default)s)")
+    group.add_argument("--speculative-config", default=None,
+                       help='speculative decoding, as JSON in vLLM\'s shape: {"method": "ngram", '
+                       '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt '
+                       "lookup; decode role). Outputs are the same token for token with it on or off")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: every step runs eagerly (graphs are CUDA only in any case)")
     group.add_argument("--calibrate-tokens", type=int, default=256,
@@ -84,6 +91,21 @@ def _graph_sizes(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise ValueError(f"--cuda-graph-sizes takes comma-separated positive batch sizes, got {text!r}")
     return sizes
+
+
+def _speculative(text: str | None) -> SpeculativeConfig | None:
+    if not text:
+        return None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON ({exc}): {text!r}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
+    try:
+        return SpeculativeConfig.from_dict(raw)
+    except (InvalidRequest, TypeError) as exc:
+        raise ValueError(f"--speculative-config: {exc}") from None
 
 
 def parser(role: str) -> argparse.ArgumentParser:
@@ -140,6 +162,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         max_num_waiting=args.max_num_waiting, num_threads=args.num_threads,
         attention_backend=args.attention_backend, cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
         enforce_eager=args.enforce_eager, kv_host_blocks=args.kv_host_blocks,
+        speculative_config=_speculative(args.speculative_config),
     )
     return WorkerConfig(
         role=role, engine=engine, redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),

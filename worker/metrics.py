@@ -43,6 +43,12 @@ class WorkerMetrics:
                                   "by why", ["worker_id", "reason"], registry=r)
         self._errors = Counter("baton:request_errors_total", "Worker calls that ended in an error status",
                                ["worker_id", "code"], registry=r)
+        self._spec_drafts = Counter("baton:spec_decode_num_drafts", "Speculative steps that drafted (request, step)",
+                                    w, registry=r)
+        self._spec_draft_tokens = Counter("baton:spec_decode_num_draft_tokens", "Speculative draft tokens proposed",
+                                          w, registry=r)
+        self._spec_accepted = Counter("baton:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted",
+                                      w, registry=r)
         self._host_blocks = Gauge("baton:kv_host_tier_blocks", "Blocks held in the host-memory tier", w, registry=r)
         self._host_saved = Counter("baton:kv_host_tier_saved", "Blocks the KV cache evicted into the host tier", w,
                                    registry=r)
@@ -66,6 +72,9 @@ class WorkerMetrics:
         self._queries.labels(w).inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
         self._hits.labels(w).inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
         self._preemptions.labels(w).inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self._spec_drafts.labels(w).inc(max(stats.spec_steps - last.spec_steps, 0))
+        self._spec_draft_tokens.labels(w).inc(max(stats.spec_draft_tokens - last.spec_draft_tokens, 0))
+        self._spec_accepted.labels(w).inc(max(stats.spec_accepted_tokens - last.spec_accepted_tokens, 0))
         self._host_blocks.labels(w).set(stats.host_tier_blocks)
         self._host_saved.labels(w).inc(max(stats.host_tier_saved - last.host_tier_saved, 0))
         self._host_loaded.labels(w).inc(max(stats.host_tier_loaded - last.host_tier_loaded, 0))

@@ -141,6 +141,14 @@ class KVCacheManager:
             self.pool.commit(blocks[i], request.block_hashes[i])
         self._num_committed[request.request_id] = max(start, num_full)
 
+    def trim(self, request: Request) -> None:
+        """Give back blocks past what the request's known tokens need (reserved for drafts it rejected)."""
+        blocks = self._blocks.get(request.request_id)
+        extra = len(blocks) - self.blocks_needed(request.num_tokens) if blocks else 0
+        if extra > 0:
+            self.pool.free(reversed(blocks[-extra:]))
+            del blocks[-extra:]
+
     def detach(self, request: Request) -> list[int]:
         """Hand the request's blocks (still referenced) to the caller, who frees them with ``release``."""
         self._num_committed.pop(request.request_id, None)

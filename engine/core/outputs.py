@@ -13,13 +13,19 @@ class ScheduledSeq:
 
     request: Request
     start: int
-    num_new_tokens: int
+    num_new_tokens: int  # the draft tokens included
     block_ids: tuple[int, ...]
     samples: bool  # the slice reaches the last known token, so the step yields the next token
+    draft_token_ids: tuple[int, ...] = ()  # speculative decoding: computed after the known tokens, then verified
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """Logit rows the step samples for this slice: its last known token's and each draft's."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +41,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class SampledTokens:
-    """What the runner returns: one token per sampling seq, in ``SchedulerOutput.seqs`` order."""
+    """What the runner returns: ``ScheduledSeq.num_rows`` tokens per sampling seq, in ``SchedulerOutput.seqs``
+    order (one, or one per draft token plus one with speculative decoding)."""
 
     token_ids: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
@@ -53,6 +60,8 @@ class RequestDelta:
     num_cached_tokens: int = 0
     held_block_ids: tuple[int, ...] = ()  # hold_blocks requests: blocks now owned by the caller
     queue_s: float | None = None  # the request's wait before its first scheduled step (Request.queue_s)
+    num_draft_tokens: int = 0  # speculative decoding, on the finishing delta: tokens drafted for the request
+    num_accepted_tokens: int = 0  # ... and how many of them the target accepted
 
     @property
     def finished(self) -> bool:
@@ -73,6 +82,9 @@ class SchedulerStats:
     host_tier_blocks: int = 0  # blocks the host tier holds now (0 without one)
     host_tier_saved: int = 0  # blocks copied down since start
     host_tier_loaded: int = 0  # blocks copied back up (prefix hits served from host memory) since start
+    spec_draft_tokens: int = 0  # speculative decoding since start: draft tokens proposed,
+    spec_accepted_tokens: int = 0  # ... accepted,
+    spec_steps: int = 0  # ... and (request, step) pairs that drafted
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,13 +20,15 @@ from engine.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestDelta, SampledTokens, ScheduledSeq, SchedulerOutput, SchedulerStats
 from engine.core.request import Request, RequestStatus
+from engine.core.speculation import Speculator, accepted
 from engine.errors import InvalidRequest
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, speculator: Speculator | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.speculator = speculator  # speculative decoding (engine/core/speculation.py), or None
         # A lone request must always fit, or the queue could deadlock: cap the length at the pool.
         self.max_model_len = min(config.max_model_len, kv_cache.pool.num_blocks * kv_cache.block_size)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
@@ -145,7 +147,7 @@ class Scheduler:
         block_of = self.kv_cache.block_ids
         out = tuple(
             ScheduledSeq(s.request, s.start, s.num_new_tokens, tuple(block_of(s.request.request_id)),
-                         s.start + s.num_new_tokens == s.request.num_tokens)
+                         s.end - len(s.draft_token_ids) == s.request.num_tokens, s.draft_token_ids)
             for s in seqs
         )
         return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, tuple(preempted))
@@ -155,7 +157,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv_cache.allocate_slots(request, num_new) is None:
+            drafts = self._drafts(request, num_new, budget)
+            while self.kv_cache.allocate_slots(request, num_new + len(drafts)) is None:
+                if drafts:  # room for the token itself comes first
+                    drafts = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -163,10 +169,19 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; the list shrank, i already points at the next one
-            seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new, (), False))
-            budget -= num_new
+            seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new + len(drafts), (), False,
+                                     tuple(drafts)))
+            budget -= num_new + len(drafts)
             i += 1
         return budget
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Speculative drafts for a running decode, within the step's budget, the model length and max_tokens."""
+        if self.speculator is None or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(budget - 1, self.max_model_len - request.num_tokens - 1,
+                   request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return self.speculator.drafts(request, room)
 
     def _schedule_waiting(self, budget: int, seqs: list[ScheduledSeq]) -> int:
         computing = self._blocks_in_progress() if self.waiting and self.kv_cache.enable_caching else None
@@ -237,28 +252,40 @@ class Scheduler:
         logprobs = iter(sampled.logprobs) if sampled.logprobs is not None else None
         for seq in output.seqs:
             request = seq.request
-            samples = seq.samples
-            request.num_computed_tokens = seq.end
-            if not samples:
+            if not seq.samples:
+                request.num_computed_tokens = seq.end
                 self.kv_cache.commit(request)
                 continue
-            token = next(tokens)
-            request.append_output_token(token)
-            entry = next(logprobs) if logprobs is not None else None
-            if entry is not None and request.sampling_params.logprobs is not None:
-                request.output_logprobs.append(entry)
-            self.kv_cache.commit(request)
-            results.append(self._after_token(request, token, entry))
+            sampled = [next(tokens) for _ in range(seq.num_rows)]
+            entries = [next(logprobs) for _ in range(seq.num_rows)] if logprobs is not None else [None] * seq.num_rows
+            drafts = seq.draft_token_ids
+            kept = accepted(drafts, sampled) if drafts else sampled
+            if drafts:
+                self.speculator.record(request.request_id, len(drafts), len(kept) - 1)
+            request.num_computed_tokens = seq.end - len(drafts) + len(kept) - 1  # accepted drafts' KV is valid
+            results.append(self._after_tokens(request, kept, entries))
         return results
 
-    def _after_token(self, request: Request, token: int, entry) -> RequestDelta:
-        status = self._check_stop(request, token)
-        new_logprobs = [entry] if entry is not None and request.sampling_params.logprobs is not None else []
+    def _after_tokens(self, request: Request, tokens: list[int], entries: list) -> RequestDelta:
+        """Append a step's tokens (one, or accepted drafts and one more) up to the first that stops the request."""
+        keep_logprobs = request.sampling_params.logprobs is not None
+        new_logprobs, status = [], None
+        for count, (token, entry) in enumerate(zip(tokens, entries), start=1):
+            request.append_output_token(token)
+            if entry is not None and keep_logprobs:
+                request.output_logprobs.append(entry)
+                new_logprobs.append(entry)
+            status = self._check_stop(request, token)
+            if status is not None:
+                tokens = tokens[:count]
+                break
+        self.kv_cache.commit(request)
         if status is None:
-            return RequestDelta(request.request_id, [token], None, new_logprobs, queue_s=request.queue_s)
+            self.kv_cache.trim(request)  # blocks reserved for rejected drafts go back
+            return RequestDelta(request.request_id, tokens, None, new_logprobs, queue_s=request.queue_s)
         self.running.remove(request)
         request.transition(status)
-        return self._finish(request, [token], new_logprobs)
+        return self._finish(request, tokens, new_logprobs)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -278,15 +305,19 @@ class Scheduler:
             self.kv_cache.free(request)
         del self._requests[request.request_id]
         del self._order[request.request_id]
+        drafted, accepted_ = self.speculator.forget(request.request_id) if self.speculator else (0, 0)
         return RequestDelta(
             request.request_id, tokens, request.finish_reason, list(new_logprobs),
-            request.num_prompt_tokens, request.num_cached_tokens, held, request.queue_s,
+            request.num_prompt_tokens, request.num_cached_tokens, held, request.queue_s, drafted, accepted_,
         )
 
     def stats(self) -> SchedulerStats:
-        pool, host = self.kv_cache.pool, self.kv_cache.host
+        pool, host, spec = self.kv_cache.pool, self.kv_cache.host, self.speculator
         tier = {} if host is None else dict(host_tier_blocks=len(host), host_tier_saved=host.num_saved,
                                             host_tier_loaded=host.num_loaded)
+        if spec is not None:
+            tier |= dict(spec_draft_tokens=spec.num_drafted, spec_accepted_tokens=spec.num_accepted,
+                         spec_steps=spec.num_steps)
         return SchedulerStats(**tier,
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_blocks,
