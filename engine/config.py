@@ -50,6 +50,7 @@ class EngineConfig:
     max_num_waiting: int | None = None  # admission control: more queued requests are refused (None: unbounded)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     kv_host_blocks: int = 0  # host-memory tier below the KV pool, in blocks (pinned on CUDA); 0: none
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8: 8-bit values + a scale per row
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (n-gram drafts); None: off
     # CUDA graphs for decode steps of up to max(cuda_graph_sizes) sequences (capped by max_num_seqs); CUDA only
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES
@@ -65,5 +66,7 @@ class EngineConfig:
             raise InvalidRequest(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1:
             raise InvalidRequest(f"cuda_graph_sizes must be positive batch sizes, got {list(self.cuda_graph_sizes)}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise InvalidRequest(f"kv_cache_dtype must be auto|int8|fp8, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise InvalidRequest(f"attention_backend must be auto|torch|flashinfer, got {self.attention_backend!r}")

@@ -30,6 +30,7 @@ from torch import nn
 
 from engine.attention.base import ForwardBatch, StepBatch
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kv_quant import KVQuant
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,11 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, kv_layers: Sequence[torch.Tensor], *, sizes: Sequence[int],
-                 max_blocks: int, block_size: int, pad_block: int, device: torch.device, capture: bool) -> None:
+                 max_blocks: int, block_size: int, pad_block: int, device: torch.device, capture: bool,
+                 quant: KVQuant | None = None) -> None:
         self.model, self.kv_layers, self.capture = model, kv_layers, capture
         self.sizes = tuple(sorted(set(sizes)))
-        self.backend = TorchAttentionBackend()
+        self.backend = TorchAttentionBackend(quant)
         max_blocks = min(max_blocks, MAX_CAPTURE_CONTEXT // block_size)
         self.static = self.backend.static_decode(self.sizes[-1], max_blocks, block_size, pad_block, device)
         self.widths = self.static.block_buckets(max_blocks)

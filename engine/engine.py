@@ -19,6 +19,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.speculation import Speculator
 from engine.decode_graphs import graph_sizes
+from engine.kv_quant import SCALE_BYTES, KVQuant, kv_quant
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.model.config import ModelConfig, RopeConfig
 from engine.model.loader import load_model, open_gguf, read_model_config
@@ -47,11 +48,13 @@ class Engine:
         self.gguf = open_gguf(self.model_source) if self.model_source.is_gguf else None
         self.model_config = read_model_config(self.model_source, _pick_dtype(config.dtype, self.device), self.gguf)
         model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf)
-        self.fingerprint = _fingerprint(self.model_config, weights_id)
+        self.kv_quant = kv_quant(config.kv_cache_dtype)  # None: the cache holds the model's dtype
+        self.fingerprint = _fingerprint(self.model_config, weights_id, self.kv_quant)
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
         max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                             self.model_config.max_position_embeddings)
-        num_blocks = config.num_blocks or _default_num_blocks(config, self.model_config, max_model_len, self.device)
+        num_blocks = config.num_blocks or _default_num_blocks(config, self.model_config, max_model_len, self.device,
+                                                              self.kv_quant)
         self.cache_config = CacheConfig(
             block_size=config.block_size, num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=config.kv_host_blocks if config.enable_prefix_caching else 0,
@@ -65,8 +68,9 @@ class Engine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, speculator)
         self.runner = ModelRunner(
             model, self.model_config, num_blocks=num_blocks, block_size=config.block_size,
-            device=self.device, backend=_pick_backend(config.attention_backend, self.device, self.model_config),
-            num_host_blocks=self.cache_config.num_host_blocks,
+            device=self.device, backend=_pick_backend(config.attention_backend, self.device, self.model_config,
+                                                      self.kv_quant),
+            num_host_blocks=self.cache_config.num_host_blocks, quant=self.kv_quant,
         )
         if self.device.type == "cuda" and not config.enforce_eager:  # never run here (no GPU)
             self.runner.use_decode_graphs(graph_sizes(config.cuda_graph_sizes, config.max_num_seqs), capture=True)
@@ -333,7 +337,13 @@ def _pick_dtype(dtype: str, device: torch.device) -> str | None:
     return "bfloat16" if device.type == "cuda" else "float32"  # bf16 on a GPU, whatever the checkpoint holds
 
 
-def _pick_backend(name: str, device: torch.device, model: ModelConfig) -> AttentionBackend:
+def _pick_backend(name: str, device: torch.device, model: ModelConfig, quant: KVQuant | None) -> AttentionBackend:
+    if quant is not None:
+        if name == "flashinfer":
+            raise InvalidRequest(f"attention_backend=flashinfer does not read a {quant.name} KV cache (torch does)")
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(quant)
     if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
         from engine.attention.flashinfer_backend import FlashInferBackend, flashinfer_available, kernel_refusal
 
@@ -349,10 +359,12 @@ def _pick_backend(name: str, device: torch.device, model: ModelConfig) -> Attent
     return TorchAttentionBackend()
 
 
-def _fingerprint(config: ModelConfig, weights_id: str) -> bytes:
+def _fingerprint(config: ModelConfig, weights_id: str, quant: KVQuant | None = None) -> bytes:
+    """The model and its KV dtype (a quantized cache's blocks are not interchangeable with full-precision ones)."""
+    dtype = config.dtype if quant is None else f"{config.dtype}+kv-{quant.name}"
     return model_fingerprint(
         architecture=config.architecture, hidden_size=config.hidden_size, num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=config.dtype,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype,
         vocab_size=config.vocab_size, rope=rope_text(config.rope), weights_id=weights_id,
     )
 
@@ -362,11 +374,11 @@ def rope_text(rope: RopeConfig) -> str:
     return ":".join(str(getattr(rope, name)) for name in rope.__slots__)
 
 
-def _default_num_blocks(config: EngineConfig, model: ModelConfig, max_model_len: int, device: torch.device) -> int:
-    bytes_per_block = (
-        2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim
-        * torch.empty((), dtype=getattr(torch, model.dtype)).element_size()
-    )
+def _default_num_blocks(config: EngineConfig, model: ModelConfig, max_model_len: int, device: torch.device,
+                        quant: KVQuant | None = None) -> int:
+    row_bytes = (model.head_dim * torch.empty((), dtype=getattr(torch, model.dtype)).element_size() if quant is None
+                 else model.head_dim + SCALE_BYTES)
+    bytes_per_block = 2 * model.num_layers * config.block_size * model.num_kv_heads * row_bytes
     if config.kv_cache_memory_bytes:
         budget = config.kv_cache_memory_bytes
     elif device.type == "cuda":

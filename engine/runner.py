@@ -16,6 +16,7 @@ from engine.attention.base import AttentionBackend, ForwardBatch, SeqSlice, Step
 from engine.core.outputs import SampledTokens, SchedulerOutput
 from engine.decode_graphs import DecodeGraphs
 from engine.host_cache import HostCache
+from engine.kv_quant import SCALE_BYTES, KVQuant
 from engine.model.config import ModelConfig
 from engine.sampler import Sampler
 from engine.sampling.builder import SamplingBatchBuilder
@@ -39,6 +40,7 @@ class ModelRunner:
         device: torch.device,
         backend: AttentionBackend,
         num_host_blocks: int = 0,
+        quant: KVQuant | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -47,10 +49,12 @@ class ModelRunner:
         self.backend = backend
         self.sampler = Sampler()
         self.sampling = SamplingBatchBuilder(config.vocab_size, device)  # holds per-request penalty state
-        dtype = getattr(torch, config.dtype)
+        self.quant = quant  # a quantized cache: uint8 rows of head_dim values + their scale (engine/kv_quant.py)
+        dtype = getattr(torch, config.dtype) if quant is None else torch.uint8
+        row = config.head_dim if quant is None else config.head_dim + SCALE_BYTES
         self.max_blocks_per_seq = -(-config.max_position_embeddings // block_size)
         self.pad_block = num_blocks  # one block past the pool's (see the module docstring)
-        shape = (config.num_layers, num_blocks + 1, 2, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, num_blocks + 1, 2, block_size, config.num_kv_heads, row)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # the whole paged cache
         self.kv_layers = list(self.kv_cache.unbind(0))  # per layer: [num_blocks + 1, 2, bs, kvh, d]
         self.layer_events: list = []  # CUDA only: one event per layer of the last hooked step
@@ -63,7 +67,7 @@ class ModelRunner:
         (``capture``, CUDA only) or, without a graph, eagerly in the same shapes (tests on CPU)."""
         self.graphs = DecodeGraphs(self.model, self.kv_layers, sizes=sizes, max_blocks=self.max_blocks_per_seq,
                                    block_size=self.block_size, pad_block=self.pad_block, device=self.device,
-                                   capture=capture)
+                                   capture=capture, quant=self.quant)
         if capture:
             self.graphs.capture_all()  # never run here (no GPU)
 

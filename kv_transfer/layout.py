@@ -44,6 +44,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    scale_bytes: int = 0  # a quantized cache (int8, fp8): each row's scale, stored after its head_dim values
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_ITEMSIZE:
@@ -52,6 +53,8 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KVLayout.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.scale_bytes, int) or isinstance(self.scale_bytes, bool) or self.scale_bytes < 0:
+            raise ValueError(f"KVLayout.scale_bytes must be an int >= 0, got {self.scale_bytes!r}")
         if not isinstance(self.model_fingerprint, bytes) or not self.model_fingerprint:
             raise ValueError("KVLayout.model_fingerprint must be non-empty bytes")
 
@@ -61,8 +64,8 @@ class KVLayout:
 
     @property
     def bytes_per_block_per_layer(self) -> int:
-        """One layer's K and V of one block: ``2 * block_size * num_kv_heads * head_dim * itemsize``."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        """One layer's K and V of one block: ``2 * block_size * num_kv_heads * (head_dim * itemsize + scale_bytes)``."""
+        return 2 * self.block_size * self.num_kv_heads * (self.head_dim * self.itemsize + self.scale_bytes)
 
     @property
     def bytes_per_block(self) -> int:
@@ -72,6 +75,8 @@ class KVLayout:
         """Stable JSON (sorted keys, no spaces; fingerprint as hex) for Redis and the wire."""
         doc: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         doc["model_fingerprint"] = self.model_fingerprint.hex()
+        if not self.scale_bytes:
+            del doc["scale_bytes"]  # a full-precision layout reads as it always has
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -79,7 +84,7 @@ class KVLayout:
         """Parse ``to_json`` output; unknown keys are ignored, missing or bad ones raise KVTransferError."""
         try:
             doc = json.loads(text)
-            kwargs = {f.name: doc[f.name] for f in fields(cls)}
+            kwargs = {f.name: doc[f.name] for f in fields(cls) if f.name in doc or f.name != "scale_bytes"}
             kwargs["model_fingerprint"] = bytes.fromhex(kwargs["model_fingerprint"])
             return cls(**kwargs)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.async_engine import AsyncEngine, StepHooks
 from engine.core.outputs import RequestDelta, SchedulerStats
 from engine.engine import Engine
+from engine.kv_quant import SCALE_BYTES
 from kv_transfer.layout import KVLayout
 from kv_transfer.registry import HeartbeatTask, Registry, connect
 from kv_transfer.staging import KVRegion, StagingPool, needs_staging, pull_staged
@@ -269,6 +270,8 @@ def worker_load(engine: Engine, stats: SchedulerStats) -> WorkerLoad:
 
 
 def _layout(engine: Engine) -> KVLayout:
-    config = engine.model_config
-    return KVLayout(model_fingerprint=engine.fingerprint, dtype=config.dtype, block_size=engine.cache_config.block_size,
-                    num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    config, quant = engine.model_config, engine.kv_quant
+    return KVLayout(model_fingerprint=engine.fingerprint, dtype=config.dtype if quant is None else quant.layout_dtype,
+                    block_size=engine.cache_config.block_size, num_layers=config.num_layers,
+                    num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                    scale_bytes=0 if quant is None else SCALE_BYTES)

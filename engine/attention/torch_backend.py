@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import SeqSlice, StepBatch, to_device
+from engine.attention.base import StepBatch, to_device
+from engine.kv_quant import KVQuant
 
 _MIN_BUCKET_TOKENS = 64
 
@@ -84,6 +85,9 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self, quant: KVQuant | None = None) -> None:
+        self.quant = quant  # a quantized cache: rows are packed on write and unpacked where they are read
+
     def build_metadata(self, batch: StepBatch) -> TorchAttentionMetadata:
         counts, contexts = batch.counts, batch.context_lens_host  # [B] host
         first_rows = np.cumsum(counts) - counts  # [B] each sequence's first row in the flat batch
@@ -95,13 +99,15 @@ class TorchAttentionBackend:
         return TorchAttentionMetadata(batch.slots // batch.block_size, batch.slots % batch.block_size, groups, prefills)
 
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, window, scale):
-        # kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]
-        kv_cache[metadata.slot_block, :, metadata.slot_offset] = torch.stack((k, v), dim=1)  # [T, 2, kvh, d]
+        # kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] (quantized: uint8, head_dim + 4)
+        rows = torch.stack((k, v), dim=1) if self.quant is None else torch.stack((self.quant.pack(k), self.quant.pack(v)), 1)
+        kv_cache[metadata.slot_block, :, metadata.slot_offset] = rows  # [T, 2, kvh, d]
+        read = _reader(self.quant, q.dtype)
         out = torch.empty_like(q)  # [T, h, d]
         for group in metadata.decode_groups:
-            out[group.token_index] = _decode_attention(q, kv_cache, group, window, scale)
+            out[group.token_index] = _decode_attention(q, kv_cache, group, window, scale, read)
         for seq in metadata.prefills:
-            out[seq.token_start : seq.token_end] = _prefill_attention(q, k, v, kv_cache, seq, window, scale)
+            out[seq.token_start : seq.token_end] = _prefill_attention(q, k, v, kv_cache, seq, window, scale, read)
         return out
 
     def static_decode(self, max_seqs: int, max_blocks: int, block_size: int, pad_block: int,
@@ -146,13 +152,20 @@ class StaticDecode:
         self.context_lens[real:num_seqs] = 1
 
 
-def _decode_attention(q, kv_cache, group: _DecodeGroup, window, scale) -> torch.Tensor:
+def _reader(quant: KVQuant | None, dtype: torch.dtype):
+    """Cached rows as attention reads them: as stored, or unpacked from a quantized cache."""
+    if quant is None:
+        return lambda rows: rows
+    return lambda rows: quant.unpack(rows, dtype)
+
+
+def _decode_attention(q, kv_cache, group: _DecodeGroup, window, scale, read) -> torch.Tensor:
     """Whole-block gather (one index_select), then GQA as a batched matmul: each KV head's group of
     query heads attends at once, so K/V are never repeated per query head."""
     num_seqs, num_blocks = group.block_table.shape
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    blocks = read(kv_cache.index_select(0, group.block_table.reshape(-1)))  # [B*nb, 2, bs, kvh, d]
+    _, _, block_size, num_kv_heads, head_dim = blocks.shape
     length = num_blocks * block_size
-    blocks = kv_cache.index_select(0, group.block_table.reshape(-1))  # [B*nb, 2, bs, kvh, d]
     blocks = blocks.view(num_seqs, num_blocks, 2, block_size, num_kv_heads, head_dim)
     keys = blocks[:, :, 0].permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads, length, head_dim)  # [B, kvh, L, d]
     values = blocks[:, :, 1].permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads, length, head_dim)
@@ -163,13 +176,13 @@ def _decode_attention(q, kv_cache, group: _DecodeGroup, window, scale) -> torch.
     return torch.matmul(probs, values).reshape(num_seqs, -1, head_dim)  # [B, h, d]
 
 
-def _prefill_attention(q, k, v, kv_cache, seq: _PrefillSeq, window, scale) -> torch.Tensor:
+def _prefill_attention(q, k, v, kv_cache, seq: _PrefillSeq, window, scale, read) -> torch.Tensor:
     rows = slice(seq.token_start, seq.token_end)
     query = q[rows].transpose(0, 1)  # [h, q, d]
     if seq.key_block is None:
         keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kvh, q, d]
     else:
-        kv = kv_cache[seq.key_block, :, seq.key_offset]  # [ctx, 2, kvh, d]
+        kv = read(kv_cache[seq.key_block, :, seq.key_offset])  # [ctx, 2, kvh, d]
         keys, values = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # [kvh, ctx, d]
     mask = seq.mask(window, q.device)
     out = F.scaled_dot_product_attention(
