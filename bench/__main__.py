@@ -23,6 +23,7 @@ _BENCHMARKS = {
     "sampler": "bench.sampler",
     "decode-sampling": "bench.decode_sampling",
     "speculative": "bench.speculative",
+    "kv-quant": "bench.kv_quant",
     "step-prep": "bench.step_prep",
 }
 
