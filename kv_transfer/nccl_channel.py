@@ -29,29 +29,26 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.layout import KVBuffer
+from kv_transfer.tensor_buffer import AnyKVBuffer, TensorKVBuffer
 from kv_transfer.tcp_wire import tune_socket
 from kv_transfer.transport import TransportConfig
 
 GRACE_S = 1.0  # slack on top of a bounded collective wait before the event loop gives up on it
 MAX_MESSAGE_BYTES = 64 << 20  # one send/recv; each is allowed TransportConfig.io_timeout_s
 REUSE_S = 30.0  # a client reuses an idle channel only this long (well inside the server's nccl.IDLE_S)
-MAX_IDLE_CHANNELS = 4  # per server, per client
+MAX_IDLE_CHANNELS = 1  # per server, per client: one channel (one communicator) per pair (nccl.NcclClient)
 
 IdleChannels = dict[str, list["Channel"]]  # a client's idle channels by server URI, most recently used last
 
 
-def kv_tensor(buffer: KVBuffer, device_cache: torch.Tensor | None) -> torch.Tensor:
-    """The tensor the KV moves from/into: ``device_cache`` (uint8 ``[L, N, seg]``, on the GPU) when given,
-    else a zero-copy view of the buffer's bytes."""
-    if device_cache is not None:
-        if tuple(device_cache.shape) != buffer.array.shape or device_cache.dtype != torch.uint8:
-            raise ValueError(f"device_cache must be uint8 {buffer.array.shape}, got {device_cache.dtype} "
-                             f"{tuple(device_cache.shape)}")
-        return device_cache
+def kv_tensor(buffer: AnyKVBuffer) -> torch.Tensor:
+    """The tensor the KV moves from/into: a ``TensorKVBuffer``'s own (a CUDA cache served in place: NCCL), else
+    a zero-copy view of a host buffer's bytes (gloo). ``[num_layers, num_blocks, segment_bytes]`` uint8."""
+    if isinstance(buffer, TensorKVBuffer):
+        return buffer.tensor
     with warnings.catch_warnings():  # a read-only source is only ever sent from
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(buffer.array)  # [num_layers, num_blocks, segment_bytes]
+        return torch.from_numpy(buffer.array)
 
 
 def messages(kv: torch.Tensor, runs: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
