@@ -7,11 +7,19 @@ Why tagged messages, not RMA: UCX's one-sided ``get`` would be the natural pull,
 API does not expose memory registration, packed remote keys or ``get``/``put`` (they exist only in its
 C++ library), so the server sends and the client receives tagged messages.
 
-A pull is one round trip on a UCX endpoint (connection): by default a fresh endpoint per pull, like
-``tcp://``; with ``UcxClient(reuse_endpoints=True)`` (or ``REUSE_ENDPOINTS``) idle endpoints are kept per
-event loop and URI and reused, one pull at a time each. Every message below is a tagged message on
-that endpoint with its own tag, offset by ``n << 32`` for the endpoint's n-th pull, so nothing depends on
-message ordering. Control messages are the frames of ``kv_transfer/wire.py`` (a 12-byte header on tag
+Device memory: a CUDA cache served in place (a ``TensorKVBuffer``) is sent from and received into CUDA
+tensor views, which ucxx takes by their ``__cuda_array_interface__``; UCX then moves them with cuda_copy,
+cuda_ipc (same host) or RDMA (``ucx_plan.message``). The same code on a CPU tensor runs in the tests; the
+CUDA branch has never run here (no GPU).
+
+A pull is one round trip on a UCX endpoint (connection). A client keeps its idle endpoints per event loop and
+URI and reuses them, one pull at a time each (``REUSE_ENDPOINTS``; ``UcxClient(reuse_endpoints=False)`` opens one
+per pull): a UCX wireup costs 10-100 ms here, more than moving 32 MiB. A pooled endpoint the server closed
+or that broke while idle is dropped and the pull starts over on a new one, before any byte moved; one whose
+server stays silent fails the pull (``io_timeout_s``), as a fresh one would.
+
+Every message below is a tagged message on that endpoint with its own tag, offset by ``n << 32`` for the
+endpoint's n-th pull, so nothing depends on message ordering. Control messages are the frames of ``kv_transfer/wire.py`` (a 12-byte header on tag
 ``t``, its payload, if any, on tag ``t + 1``; ``kv_transfer/ucx_endpoint.py``)::
 
     client -> REQUEST   READ: u8 flags | u16 len | client KVLayout JSON | ``wire.encode_read`` with the runs
@@ -65,7 +73,7 @@ from kv_transfer.tensor_buffer import AnyKVBuffer, TensorKVBuffer
 from kv_transfer.transport import KVClient, Locator, Pull, Resolver, TransportConfig, parse_uri
 from kv_transfer.ucx_endpoint import (
     ENDPOINT_ERROR_HANDLING, TAG_DONE, TAG_KV, TAG_REPLY, TAG_REQUEST, PeerSilent, abort, await_all, bounded, checkin,
-    checkout, close, import_ucxx, recv_frame, send_frame, tag,
+    checkout, close, close_idle_endpoints, import_ucxx, recv_frame, send_frame, tag,
 )
 from kv_transfer.ucx_plan import (
     check_runs, decode_request, encode_request, plan_pull, run_starts, run_views, runs_consecutive,
@@ -80,10 +88,9 @@ logger = logging.getLogger(__name__)
 RECV_WINDOW_BYTES = 16 << 20  # KV bytes the client has receives posted for at once (see UcxClient._receive)
 CLOSE_LINGER_S = 1.0  # after refusing, the server waits this long for the client to close first
 SERVER_IDLE_S = 60.0  # a served connection with no next request for this long is closed
-# Clients may keep endpoints between pulls (``reuse_endpoints``): connecting costs a UCX wireup of
-# 10-100 ms here, more than moving 32 MiB. Off by default: the transport contract has clients hold no
-# connection between pulls.
-REUSE_ENDPOINTS = False
+# Clients keep endpoints between pulls (``reuse_endpoints``) by default: connecting costs a UCX wireup of
+# 10-100 ms here, more than moving 32 MiB (tcp, cma and nixl clients keep their connections likewise).
+REUSE_ENDPOINTS = True
 
 
 # --- server ---------------------------------------------------------------------------------------
@@ -100,6 +107,7 @@ class UcxServer:
         self.uri: str | None = None
         self._listener: Any = None
         self._connections: set[asyncio.Task] = set()
+        self.num_accepted = 0  # connections accepted so far (clients keep and reuse theirs)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
         """Listen on ``port`` (0: a free one; UCX listens on every interface); the URI names
@@ -157,6 +165,7 @@ class UcxServer:
             abort(ep)
             return
         self._connections.add(asyncio.current_task())
+        self.num_accepted += 1
         try:
             seq = 0
             while (request := await self._next_request(ep, seq)) is not None:
@@ -276,6 +285,10 @@ class UcxClient(KVClient):
         super().__init__(config)
         self.staging = staging  # None: choose per pull (plan_pull); True/False force it (benchmarks, tests)
         self.reuse_endpoints = REUSE_ENDPOINTS if reuse_endpoints is None else reuse_endpoints
+
+    def close(self) -> None:
+        """Close the idle endpoints (they are kept per event loop and URI, for every client of this process)."""
+        close_idle_endpoints()
 
     async def _pull(self, request: Pull) -> None:
         uri, layout, src_ids, dst_ids = request.uri, request.layout, request.src_ids, request.dst_ids
