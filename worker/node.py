@@ -83,6 +83,8 @@ class WorkerNode:
         self.kv_servers = [self.kv_plane.server(kind, self.transport_config) for kind in self.kv_kinds]
         served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0)
                   for i, server in enumerate(self.kv_servers)]
+        if self.config.fault_nixl_lose_notifications:
+            _lose_nixl_notifications(self.kv_servers)
         self.kv_uri = self.config.kv_advertise_uri or " ".join(served)
         # what an early (kv_pending) handle offers: the URIs whose server streams layers
         self.streaming_kv_uri = " ".join(u for u in self.kv_uri.split() if uri_kind(u) in STREAMING_KINDS)
@@ -238,6 +240,16 @@ def _slow_layers(engine: Engine, delay_s: float) -> None:
         return step(*args, on_layer=slow_layer, **kwargs)
 
     engine.step = slow_step
+
+
+def _lose_nixl_notifications(servers: Sequence[object]) -> None:
+    """Fault injection (``--fault-nixl-lose-notifications``): a nixl:// server's agent still progresses when
+    polled, but every READ notification it receives is dropped, so none of its reads ends in DONE."""
+    logger.warning("fault injection: every nixl READ notification is lost")
+    for server in servers:
+        if getattr(server, "scheme", "") == "nixl" and (agent := getattr(server, "agent", None)) is not None:
+            receive = agent.nixl.get_new_notifs
+            agent.nixl.get_new_notifs = lambda: receive() and {}
 
 
 def default_staging_blocks(engine: Engine) -> int:
