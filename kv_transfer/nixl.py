@@ -315,6 +315,7 @@ class NixlServer(SocketServer):
             hinted = True
             self._hinted.add(tag)
             self._wake.set()
+            self._poll_notifications()  # the READ is complete: its notification is most likely in already
         if done.done():
             if not hinted:  # the notification overtook the client's hint, which follows: read it off the stream
                 hint = await recv_frame(sock, self.config.io_timeout_s, "KV client")
@@ -332,21 +333,25 @@ class NixlServer(SocketServer):
                 self._wake.clear()
                 await self._wake.wait()
                 polls = 0
-            try:
-                notifs = self.agent.nixl.get_new_notifs()
-            except Exception:  # noqa: BLE001 - a NIXL error must not end the server: the reads time out
-                logger.exception("KV data plane (nixl): reading notifications failed")
-                notifs = {}
-            delivered = False
-            for messages in notifs.values():
-                for message in messages:
-                    self.num_notifications += 1
-                    waiter = self._waiting.get(bytes(message))
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(None)
-                        delivered = True
-            polls = 0 if delivered else polls + 1
+            polls = 0 if self._poll_notifications() else polls + 1
             await asyncio.sleep(0.0 if self._hinted else POLL_S[min(polls, len(POLL_S) - 1)])
+
+    def _poll_notifications(self) -> bool:
+        """Progress the agent once and wake the reads whose notifications came; True if any did."""
+        try:
+            notifs = self.agent.nixl.get_new_notifs()
+        except Exception:  # noqa: BLE001 - a NIXL error must not end the server: the reads time out
+            logger.exception("KV data plane (nixl): reading notifications failed")
+            return False
+        delivered = False
+        for messages in notifs.values():
+            for message in messages:
+                self.num_notifications += 1
+                waiter = self._waiting.get(bytes(message))
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+                    delivered = True
+        return delivered
 
 
 # --- client ---------------------------------------------------------------------------------------
@@ -376,12 +381,11 @@ class NixlClient(PooledClient):
 
     async def _pull(self, request: Pull) -> None:
         uri = request.uri
-        memory = await self._call(self._prepare, request.dst_buffer)
 
         async def read(sock: socket.socket) -> None:
             descs = _parse_descs(uri, await recv_frame(sock, self.config.io_timeout_s, f"KV server {uri}"))
             local, remote = pair_rows(request.dst_buffer, request.dst_ids, descs.rows, uri)
-            await self._read(descs, memory, local, remote, request)
+            await self._read(descs, local, remote, request)
             request.landed.first_layer()
 
         await self.one_sided_read(request, "nixl", NixlServer.kinds, N_READ_DONE, 0, read)
@@ -427,9 +431,12 @@ class NixlClient(PooledClient):
         self.num_agents_loaded += 1
         return name
 
-    def _post(self, uri: str, descs: _Descs, memory: Memory, local: np.ndarray, remote: np.ndarray,
-              job: dict) -> str:
-        """Prepare and post the READ (``job["handle"]`` holds it as soon as it exists); returns its state."""
+    def _post(self, uri: str, descs: _Descs, buffer: AnyKVBuffer, local: np.ndarray, remote: np.ndarray,
+              job: dict, until: float) -> str:
+        """One call for a READ that completes at once (UCX's cma copies inside ``transfer``): ``buffer``
+        registered (``_prepare``), the READ prepared and posted (``job["handle"]`` holds it as soon as it
+        exists), then polled until ``until``; returns its state."""
+        memory = self._prepare(buffer)
         nixl = self.agent.nixl
         remote_name = self._remote_agent(uri, descs)
         zeros = np.zeros((len(local), 1), np.uint64)
@@ -440,7 +447,8 @@ class NixlClient(PooledClient):
             job["handle"] = nixl.initialize_xfer("READ", local_descs, remote_descs, remote_name, descs.tag)
         except Exception as exc:  # noqa: BLE001
             raise KVTransferError(f"KV server {uri}: NIXL could not prepare the READ: {exc!r}") from exc
-        return nixl.transfer(job["handle"])
+        state = nixl.transfer(job["handle"])
+        return self._poll(job["handle"], until) if state == "PROC" else state
 
     def _poll(self, handle: Any, until: float) -> str:
         """The READ's state once it is no longer in progress, or at ``until`` (time.monotonic)."""
@@ -476,8 +484,7 @@ class NixlClient(PooledClient):
 
     # ---------------------------------------------------------------------------------------------
 
-    async def _read(self, descs: _Descs, memory: Memory, local: np.ndarray, remote: np.ndarray,
-                    request: Pull) -> None:
+    async def _read(self, descs: _Descs, local: np.ndarray, remote: np.ndarray, request: Pull) -> None:
         """One READ of ``remote`` rows into ``local`` ones, notifying the server's tag when complete, on the
         agent's thread (polled in slices, so other pulls' calls interleave), bounded by io_timeout_s plus
         1 s per GB. Given up on (a timeout, a cancellation), its handle and destination are kept until NIXL
@@ -486,7 +493,9 @@ class NixlClient(PooledClient):
         budget_s = self.config.io_timeout_s + request.num_bytes / 1e9
         deadline = time.monotonic() + budget_s
         try:
-            state = await asyncio.shield(self._call(self._post, uri, descs, memory, local, remote, job))
+            until = min(deadline, time.monotonic() + POLL_SLICE_S)
+            post = functools.partial(self._post, uri, descs, request.dst_buffer, local, remote, job, until)
+            state = await asyncio.shield(self._call(post))
             while state == "PROC" and time.monotonic() < deadline:
                 until = min(deadline, time.monotonic() + POLL_SLICE_S)
                 state = await asyncio.shield(self._call(self._poll, job["handle"], until))

@@ -13,6 +13,7 @@ to raise (LayoutMismatch, LeaseNotFound, Unauthenticated, KVTransferError).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -37,13 +38,19 @@ DATA_BYTES = struct.Struct("<Q")  # DATA's payload opens with the number of KV b
 def refuse_layout(layout: KVLayout, payload: bytes) -> bytes | None:
     """None if the client's layout JSON matches ``layout``, else the ERROR frame to send."""
     try:
-        layout.check_compatible(KVLayout.from_json(payload))
+        layout.check_compatible(_parse_layout(payload))
     except LayoutMismatch as exc:
         logger.warning("KV data plane: refused a client: %s", exc)
         return encode_frame(ERROR, layout.to_json().encode(), ERR_LAYOUT)
     except KVTransferError as exc:
         return encode_frame(ERROR, str(exc).encode(), ERR_PROTOCOL)
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_layout(payload: bytes) -> KVLayout:
+    """A client's layout JSON, parsed once per distinct payload (every read of a client sends the same)."""
+    return KVLayout.from_json(payload)
 
 
 def refuse_unauthenticated(read_auth: auth.ReadAuth | None, kind: int, request: bytes,

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.layout import block_runs
 from kv_transfer.tensor_buffer import AnyKVBuffer
 
 
@@ -19,12 +18,20 @@ def buffer_iovecs(buffer: AnyKVBuffer, block_ids: Sequence[int]) -> np.ndarray:
     """uint64 [layers x runs, 2]: (address, length) of ``block_ids`` in ``buffer`` (host or device memory), per
     layer per run of consecutive ids, in wire order (what a server hands out; a puller's own rows too)."""
     seg, num_blocks = np.uint64(buffer.segment_bytes), np.uint64(buffer.num_blocks)
-    runs = np.array(block_runs(block_ids), np.uint64).reshape(-1, 2)
+    runs = id_runs(block_ids).astype(np.uint64)
     layers = np.arange(buffer.layout.num_layers, dtype=np.uint64)[:, None]
     out = np.empty((len(layers), len(runs), 2), np.uint64)
     out[:, :, 0] = np.uint64(buffer.base_ptr) + (layers * num_blocks + runs[None, :, 0]) * seg
     out[:, :, 1] = runs[None, :, 1] * seg
     return out.reshape(-1, 2)
+
+
+def id_runs(block_ids: Sequence[int]) -> np.ndarray:
+    """int64 [runs, 2]: ``(first_id, count)`` of each run of consecutive ids, in order (``layout.block_runs``,
+    vectorized)."""
+    ids = np.asarray(block_ids, np.int64).reshape(-1)
+    starts = np.flatnonzero(np.diff(ids, prepend=ids[:1] - 2) != 1)  # the first id always starts a run
+    return np.stack([ids[starts], np.diff(np.append(starts, len(ids)))], axis=1)
 
 
 def pair_rows(dst: AnyKVBuffer, dst_ids: list[int], remote: np.ndarray, uri: str) -> tuple[np.ndarray, np.ndarray]:
