@@ -8,8 +8,9 @@ layer per run of blocks consecutive on both sides, as a real deployment would fo
 destination — then reads them and waits for completion. Connections and metadata exchange happen once,
 at setup (a real deployment exchanges them at startup); each timed transfer is descriptors to last byte.
 
-- ``nixl``: ``nixl-cu13`` or ``nixl-cu12`` (imports as ``nixl_cu13`` / ``nixl_cu12``), UCX backend, READ. On one host UCX picks its
-  same-host transport (cma, cross-memory attach) by default; ``ucx_tls`` (e.g. ``"tcp"``) restricts it.
+- ``nixl``: ``nixl-cu13`` or ``nixl-cu12`` (imports as ``nixl_cu13`` / ``nixl_cu12``), UCX backend, READ. On
+  one host UCX picks its same-host transport (cma, cross-memory attach) by default; ``ucx_tls`` (e.g.
+  ``"tcp"``) restricts it.
   Without its progress thread by default, as Baton's nixl transport runs it (NIXL 1.5's thread never
   pauses: a core per agent); the server then polls its agent (``poll``), the client polls its READ.
   ``nixl_progress_thread=1`` runs NIXL's defaults instead.

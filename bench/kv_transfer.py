@@ -464,7 +464,7 @@ def describe(started: list[str], args: argparse.Namespace) -> dict[str, str]:
            "raw/blocking": "sendall / one recv_into(MSG_WAITALL) of one contiguous buffer, one kept-alive connection",
            "raw/epoll": "sendall / non-blocking recv_into + epoll of one contiguous buffer, one kept-alive connection",
            REFERENCE: "np.copyto of the same bytes inside the pulling process (a reference, not a transfer)"
-           if args.device == "cpu" else "torch copy_ of the same bytes between two CUDA tensors (the device's own copy)"}
+           if args.device == "cpu" else "torch copy_ of the same bytes between two CUDA tensors (the device's copy)"}
     for name in started:
         if name == peer_system("nixl"):
             out[name] = (f"{kv_peers.peer_package('nixl')} {kv_peers.peer_version('nixl')}, UCX backend, READ, "

@@ -54,7 +54,6 @@ import socket
 import struct
 import weakref
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -62,8 +61,9 @@ from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVLayout, paired_runs
 from kv_transfer.nccl_channel import (
-    Channel, IdleChannels, channel_closed, close_idle, connect, exchange, join_group, keep_idle, kv_tensor, messages,
-    new_group, reap_later, start_reaper, take_idle, unless_closed, wait_readable, zeros_like,
+    Channel, IdleChannels, channel_closed, close_idle, connect, decode_plan, encode_plan, exchange, join_group,
+    keep_idle, kv_tensor, messages, new_group, reap_later, start_reaper, take_idle, unless_closed, wait_readable,
+    zeros_like,
 )
 from kv_transfer.progress import LayerProgress, ProgressLookup
 from kv_transfer.protocol import (
@@ -82,7 +82,6 @@ from kv_transfer.wire import (
 logger = logging.getLogger(__name__)
 
 N_HELLO, GROUP, N_READ = 17, 18, 19  # kinds of their own: a tcp:// peer refuses them, and vice versa
-PLAN_HEAD = struct.Struct("<I")  # DATA's message plan: the number of runs, then a u32 count each
 DATA_STREAMED = 1  # DATA's code: the KV follows layer by layer as it is computed (receive each layer on its own)
 BACKENDS = ("gloo", "nccl")
 IDLE_S = 60.0  # the server drops a channel with no READ for this long
@@ -336,28 +335,6 @@ class NcclClient(KVClient):
         if done.kind != DONE:
             raise remote_error(channel.uri, done)
         return done.payload
-
-
-def encode_plan(counts: list[int]) -> bytes:
-    """DATA's message plan: blocks per run, in request order."""
-    return PLAN_HEAD.pack(len(counts)) + np.asarray(counts, "<u4").tobytes()
-
-
-def decode_plan(uri: str, payload: bytes, dst_ids: list[int]) -> list[tuple[int, int]]:
-    """``(first destination block, count)`` per run of the plan in DATA's payload (after its byte count); each
-    run must be consecutive in ``dst_ids`` and together they must cover them."""
-    try:
-        (n,) = PLAN_HEAD.unpack_from(payload, DATA_BYTES.size)
-        counts = np.frombuffer(payload, "<u4", n, DATA_BYTES.size + PLAN_HEAD.size).astype(np.int64)
-    except (struct.error, ValueError) as exc:
-        raise KVTransferError(f"KV server {uri}: malformed DATA plan: {exc}") from exc
-    starts = np.cumsum(counts) - counts
-    dst = np.asarray(dst_ids, np.int64)
-    inner = np.ones(len(dst), bool)  # positions that continue the run before them
-    inner[starts[starts < len(dst)]] = False
-    if (counts < 1).any() or counts.sum() != len(dst) or (np.diff(dst)[inner[1:]] != 1).any():
-        raise KVTransferError(f"KV server {uri}: its message plan does not partition the destination into runs")
-    return list(zip(dst[starts].tolist(), counts.tolist()))
 
 
 class _Refused(Exception):

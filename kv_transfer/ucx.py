@@ -19,8 +19,9 @@ or that broke while idle is dropped and the pull starts over on a new one, befor
 server stays silent fails the pull (``io_timeout_s``), as a fresh one would.
 
 Every message below is a tagged message on that endpoint with its own tag, offset by ``n << 32`` for the
-endpoint's n-th pull, so nothing depends on message ordering. Control messages are the frames of ``kv_transfer/wire.py`` (a 12-byte header on tag
-``t``, its payload, if any, on tag ``t + 1``; ``kv_transfer/ucx_endpoint.py``)::
+endpoint's n-th pull, so nothing depends on message ordering. Control messages are the frames of
+``kv_transfer/wire.py`` (a 12-byte header on tag ``t``, its payload, if any, on tag ``t + 1``;
+``kv_transfer/ucx_endpoint.py``)::
 
     client -> REQUEST   READ: u8 flags | u16 len | client KVLayout JSON | ``wire.encode_read`` with the runs
                         (blocks per message) [| HMAC trailer over all of it (READ_AUTH; kv_transfer/auth.py)]

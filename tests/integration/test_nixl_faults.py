@@ -28,7 +28,7 @@ from tests.redis_server import RedisServer, require_redis_server
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("BATON_TEST_NIXL") != "1" or not nixl_installed(),
-    reason="nixl's cases run in a process of their own (test_kv_nixl.py::test_the_nixl_cases_pass_in_a_process_of_their_own)")
+    reason="nixl's cases run in a process of their own (test_kv_nixl.py, BATON_TEST_NIXL=1)")
 
 PROMPTS = [[(11 * i + 7 * j) % 2000 + 10 for j in range(36 + i)] for i in range(6)]
 MAX_TOKENS = 8
