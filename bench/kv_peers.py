@@ -8,8 +8,9 @@ layer per run of blocks consecutive on both sides, as a real deployment would fo
 destination — then reads them and waits for completion. Connections and metadata exchange happen once,
 at setup (a real deployment exchanges them at startup); each timed transfer is descriptors to last byte.
 
-- ``nixl``: ``nixl-cu12`` (imports as ``nixl_cu12``), UCX backend, READ. On one host UCX picks its
-  same-host transport (cma, cross-memory attach) by default; ``ucx_tls`` (e.g. ``"tcp"``) restricts it.
+- ``nixl``: ``nixl-cu13`` or ``nixl-cu12`` (imports as ``nixl_cu13`` / ``nixl_cu12``), UCX backend, READ. On
+  one host UCX picks its same-host transport (cma, cross-memory attach) by default; ``ucx_tls`` (e.g.
+  ``"tcp"``) restricts it.
   Without its progress thread by default, as Baton's nixl transport runs it (NIXL 1.5's thread never
   pauses: a core per agent); the server then polls its agent (``poll``), the client polls its READ.
   ``nixl_progress_thread=1`` runs NIXL's defaults instead.
@@ -36,9 +37,11 @@ from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, paired_runs
 from kv_transfer.nixl import environment  # imports no NIXL
 
-PEER_PACKAGES = {"nixl": "nixl-cu12", "mooncake": "mooncake-transfer-engine-non-cuda"}
+# per peer, its packages and the modules they import as, in order of preference (NIXL: CUDA 13's first, as
+# kv_transfer.nixl.NIXL_MODULES; the lent GPU machine has nixl-cu13, this one nixl-cu12)
+PEER_PACKAGES = {"nixl": ("nixl-cu13", "nixl-cu12", "nixl"), "mooncake": ("mooncake-transfer-engine-non-cuda",)}
 PEER_NAMES = tuple(PEER_PACKAGES)
-_MODULES = {"nixl": "nixl_cu12", "mooncake": "mooncake.engine"}
+_MODULES = {"nixl": ("nixl_cu13", "nixl_cu12", "nixl"), "mooncake": ("mooncake.engine",)}
 _BROKEN_HINTS = {"nixl": "installed but does not import", "mooncake": "it needs apt-get install -y libibverbs1"}
 TRANSFER_TIMEOUT_S = 30.0  # a NIXL READ still in progress after this fails (Mooncake's own default is 30 s)
 
@@ -69,20 +72,37 @@ class PeerClient(Protocol):
     def close(self) -> None: ...
 
 
+def peer_package(name: str) -> str:
+    """The peer's installed package (its first in ``PEER_PACKAGES`` when none is)."""
+    return next((p for p in PEER_PACKAGES[name] if _version(p) is not None), PEER_PACKAGES[name][0])
+
+
 def peer_version(name: str) -> str | None:
+    return _version(peer_package(name))
+
+
+def _version(package: str) -> str | None:
     try:
-        return importlib.metadata.version(PEER_PACKAGES[name])
+        return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
 def _import(name: str) -> Any:
-    try:
-        return importlib.import_module(_MODULES[name])
-    except (ImportError, OSError) as exc:  # OSError: a shared library missing (libibverbs for Mooncake)
-        package = PEER_PACKAGES[name]
-        hint = f"pip install {package}" if peer_version(name) is None else _BROKEN_HINTS[name]
-        raise PeerUnavailable(f"{package} not usable ({type(exc).__name__}: {exc}; {hint})") from exc
+    """The peer's module: the first of ``_MODULES[name]`` that imports (NIXL's must have ``nixl_agent``)."""
+    errors = []
+    for module_name in _MODULES[name]:
+        try:
+            module = importlib.import_module(module_name)
+        except (ImportError, OSError) as exc:  # OSError: a shared library missing (libibverbs for Mooncake)
+            errors.append(f"{module_name}: {type(exc).__name__}: {exc}")
+            continue
+        if name != "nixl" or hasattr(module, "nixl_agent"):
+            return module
+        errors.append(f"{module_name}: no nixl_agent")
+    package = peer_package(name)
+    hint = f"pip install {package}" if peer_version(name) is None else _BROKEN_HINTS[name]
+    raise PeerUnavailable(f"{package} not usable ({'; '.join(errors)}; {hint})")
 
 
 def check_available(name: str) -> None:

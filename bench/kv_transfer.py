@@ -32,6 +32,11 @@ first (warm-up) transfer of each size is checked byte for byte. Runs alternate s
 first) so machine noise hits each alike. Reports median GB/s, per-transfer p50/p99 latency and ratios
 vs raw; prints a table and writes ``bench/results/kv_transfer.json`` and ``.png`` (or ``--out``).
 
+``--device cuda`` moves the KV between two processes' CUDA tensors instead (``bench/kv_device.py``: nixl,
+ucx and nccl in place, tcp and cma through pinned host staging, as a worker on a GPU serves them), with the
+device's own copy as the ``memcpy`` row (``torch`` ``copy_`` device to device); the peers are not run then, and
+without a GPU it refuses at once.
+
 ``--isolate`` is how to compare against the peers: a shared run is not fair on a small machine, because
 NIXL's UCX progress thread spins on a core for as long as its agent lives (on 2 cores every other system,
 raw included, loses about half its bandwidth). Isolated, the run has one phase per system. Only raw and
@@ -39,7 +44,8 @@ that system's processes exist during a phase, and raw is measured in every phase
 ratio is against its own phase's raw (``bench/kv_phases.py``).
 
     python -m bench.kv_transfer [--isolate] [--tokens 1024 4096 16384] [--runs 7] [--transports tcp ...]
-                                [--peers nixl mooncake] [--nixl-ucx-tls tcp] [--uvloop] [--out PATH]
+                                [--peers nixl mooncake] [--nixl-ucx-tls tcp] [--uvloop] [--device cpu|cuda]
+                                [--out PATH]
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import kv_peers
+from bench import kv_device, kv_peers
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
 from kv_transfer.transport import TRANSPORT_KINDS, connect, make_server
@@ -113,15 +119,18 @@ def _reason(exc: BaseException) -> str:
 # --- server processes (each replies ("ok", endpoint) or ("skip", reason), then serves until stop) ---
 
 
-def transport_server(kind: str, num_blocks: int, use_uvloop: bool, conn, stop) -> None:
-    """Serve one lease over every block of the source buffer with Baton transport ``kind``."""
+def transport_server(kind: str, num_blocks: int, use_uvloop: bool, device: str, conn, stop) -> None:
+    """Serve one lease over every block of the source buffer with Baton transport ``kind`` (on ``device``)."""
     _install_loop(use_uvloop)
 
     async def main() -> None:
         buffer, table = source_buffer(num_blocks), LeaseTable(default_ttl_s=3600.0)
         lease = table.create(range(num_blocks), now=time.monotonic())
         try:
-            server = make_server(kind, buffer=buffer, resolve=table.resolver(time.monotonic))
+            if device == "cuda":  # pragma: no cover - never run here (no GPU)
+                server = kv_device.serve(kind, SMALL, buffer.array, table, lease.lease_id, time.monotonic)
+            else:
+                server = make_server(kind, buffer=buffer, resolve=table.resolver(time.monotonic))
             uri = await server.start("127.0.0.1", 0)
         except Exception as exc:  # noqa: BLE001 - a missing package or no GPU: skipped, not a crash
             conn.send(("skip", _reason(exc)))
@@ -187,7 +196,7 @@ def start_servers(args: argparse.Namespace, num_blocks: int) -> Servers:
     servers, pipes = Servers(stop=ctx.Event()), {}
     targets = {BASELINE: (raw_server, (num_blocks * SMALL.bytes_per_block,))}
     for kind in args.transports:
-        targets[kind] = (transport_server, (kind, num_blocks, args.uvloop))
+        targets[kind] = (transport_server, (kind, num_blocks, args.uvloop, getattr(args, "device", "cpu")))
     for name in args.peers:  # "<peer>-peer": Baton has a nixl transport of its own, measured beside NIXL itself
         targets[peer_system(name)] = (peer_server, (name, num_blocks, _peer_options(args)))
     for name, (target, extra) in targets.items():
@@ -262,6 +271,7 @@ def make_systems(
         return ref.array[:, src_ids]  # [L, n, seg]
 
     raw_dst, copy_src = np.zeros(dst.array.nbytes, np.uint8), ref.array.reshape(-1)
+    device = kv_device.Destination(SMALL, dst.num_blocks) if args.device == "cuda" else None
     port = servers.endpoints[BASELINE]["port"]
     raws = {"raw/blocking": RawClient(port), "raw/epoll": RawClient(port, blocking=False)}
 
@@ -282,23 +292,28 @@ def make_systems(
 
     systems = [System(name, "contiguous", lambda s, d, raw=raw: raw.pull(raw_landed(s, d)), raw_landed,
                       raw_expected, raw_clear) for name, raw in raws.items()]
+    if device is not None:  # pragma: no cover - never run here (no GPU): the device's own copy is the ceiling
+        ceiling = kv_device.d2d_copy(ref.array)
+        memcpy = lambda s, d: ceiling(raw_landed(s, d), None)  # noqa: E731
     systems.append(System(REFERENCE, "contiguous", memcpy, raw_landed, raw_expected, raw_clear))
     closers: list[Callable[[], None]] = [raw.close for raw in raws.values()]
     for name, endpoint in servers.endpoints.items():
         if name == BASELINE:
             continue
         try:
-            pull, close = _client(name, endpoint, args, dst, loop)
+            pull, close = _client(name, endpoint, args, dst, loop, device)
         except Exception as exc:  # noqa: BLE001 - reported as skipped
             servers.skipped[name] = f"client: {_reason(exc)}"
             continue
-        landed = lambda _s, d: dst.array[:, d]  # noqa: E731 - [L, n, seg]
-        systems += [System(f"{name}/{p}", p, pull, landed, kv_expected, kv_clear) for p in PATTERNS]
+        landed = (lambda _s, d: dst.array[:, d]) if device is None else device.landed  # [L, n, seg]
+        clear = kv_clear if device is None else device.clear
+        systems += [System(f"{name}/{p}", p, pull, landed, kv_expected, clear) for p in PATTERNS]
         closers.append(close)
     return systems, closers
 
 
-def _client(name: str, endpoint: dict, args: argparse.Namespace, dst: KVBuffer, loop) -> tuple[Pull, Callable]:
+def _client(name: str, endpoint: dict, args: argparse.Namespace, dst: KVBuffer, loop,
+            device: kv_device.Destination | None = None) -> tuple[Pull, Callable]:
     if name.endswith(PEER_SUFFIX):
         peer = kv_peers.connect(name.removesuffix(PEER_SUFFIX), endpoint, dst, _peer_options(args))
 
@@ -309,6 +324,13 @@ def _client(name: str, endpoint: dict, args: argparse.Namespace, dst: KVBuffer, 
 
         return peer_pull, peer.close
     client = connect(endpoint["uri"])
+    if device is not None:  # pragma: no cover - never run here (no GPU)
+        kind = name
+
+        def device_pull(src_ids: list[int], dst_ids: list[int]) -> tuple[float, int]:
+            return device.pull(kind, client, loop, endpoint["uri"], SMALL, endpoint["lease_id"], src_ids, dst_ids)
+
+        return device_pull, getattr(client, "close", lambda: None)
 
     def baton_pull(src_ids: list[int], dst_ids: list[int]) -> tuple[float, int]:
         pull = client.pull(endpoint["uri"], SMALL, endpoint["lease_id"], src_ids, dst, dst_ids)
@@ -441,10 +463,11 @@ def describe(started: list[str], args: argparse.Namespace) -> dict[str, str]:
     out = {BASELINE: "the faster of raw/blocking and raw/epoll, per prompt size",
            "raw/blocking": "sendall / one recv_into(MSG_WAITALL) of one contiguous buffer, one kept-alive connection",
            "raw/epoll": "sendall / non-blocking recv_into + epoll of one contiguous buffer, one kept-alive connection",
-           REFERENCE: "np.copyto of the same bytes inside the pulling process (a reference, not a transfer)"}
+           REFERENCE: "np.copyto of the same bytes inside the pulling process (a reference, not a transfer)"
+           if args.device == "cpu" else "torch copy_ of the same bytes between two CUDA tensors (the device's copy)"}
     for name in started:
         if name == peer_system("nixl"):
-            out[name] = (f"nixl-cu12 {kv_peers.peer_version('nixl')}, UCX backend, READ, "
+            out[name] = (f"{kv_peers.peer_package('nixl')} {kv_peers.peer_version('nixl')}, UCX backend, READ, "
                          f"UCX_TLS={args.nixl_ucx_tls or 'default (same host: cma)'}, progress thread "
                          f"{'on' if args.nixl_progress_thread else 'off (polled)'}")
         elif name == peer_system("mooncake"):
@@ -528,6 +551,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run the NIXL peer with its progress thread (NIXL's default; it spins a core per agent). "
                              "Default: without, polled, as Baton's nixl transport runs it")
     parser.add_argument("--uvloop", action="store_true", help="run Baton's asyncio ends on uvloop")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where both ends' KV lives: host memory, or CUDA tensors (nixl/ucx/nccl in place, tcp/cma "
+                             "through pinned staging, the device's own copy as the memcpy row; no peers). Default: cpu")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON path; the PNG goes beside it")
     parser.add_argument("--isolate", action="store_true",
                         help="one phase per system, with only raw and that system running (use it to compare "
@@ -535,6 +561,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs < 1 or min(args.tokens) < 1:
         parser.error("--runs and --tokens must be >= 1")
+    if args.device == "cuda":
+        if (why := kv_device.require_cuda()) is not None:
+            parser.error(why)
+        args.peers = []  # the peers read host memory only here
     return args
 
 
@@ -589,6 +619,7 @@ def main(argv: list[str] | None = None) -> None:
         skipped, started = servers.skipped, list(servers.endpoints)
     print_table(results, skipped, args.isolate)
     doc = {"layout": json.loads(SMALL.to_json()), "runs": args.runs, "uvloop": args.uvloop, "isolated": args.isolate,
+           "device": args.device,
            "python": platform.python_version(), "cpus": os.cpu_count(),
            "loadavg_1m": {"start": load_start[0], "end": os.getloadavg()[0]},
            "systems": describe(started, args), "skipped": skipped, "results": results}

@@ -15,12 +15,16 @@ import xxhash
 
 from kv_transfer.errors import ChecksumMismatch
 from kv_transfer.layout import KVBuffer
+from kv_transfer.tensor_buffer import AnyKVBuffer, TensorKVBuffer
 
 DTYPE = np.dtype("<u8")
 
 
-def block_checksums(buffer: KVBuffer, block_ids: Sequence[int]) -> np.ndarray:
-    """``uint64[len(block_ids)]``: xxh3-64 of each block's bytes in wire order."""
+def block_checksums(buffer: AnyKVBuffer, block_ids: Sequence[int]) -> np.ndarray:
+    """``uint64[len(block_ids)]``: xxh3-64 of each block's bytes in wire order (a tensor's blocks: of a host
+    copy of them)."""
+    if isinstance(buffer, TensorKVBuffer):
+        return block_checksums(buffer.host_blocks(block_ids), range(len(block_ids)))
     buffer.check_block_ids(block_ids)
     out = np.empty(len(block_ids), DTYPE)
     for i, block_id in enumerate(block_ids):
@@ -31,7 +35,7 @@ def block_checksums(buffer: KVBuffer, block_ids: Sequence[int]) -> np.ndarray:
     return out
 
 
-def verify(buffer: KVBuffer, block_ids: Sequence[int], expected: np.ndarray | bytes) -> None:
+def verify(buffer: AnyKVBuffer, block_ids: Sequence[int], expected: np.ndarray | bytes) -> None:
     """Raise ``ChecksumMismatch`` unless the blocks of ``buffer`` hash to ``expected`` (array or wire bytes)."""
     want = np.frombuffer(expected, DTYPE) if isinstance(expected, (bytes, bytearray, memoryview)) else expected
     if len(want) != len(block_ids):

@@ -67,7 +67,7 @@ from kv_transfer.protocol import remote_error
 from kv_transfer.rows import buffer_iovecs, pair_rows, split_rows
 from kv_transfer.socket_server import ReadKinds, SocketServer
 from kv_transfer.tcp_wire import recv_frame, send_frame
-from kv_transfer.transport import Pull, Resolver, TransportConfig
+from kv_transfer.transport import Locator, Pull, Resolver, TransportConfig
 from kv_transfer.wire import (
     DONE, ERR_PROTOCOL, ERR_REFUSED, ERROR, MAX_PAYLOAD_BYTES, READ_CHECKSUM, READ_STREAM, Frame, encode_frame,
 )
@@ -90,8 +90,8 @@ class CmaServer(SocketServer):
                       not_read=b"expected C_READ")
 
     def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
-                 progress: ProgressLookup | None = None) -> None:
-        super().__init__(buffer=buffer, resolve=resolve, config=config, progress=progress)
+                 progress: ProgressLookup | None = None, locate: Locator | None = None) -> None:
+        super().__init__(buffer=buffer, resolve=resolve, config=config, progress=progress, locate=locate)
         # what C_IOVECS advertises (tests replace them to play a server on another host / a vanished pid)
         self.pid, self.boot_id, self.pid_namespace = os.getpid(), boot_id(), pid_namespace()
 
@@ -166,7 +166,7 @@ class CmaClient(PooledClient):
         async def read(sock: socket.socket) -> None:
             iovecs = await recv_frame(sock, io_s, f"KV server {uri}")
             pid, remote = _check_iovecs(uri, iovecs)
-            local, remote = pair_rows(request.dst_buffer, request.src_ids, request.dst_ids, remote, uri)
+            local, remote = pair_rows(request.dst_buffer, request.dst_ids, remote, uri)
             read_rows = functools.partial(self._read, pid, uri=uri, dst_buffer=request.dst_buffer)
             if iovecs.code & IOVECS_STREAMED:  # the lease is still being computed: layer by layer
                 await read_announced(sock, uri, local, remote, request.layout.num_layers, read_rows, io_s,

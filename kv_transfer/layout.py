@@ -143,6 +143,7 @@ class KVBuffer:
     """
 
     __slots__ = ("layout", "array", "num_blocks", "segment_bytes", "_flat", "_bytes")
+    is_host = True  # host memory (a ``TensorKVBuffer`` may be on a device)
 
     def __init__(self, layout: KVLayout, cache: Any) -> None:
         arr = _as_array(cache)
@@ -172,6 +173,11 @@ class KVBuffer:
     @property
     def writable(self) -> bool:
         return bool(self.array.flags.writeable)
+
+    @property
+    def base_ptr(self) -> int:
+        """The address of the first byte (what one-sided transports offset from)."""
+        return self.array.ctypes.data
 
     def check_block_ids(self, block_ids: Sequence[int]) -> None:
         """Raise KVTransferError unless every id is an int in ``[0, num_blocks)``."""

@@ -16,7 +16,7 @@ import numpy as np
 from kv_transfer import checksum
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, KVLayout
-from kv_transfer.transport import KVClient, Pull, Resolver, TransportConfig, check_read
+from kv_transfer.transport import KVClient, Locator, Pull, Resolver, TransportConfig, check_read
 
 
 class LocalRegistry:
@@ -54,9 +54,11 @@ class LocalServer:
         config: TransportConfig | None = None,
         registry: LocalRegistry | None = None,
         name: str | None = None,
+        locate: Locator | None = None,
     ) -> None:
         self.buffer = buffer
         self.resolve = resolve
+        self.locate = locate
         self.registry = registry or DEFAULT_REGISTRY
         self.name = name or secrets.token_hex(6)
         self.uri: str | None = None
@@ -87,6 +89,8 @@ class LocalServer:
         """Copy leased blocks into ``dst``; everything is checked before the first byte is copied.
         Returns the source blocks' checksums, computed before the copy, when asked (else None)."""
         self.buffer.layout.check_compatible(layout)
+        if self.locate is not None:
+            src_ids = self.locate(lease_id, src_ids)
         check_read(self.buffer, self.resolve, lease_id, src_ids)
         sums = checksum.block_checksums(self.buffer, src_ids) if with_checksums else None
         dst.copy_blocks_from(self.buffer, src_ids, dst_ids)

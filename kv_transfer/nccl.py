@@ -4,7 +4,8 @@ Each (server, client) pair talks over a **channel**: one small TCP control conne
 ``kv_transfer/wire.py``) plus a private 2-rank process group, built directly
 (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a ``PrefixStore`` of the server's ``TCPStore``), never
 through the global ``init_process_group``: a worker talks to many peers at once. The backend follows the KV
-tensor's device: a CPU ``KVBuffer`` moves over gloo, a CUDA cache tensor (``device_cache``) over NCCL.
+tensor's device: a host ``KVBuffer`` moves over gloo, a CUDA cache served in place (a ``TensorKVBuffer``,
+``kv_transfer/tensor_buffer.py``) over NCCL, GPU to GPU.
 
     client -> N_HELLO   the client's KVLayout JSON; code = its backend (0 gloo, 1 nccl)
     server -> ERROR     layout or backend mismatch: refused before any KV byte moves, connection closed
@@ -16,8 +17,11 @@ tensor's device: a CPU ``KVBuffer`` moves over gloo, a CUDA cache tensor (``devi
                         code bit READ_CHECKSUM asks for checksums
     server -> ERROR     unknown/expired lease, block not in the lease, out of range: nothing moves, the
                         channel stays usable
-           or DATA      u64 num_bytes; then the KV moves over the group: one message per layer per run of
-                        blocks consecutive on both sides (``paired_runs``), in the same order on both ends
+           or DATA      u64 num_bytes | u32 n | n x u32: the message plan, blocks per run in request order,
+                        each run consecutive in the server's buffer and in the destination (``paired_runs``
+                        of the ids the server reads, which a staged server translated: the client cannot
+                        derive them); then the KV moves over the group: one message per layer per run, in
+                        the same order on both ends
               DONE      the lease was still live after the last byte; payload: the blocks' checksums when
                         asked (else ERROR: the lease ended mid-read)
 
@@ -28,16 +32,18 @@ wait bounded on its own. A layer not computed within ``io_timeout_s``, a failed 
 mid-stream: the remaining messages go out as zeros (the client's receives complete, never with stale KV) and
 ERROR replaces DONE. Checksums, when asked, are computed once the last layer is computed.
 
-One pull at a time per channel keeps the two ends' message order identical (NCCL ignores tags), and
-concurrent pulls simply open more channels. A client keeps its idle channels for reuse (up to
-``nccl_channel.MAX_IDLE_CHANNELS`` per server, for ``nccl_channel.REUSE_S``); the server drops a channel idle
-for ``IDLE_S``. Any failure other than a refusal tears the channel down (socket closed, group shut down).
+One pull at a time per channel keeps the two ends' message order identical (NCCL ignores tags). A client
+has **one channel per server** (so one communicator per P/D pair: NCCL's are costly to build and hold GPU
+memory), built at its first pull and reused for ``nccl_channel.REUSE_S``; concurrent pulls to one server take
+turns on it (each bounded by its own timeouts). The server drops a channel idle for ``IDLE_S``. Any failure
+other than a refusal tears the channel down (socket closed, group shut down).
 Collective waits run on the channel's own thread, each bounded by ``TransportConfig`` timeouts (a gloo timeout
 also closes the group's connection, so nothing lands after it): a vanished peer surfaces within ``io_timeout_s``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import functools
@@ -53,19 +59,21 @@ import torch.distributed as dist
 
 from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError
-from kv_transfer.layout import KVBuffer, KVLayout, paired_runs
+from kv_transfer.layout import KVLayout, paired_runs
 from kv_transfer.nccl_channel import (
-    Channel, IdleChannels, channel_closed, close_idle, connect, exchange, join_group, keep_idle, kv_tensor, messages,
-    new_group, reap_later, start_reaper, take_idle, unless_closed, wait_readable, zeros_like,
+    Channel, IdleChannels, channel_closed, close_idle, connect, decode_plan, encode_plan, exchange, join_group,
+    keep_idle, kv_tensor, messages, new_group, reap_later, start_reaper, take_idle, unless_closed, wait_readable,
+    zeros_like,
 )
 from kv_transfer.progress import LayerProgress, ProgressLookup
 from kv_transfer.protocol import (
-    check_data, check_hello_ok, computed_layers, refuse_layout, refuse_unauthenticated, remote_error, sign_read,
-    verify_done,
+    DATA_BYTES, check_data, check_hello_ok, computed_layers, locate_read, refuse_layout, refuse_unauthenticated,
+    remote_error, sign_read, verify_done,
 )
 from kv_transfer.socket_server import SocketServer
 from kv_transfer.tcp_wire import recv_frame, send_frame, send_refusal, tune_socket
-from kv_transfer.transport import KVClient, Pull, Resolver, TransportConfig, parse_uri
+from kv_transfer.tensor_buffer import AnyKVBuffer
+from kv_transfer.transport import KVClient, Locator, Pull, Resolver, TransportConfig, parse_uri
 from kv_transfer.wire import (
     DATA, DONE, ERR_PROTOCOL, ERR_REFUSED, ERROR, HELLO_OK, READ_AUTH, READ_CHECKSUM, ReadRequest, decode_read,
     encode_frame, encode_read,
@@ -83,17 +91,15 @@ IDLE_S = 60.0  # the server drops a channel with no READ for this long
 
 
 class NcclServer(SocketServer):
-    """Serves reads of leased blocks of ``buffer`` (or of ``device_cache``, its GPU twin) over channels."""
+    """Serves reads of leased blocks of ``buffer`` (host: gloo; a CUDA ``TensorKVBuffer``: NCCL) over channels."""
 
     scheme = "nccl"
 
-    def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
-                 device_cache: torch.Tensor | None = None, progress: ProgressLookup | None = None) -> None:
-        super().__init__(buffer=buffer, resolve=resolve, config=config, progress=progress)
-        self.kv = kv_tensor(buffer, device_cache)
+    def __init__(self, *, buffer: AnyKVBuffer, resolve: Resolver, config: TransportConfig | None = None,
+                 progress: ProgressLookup | None = None, locate: Locator | None = None) -> None:
+        super().__init__(buffer=buffer, resolve=resolve, config=config, progress=progress, locate=locate)
+        self.kv = kv_tensor(buffer)
         self.backend = "nccl" if self.kv.is_cuda else "gloo"
-        if self.kv.is_cuda and self.config.checksum:  # pragma: no cover - needs a GPU
-            raise ValueError("nccl: checksums need the KV in host memory")
         self._store: dist.TCPStore | None = None
         self._channel_ids = itertools.count()
 
@@ -187,6 +193,10 @@ class NcclServer(SocketServer):
         request = decode_read(payload)
         if len(request.dst_block_ids) != len(request.block_ids):
             raise KVTransferError("malformed READ: destination ids do not match the source ids")
+        request = locate_read(self.locate, request)
+        if isinstance(request, bytes):  # refused before any byte: the channel stays usable
+            await send_frame(channel.sock, request, io_s, channel.uri)
+            return True
         src_ids, dst_ids = list(request.block_ids), list(request.dst_block_ids)
         sums = bool(read.code & READ_CHECKSUM)
         done = self._check_read(request.lease_id, src_ids) or await self._send_kv(
@@ -202,9 +212,11 @@ class NcclServer(SocketServer):
         # hashed BEFORE any byte moves: what is sent must be what was hashed (streamed: once computed)
         checksums = checksum.block_checksums(self.buffer, src_ids).tobytes() if sums and not streamed else b""
         num_bytes = len(src_ids) * self.buffer.layout.bytes_per_block
-        data = encode_frame(DATA, struct.pack("<Q", num_bytes), DATA_STREAMED if streamed else 0)
+        runs = paired_runs(src_ids, dst_ids)
+        data = encode_frame(DATA, DATA_BYTES.pack(num_bytes) + encode_plan([c for _, _, c in runs]),
+                            DATA_STREAMED if streamed else 0)
         await send_frame(channel.sock, data, self.config.io_timeout_s, channel.uri)
-        tensors = messages(self.kv, [(s, c) for s, _, c in paired_runs(src_ids, dst_ids)])
+        tensors = messages(self.kv, [(s, c) for s, _, c in runs])
         if streamed:
             return await self._stream(channel, lease_id, src_ids, tensors, progress, sums)
         await self._send(channel, tensors)
@@ -238,38 +250,41 @@ class NcclServer(SocketServer):
 
 
 class NcclClient(KVClient):
-    """Pulls leased blocks from ``nccl://`` servers, keeping idle channels for the next pull.
+    """Pulls leased blocks from ``nccl://`` servers over one channel per server, kept for the next pull.
 
-    ``device_cache`` (uint8 ``[L, N, seg]`` on a GPU) is where the KV lands instead of ``dst_buffer``'s
-    bytes, which then only name the layout and block range. Idle channels close with ``close()`` or when
-    the client is garbage collected.
+    ``dst_buffer`` may be a CUDA ``TensorKVBuffer`` (NCCL) or host memory (gloo), as the server's. Idle channels
+    close with ``close()`` or when the client is garbage collected.
     """
 
-    def __init__(self, config: TransportConfig | None = None, *, device_cache: torch.Tensor | None = None) -> None:
+    pulls_into_tensors = True
+
+    def __init__(self, config: TransportConfig | None = None) -> None:
         super().__init__(config)
-        self.device_cache = device_cache
-        if device_cache is not None and self.config.checksum:  # pragma: no cover - needs a GPU
-            raise ValueError("nccl: checksums need the KV in host memory")
         self._idle: IdleChannels = {}
+        self._turns: dict[str, asyncio.Lock] = {}  # server URI -> its one channel's turn (a pull at a time)
         start_reaper()
         self._finalizer = weakref.finalize(self, reap_later, self._idle)
 
     def close(self) -> None:
         self._finalizer.detach()
         close_idle(self._idle)
+        self._turns.clear()
 
     async def _pull(self, request: Pull) -> None:
-        kv = kv_tensor(request.dst_buffer, self.device_cache)
-        channel = take_idle(self._idle, request.uri) or await self._open(request.uri, request.layout, kv.device)
-        try:
-            done = await self._read(channel, request, kv)
-        except _Refused as refused:  # nothing moved: the channel is still good
+        kv = kv_tensor(request.dst_buffer)
+        # One channel (one communicator) per server: a pull waits for the one before it, whose every wait is
+        # bounded; a channel that failed is closed and the next pull builds a new one.
+        async with self._turns.setdefault(request.uri, asyncio.Lock()):
+            channel = take_idle(self._idle, request.uri) or await self._open(request.uri, request.layout, kv.device)
+            try:
+                done = await self._read(channel, request, kv)
+            except _Refused as refused:  # nothing moved: the channel is still good
+                keep_idle(self._idle, channel)
+                raise refused.error from None
+            except BaseException:
+                channel.close()
+                raise
             keep_idle(self._idle, channel)
-            raise refused.error from None
-        except BaseException:
-            channel.close()
-            raise
-        keep_idle(self._idle, channel)
         if self.config.checksum:
             verify_done(request.uri, request.dst_buffer, request.dst_ids, done)
 
@@ -307,8 +322,7 @@ class NcclClient(KVClient):
         if reply.kind == ERROR:
             raise _Refused(remote_error(channel.uri, reply))
         check_data(channel.uri, len(src_ids) * kv.shape[0] * kv.shape[2], reply)
-        runs = [(d, c) for _, d, c in paired_runs(src_ids, dst_ids)]
-        tensors = messages(kv, runs)
+        tensors = messages(kv, decode_plan(channel.uri, reply.payload, dst_ids))
         # streamed: one layer at a time, each wait bounded on its own (the layers come as they are computed)
         per_batch = len(tensors) // kv.shape[0] if reply.code & DATA_STREAMED else len(tensors)
         for first in range(0, len(tensors), max(per_batch, 1)):

@@ -19,39 +19,40 @@ import contextlib
 import datetime
 import queue
 import socket
+import struct
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.layout import KVBuffer
+from kv_transfer.protocol import DATA_BYTES
+from kv_transfer.tensor_buffer import AnyKVBuffer, TensorKVBuffer
 from kv_transfer.tcp_wire import tune_socket
 from kv_transfer.transport import TransportConfig
 
 GRACE_S = 1.0  # slack on top of a bounded collective wait before the event loop gives up on it
 MAX_MESSAGE_BYTES = 64 << 20  # one send/recv; each is allowed TransportConfig.io_timeout_s
 REUSE_S = 30.0  # a client reuses an idle channel only this long (well inside the server's nccl.IDLE_S)
-MAX_IDLE_CHANNELS = 4  # per server, per client
+MAX_IDLE_CHANNELS = 1  # per server, per client: one channel (one communicator) per pair (nccl.NcclClient)
 
+PLAN_HEAD = struct.Struct("<I")  # DATA's message plan: the number of runs, then a u32 count each
 IdleChannels = dict[str, list["Channel"]]  # a client's idle channels by server URI, most recently used last
 
 
-def kv_tensor(buffer: KVBuffer, device_cache: torch.Tensor | None) -> torch.Tensor:
-    """The tensor the KV moves from/into: ``device_cache`` (uint8 ``[L, N, seg]``, on the GPU) when given,
-    else a zero-copy view of the buffer's bytes."""
-    if device_cache is not None:
-        if tuple(device_cache.shape) != buffer.array.shape or device_cache.dtype != torch.uint8:
-            raise ValueError(f"device_cache must be uint8 {buffer.array.shape}, got {device_cache.dtype} "
-                             f"{tuple(device_cache.shape)}")
-        return device_cache
+def kv_tensor(buffer: AnyKVBuffer) -> torch.Tensor:
+    """The tensor the KV moves from/into: a ``TensorKVBuffer``'s own (a CUDA cache served in place: NCCL), else
+    a zero-copy view of a host buffer's bytes (gloo). ``[num_layers, num_blocks, segment_bytes]`` uint8."""
+    if isinstance(buffer, TensorKVBuffer):
+        return buffer.tensor
     with warnings.catch_warnings():  # a read-only source is only ever sent from
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(buffer.array)  # [num_layers, num_blocks, segment_bytes]
+        return torch.from_numpy(buffer.array)
 
 
 def messages(kv: torch.Tensor, runs: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
@@ -64,6 +65,28 @@ def messages(kv: torch.Tensor, runs: Sequence[tuple[int, int]]) -> list[torch.Te
         for start in range(first, first + count, per_message)
     ]
     return [kv[layer, first : first + count].reshape(-1) for layer in range(kv.shape[0]) for first, count in pieces]
+
+
+def encode_plan(counts: list[int]) -> bytes:
+    """DATA's message plan: blocks per run, in request order."""
+    return PLAN_HEAD.pack(len(counts)) + np.asarray(counts, "<u4").tobytes()
+
+
+def decode_plan(uri: str, payload: bytes, dst_ids: list[int]) -> list[tuple[int, int]]:
+    """``(first destination block, count)`` per run of the plan in DATA's payload (after its byte count); each
+    run must be consecutive in ``dst_ids`` and together they must cover them."""
+    try:
+        (n,) = PLAN_HEAD.unpack_from(payload, DATA_BYTES.size)
+        counts = np.frombuffer(payload, "<u4", n, DATA_BYTES.size + PLAN_HEAD.size).astype(np.int64)
+    except (struct.error, ValueError) as exc:
+        raise KVTransferError(f"KV server {uri}: malformed DATA plan: {exc}") from exc
+    starts = np.cumsum(counts) - counts
+    dst = np.asarray(dst_ids, np.int64)
+    inner = np.ones(len(dst), bool)  # positions that continue the run before them
+    inner[starts[starts < len(dst)]] = False
+    if (counts < 1).any() or counts.sum() != len(dst) or (np.diff(dst)[inner[1:]] != 1).any():
+        raise KVTransferError(f"KV server {uri}: its message plan does not partition the destination into runs")
+    return list(zip(dst[starts].tolist(), counts.tolist()))
 
 
 def zeros_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -64,13 +64,13 @@ import numpy as np
 from kv_transfer import checksum
 from kv_transfer.conn_pool import PooledClient
 from kv_transfer.errors import KVTransferError
-from kv_transfer.layout import KVBuffer
 from kv_transfer.progress import ProgressLookup
 from kv_transfer.protocol import remote_error
 from kv_transfer.rows import buffer_iovecs, pair_rows
 from kv_transfer.socket_server import ReadKinds, SocketServer
 from kv_transfer.tcp_wire import peek_byte, recv_frame, send_frame
-from kv_transfer.transport import Pull, Resolver, TransportConfig
+from kv_transfer.tensor_buffer import AnyKVBuffer, TensorKVBuffer
+from kv_transfer.transport import Locator, Pull, Resolver, TransportConfig
 from kv_transfer.wire import (
     DONE, ERR_PROTOCOL, ERR_REFUSED, ERROR, MAX_PAYLOAD_BYTES, READ_CHECKSUM, Frame, encode_frame,
 )
@@ -156,7 +156,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 
 class Memory:
     """Where a KV buffer's bytes live, as NIXL registers them: base address, length, memory kind, device id.
-    A ``KVBuffer`` is host memory (DRAM, device 0); a CUDA tensor's bytes are VRAM on its device."""
+    A ``KVBuffer`` is host memory (DRAM, device 0); a ``TensorKVBuffer`` on CUDA is VRAM on its device."""
 
     __slots__ = ("address", "nbytes", "kind", "device_id", "owner")
 
@@ -167,15 +167,10 @@ class Memory:
         self.owner = owner  # what keeps the memory alive while it is registered
 
     @classmethod
-    def of(cls, buffer: KVBuffer) -> Memory:
-        return cls(buffer.array.ctypes.data, buffer.array.nbytes, "DRAM", 0, buffer)
-
-    @classmethod
-    def of_tensor(cls, tensor: Any) -> Memory:  # pragma: no cover - VRAM needs a GPU
-        """A contiguous CUDA (or CPU) tensor's bytes."""
-        on_gpu = tensor.device.type == "cuda"
-        return cls(tensor.data_ptr(), tensor.numel() * tensor.element_size(), "VRAM" if on_gpu else "DRAM",
-                   (tensor.device.index or 0) if on_gpu else 0, tensor)
+    def of(cls, buffer: AnyKVBuffer) -> Memory:
+        if isinstance(buffer, TensorKVBuffer):
+            return cls(buffer.base_ptr, buffer.nbytes, "VRAM" if buffer.is_cuda else "DRAM", buffer.device_id, buffer)
+        return cls(buffer.base_ptr, buffer.array.nbytes, "DRAM", 0, buffer)
 
 
 class Agent:
@@ -223,12 +218,12 @@ class NixlServer(SocketServer):
     kinds = ReadKinds(N_HELLO, N_HELLO_OK, N_READ, not_hello=b"expected N_HELLO: this is a nixl:// KV server",
                       not_read=b"expected N_READ")
 
-    def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
-                 progress: ProgressLookup | None = None, memory: Memory | None = None) -> None:
+    def __init__(self, *, buffer: AnyKVBuffer, resolve: Resolver, config: TransportConfig | None = None,
+                 progress: ProgressLookup | None = None, locate: Locator | None = None) -> None:
         if progress is not None:
             raise ValueError("nixl:// does not stream layers: serve it without a progress lookup")
-        super().__init__(buffer=buffer, resolve=resolve, config=config)
-        self.memory = memory or Memory.of(buffer)  # a CUDA cache: Memory.of_tensor(the cache)
+        super().__init__(buffer=buffer, resolve=resolve, config=config, locate=locate)
+        self.memory = Memory.of(buffer)  # a CUDA cache served in place (a TensorKVBuffer): VRAM
         self.incarnation = secrets.token_bytes(8)  # a restarted server is a new incarnation, whatever its address
         self.agent: Agent | None = None
         self._metadata = b""
@@ -266,7 +261,7 @@ class NixlServer(SocketServer):
             return accepted
         request, io_s, what = accepted.request, self.config.io_timeout_s, "KV client"
         lease_id, block_ids = request.lease_id, list(request.block_ids)
-        rows = self._rows(block_ids)
+        rows = buffer_iovecs(self.buffer, block_ids)  # the registered memory's addresses (VRAM: the device's)
         head_bytes = DESCS_HEAD.size + len(self._metadata) + rows.nbytes
         if head_bytes > MAX_PAYLOAD_BYTES:
             return accepted.hello_ok + encode_frame(ERROR, f"{len(rows)} descriptors exceed one nixl:// read; read "
@@ -295,15 +290,6 @@ class NixlServer(SocketServer):
         await send_frame(sock, encode_frame(DONE, sums), io_s, what)
         return None
 
-    def _rows(self, block_ids: list[int]) -> np.ndarray:
-        """(address, length) per layer per run of ``block_ids`` in the registered memory (which may be a
-        device's: the same offsets as in ``buffer``'s view)."""
-        rows = buffer_iovecs(self.buffer, block_ids)
-        base = self.buffer.array.ctypes.data
-        if self.memory.address != base:  # pragma: no cover - a CUDA cache: same layout, the device's addresses
-            rows[:, 0] += np.uint64(self.memory.address) - np.uint64(base)
-        return rows
-
     async def _await_notification(self, sock: socket.socket, tag: bytes, done: asyncio.Future[None],
                                   timeout_s: float) -> bytes | None:
         """None once the READ's notification came; the ERROR frame if none came within ``timeout_s``.
@@ -329,6 +315,7 @@ class NixlServer(SocketServer):
             hinted = True
             self._hinted.add(tag)
             self._wake.set()
+            self._poll_notifications()  # the READ is complete: its notification is most likely in already
         if done.done():
             if not hinted:  # the notification overtook the client's hint, which follows: read it off the stream
                 hint = await recv_frame(sock, self.config.io_timeout_s, "KV client")
@@ -346,21 +333,25 @@ class NixlServer(SocketServer):
                 self._wake.clear()
                 await self._wake.wait()
                 polls = 0
-            try:
-                notifs = self.agent.nixl.get_new_notifs()
-            except Exception:  # noqa: BLE001 - a NIXL error must not end the server: the reads time out
-                logger.exception("KV data plane (nixl): reading notifications failed")
-                notifs = {}
-            delivered = False
-            for messages in notifs.values():
-                for message in messages:
-                    self.num_notifications += 1
-                    waiter = self._waiting.get(bytes(message))
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(None)
-                        delivered = True
-            polls = 0 if delivered else polls + 1
+            polls = 0 if self._poll_notifications() else polls + 1
             await asyncio.sleep(0.0 if self._hinted else POLL_S[min(polls, len(POLL_S) - 1)])
+
+    def _poll_notifications(self) -> bool:
+        """Progress the agent once and wake the reads whose notifications came; True if any did."""
+        try:
+            notifs = self.agent.nixl.get_new_notifs()
+        except Exception:  # noqa: BLE001 - a NIXL error must not end the server: the reads time out
+            logger.exception("KV data plane (nixl): reading notifications failed")
+            return False
+        delivered = False
+        for messages in notifs.values():
+            for message in messages:
+                self.num_notifications += 1
+                waiter = self._waiting.get(bytes(message))
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+                    delivered = True
+        return delivered
 
 
 # --- client ---------------------------------------------------------------------------------------
@@ -372,7 +363,9 @@ class NixlClient(PooledClient):
     Every call into its agent runs on one thread of its own (NIXL agents are not thread-safe in the mode
     used, and posting a READ that UCX serves by cma copies the bytes inside the call): the event loop is
     never blocked by a copy. The agent is made at the first pull; ``close()`` removes the remote agents and
-    deregisters memory."""
+    deregisters memory. A ``TensorKVBuffer`` destination on CUDA is registered as VRAM and read into in place."""
+
+    pulls_into_tensors = True
 
     def __init__(self, config: TransportConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -380,7 +373,7 @@ class NixlClient(PooledClient):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-nixl")
         self._remotes: dict[str, tuple[bytes, str]] = {}  # server URI -> (incarnation, remote agent name)
         self._buffers: OrderedDict[tuple[int, int], Memory] = OrderedDict()  # registered destinations, LRU
-        self._abandoned: list[tuple[Any, KVBuffer]] = []  # READs given up on, kept until NIXL releases them
+        self._abandoned: list[tuple[Any, AnyKVBuffer]] = []  # READs given up on, kept until NIXL releases them
         self.num_agents_loaded = 0  # remote agent metadata loaded so far (once per server incarnation)
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -388,11 +381,10 @@ class NixlClient(PooledClient):
 
     async def _pull(self, request: Pull) -> None:
         uri = request.uri
-        await self._call(self._prepare, request.dst_buffer)
 
         async def read(sock: socket.socket) -> None:
             descs = _parse_descs(uri, await recv_frame(sock, self.config.io_timeout_s, f"KV server {uri}"))
-            local, remote = pair_rows(request.dst_buffer, request.src_ids, request.dst_ids, descs.rows, uri)
+            local, remote = pair_rows(request.dst_buffer, request.dst_ids, descs.rows, uri)
             await self._read(descs, local, remote, request)
             request.landed.first_layer()
 
@@ -400,8 +392,9 @@ class NixlClient(PooledClient):
 
     # --- on the agent's thread -------------------------------------------------------------------
 
-    def _prepare(self, buffer: KVBuffer) -> None:
-        """The agent (made at the first pull), ``buffer`` registered, READs given up on released if done."""
+    def _prepare(self, buffer: AnyKVBuffer) -> Memory:
+        """The agent (made at the first pull), ``buffer`` registered (returned), READs given up on released if
+        done."""
         if self.agent is None:
             self.agent = Agent(f"baton-kv-client-{os.getpid()}-{secrets.token_hex(4)}")
         memory = Memory.of(buffer)
@@ -415,6 +408,7 @@ class NixlClient(PooledClient):
                 _, old = self._buffers.popitem(last=False)
                 self.agent.deregister(old)
         self._release_abandoned()
+        return memory
 
     def _remote_agent(self, uri: str, descs: _Descs) -> str:
         """The server's agent, loaded once per incarnation; a new incarnation at the same URI (the server
@@ -437,19 +431,24 @@ class NixlClient(PooledClient):
         self.num_agents_loaded += 1
         return name
 
-    def _post(self, uri: str, descs: _Descs, local: np.ndarray, remote: np.ndarray, job: dict) -> str:
-        """Prepare and post the READ (``job["handle"]`` holds it as soon as it exists); returns its state."""
+    def _post(self, uri: str, descs: _Descs, buffer: AnyKVBuffer, local: np.ndarray, remote: np.ndarray,
+              job: dict, until: float) -> str:
+        """One call for a READ that completes at once (UCX's cma copies inside ``transfer``): ``buffer``
+        registered (``_prepare``), the READ prepared and posted (``job["handle"]`` holds it as soon as it
+        exists), then polled until ``until``; returns its state."""
+        memory = self._prepare(buffer)
         nixl = self.agent.nixl
         remote_name = self._remote_agent(uri, descs)
         zeros = np.zeros((len(local), 1), np.uint64)
         try:
-            local_descs = nixl.get_xfer_descs(np.hstack([local, zeros]), "DRAM")
+            local_descs = nixl.get_xfer_descs(np.hstack([local, zeros + np.uint64(memory.device_id)]), memory.kind)
             remote_descs = nixl.get_xfer_descs(np.hstack([remote, zeros + np.uint64(descs.device_id)]),
                                                MEM_KINDS[descs.memory_kind])
             job["handle"] = nixl.initialize_xfer("READ", local_descs, remote_descs, remote_name, descs.tag)
         except Exception as exc:  # noqa: BLE001
             raise KVTransferError(f"KV server {uri}: NIXL could not prepare the READ: {exc!r}") from exc
-        return nixl.transfer(job["handle"])
+        state = nixl.transfer(job["handle"])
+        return self._poll(job["handle"], until) if state == "PROC" else state
 
     def _poll(self, handle: Any, until: float) -> str:
         """The READ's state once it is no longer in progress, or at ``until`` (time.monotonic)."""
@@ -494,7 +493,9 @@ class NixlClient(PooledClient):
         budget_s = self.config.io_timeout_s + request.num_bytes / 1e9
         deadline = time.monotonic() + budget_s
         try:
-            state = await asyncio.shield(self._call(self._post, uri, descs, local, remote, job))
+            until = min(deadline, time.monotonic() + POLL_SLICE_S)
+            post = functools.partial(self._post, uri, descs, request.dst_buffer, local, remote, job, until)
+            state = await asyncio.shield(self._call(post))
             while state == "PROC" and time.monotonic() < deadline:
                 until = min(deadline, time.monotonic() + POLL_SLICE_S)
                 state = await asyncio.shield(self._call(self._poll, job["handle"], until))

@@ -2,7 +2,8 @@
 
 Serving side: each check answers None (go on) or the ERROR frame to send, in the order every server
 applies them before any KV byte moves: the layouts (``refuse_layout``), the credentials
-(``refuse_unauthenticated``), the lease and its blocks (``refuse_read``, again after the last byte);
+(``refuse_unauthenticated``), where the blocks are (``locate_read``), the lease and its blocks (``refuse_read``,
+again after the last byte);
 a streamed read waits for its layers with ``computed_layers``.
 Pulling side: ``sign_read`` adds the HMAC trailer (kv_transfer/auth.py); ``check_hello_ok``, ``check_data``
 and ``verify_done`` check the server's answers, and ``remote_error`` turns an ERROR into the typed error
@@ -11,6 +12,8 @@ to raise (LayoutMismatch, LeaseNotFound, Unauthenticated, KVTransferError).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -19,10 +22,10 @@ from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError, LayoutMismatch, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.progress import LayerProgress
-from kv_transfer.transport import Resolver, TransportConfig, check_read
+from kv_transfer.transport import Locator, Resolver, TransportConfig, check_read
 from kv_transfer.wire import (
     DATA, ERR_AUTH, ERR_INTERNAL, ERR_LAYOUT, ERR_LEASE, ERR_PROTOCOL, ERR_REFUSED, ERROR, HELLO_OK, READ_AUTH, Frame,
-    encode_frame,
+    ReadRequest, encode_frame,
 )
 
 logger = logging.getLogger(__name__)
@@ -35,13 +38,19 @@ DATA_BYTES = struct.Struct("<Q")  # DATA's payload opens with the number of KV b
 def refuse_layout(layout: KVLayout, payload: bytes) -> bytes | None:
     """None if the client's layout JSON matches ``layout``, else the ERROR frame to send."""
     try:
-        layout.check_compatible(KVLayout.from_json(payload))
+        layout.check_compatible(_parse_layout(payload))
     except LayoutMismatch as exc:
         logger.warning("KV data plane: refused a client: %s", exc)
         return encode_frame(ERROR, layout.to_json().encode(), ERR_LAYOUT)
     except KVTransferError as exc:
         return encode_frame(ERROR, str(exc).encode(), ERR_PROTOCOL)
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_layout(payload: bytes) -> KVLayout:
+    """A client's layout JSON, parsed once per distinct payload (every read of a client sends the same)."""
+    return KVLayout.from_json(payload)
 
 
 def refuse_unauthenticated(read_auth: auth.ReadAuth | None, kind: int, request: bytes,
@@ -70,6 +79,19 @@ def refuse_read(buffer: KVBuffer, resolve: Resolver, config: TransportConfig, le
         logger.exception("KV data plane: lease resolver failed")
         return encode_frame(ERROR, b"internal error resolving the lease", ERR_INTERNAL)
     return None
+
+
+def locate_read(locate: Locator | None, request: ReadRequest) -> ReadRequest | bytes:
+    """The read with its source ids where the blocks are in the served buffer (``locate``: a staged server
+    translates the lease's block ids to its staging ids), or the ERROR frame to send; no ``locate``: as is."""
+    if locate is None:
+        return request
+    try:
+        return dataclasses.replace(request, block_ids=locate(request.lease_id, request.block_ids))
+    except LeaseNotFound as exc:
+        return encode_frame(ERROR, str(exc).encode(), ERR_LEASE)
+    except KVTransferError as exc:
+        return encode_frame(ERROR, str(exc).encode(), ERR_REFUSED)
 
 
 async def computed_layers(progress: LayerProgress, timeout_s: float,

@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 from kv_transfer import auth
 from kv_transfer.errors import KVTransferError
-from kv_transfer.layout import KVBuffer
 from kv_transfer.progress import LayerProgress, ProgressLookup
-from kv_transfer.protocol import refuse_layout, refuse_read, refuse_unauthenticated
+from kv_transfer.protocol import locate_read, refuse_layout, refuse_read, refuse_unauthenticated
 from kv_transfer.tcp_wire import open_listener, peek_byte, recv_frame, send_refusal, server_uri, tune_socket
-from kv_transfer.transport import Resolver, TransportConfig
+from kv_transfer.tensor_buffer import AnyKVBuffer
+from kv_transfer.transport import Locator, Resolver, TransportConfig
 from kv_transfer.wire import ERR_PROTOCOL, ERROR, READ_AUTH, ReadRequest, decode_read, encode_frame
 
 logger = logging.getLogger(__name__)
@@ -47,14 +47,16 @@ class AcceptedRead(NamedTuple):
 
 class SocketServer:
     """Serves reads of leased blocks of ``buffer``; ``resolve`` maps a lease id to its block ids; ``progress``
-    (lease id -> LayerProgress while its prompt computes) enables streamed reads."""
+    (lease id -> LayerProgress while its prompt computes) enables streamed reads; ``locate`` translates a
+    read's block ids to where they are in ``buffer`` (host staging), after which every check and read
+    uses the translated ids."""
 
     scheme = ""
     kinds: ReadKinds
 
-    def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
-                 progress: ProgressLookup | None = None) -> None:
-        self.buffer, self.resolve, self.progress = buffer, resolve, progress
+    def __init__(self, *, buffer: AnyKVBuffer, resolve: Resolver, config: TransportConfig | None = None,
+                 progress: ProgressLookup | None = None, locate: Locator | None = None) -> None:
+        self.buffer, self.resolve, self.progress, self.locate = buffer, resolve, progress, locate
         self.config = config or TransportConfig()
         self.auth = auth.ReadAuth(self.config.secret) if self.config.secret else None
         self.uri: str | None = None
@@ -133,8 +135,9 @@ class SocketServer:
 
     async def _receive_read(self, sock: socket.socket) -> AcceptedRead | bytes:
         """A HELLO and its pipelined READ, checked in order (the layouts, the credentials over HELLO + READ,
-        the lease): the accepted read, or the ERROR frame to close with (behind HELLO_OK once the layouts
-        match, so the client checks the server's layout too)."""
+        where its blocks are, the lease): the accepted read (its block ids translated by ``locate``), or the
+        ERROR frame to close with (behind HELLO_OK once the layouts match, so the client checks the server's
+        layout too)."""
         io_s, what, kinds = self.config.io_timeout_s, "KV client", self.kinds
         hello = await recv_frame(sock, io_s, what)
         if hello.kind != kinds.hello:
@@ -150,7 +153,9 @@ class SocketServer:
         refusal = refuse_unauthenticated(self.auth, kinds.read, hello.payload + payload, trailer)
         if refusal is not None:
             return hello_ok + refusal
-        request = decode_read(payload)
+        request = locate_read(self.locate, decode_read(payload))
+        if isinstance(request, bytes):
+            return hello_ok + request
         refusal = self._check_read(request.lease_id, request.block_ids)
         if refusal is not None:
             return hello_ok + refusal

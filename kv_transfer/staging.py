@@ -1,21 +1,24 @@
-"""KV memory that knows where it lives, and host staging for caches a transport cannot read in place.
+"""KV memory that knows where it lives, and host staging for the transports that cannot read it in place.
 
 ``KVRegion`` is the engine's cache seen as ``[num_layers, num_blocks, segment_bytes]`` uint8 on its device,
 with its base pointer and each block's byte ranges (one per layer): what a transport that registers memory
-needs. A host-resident region is served in place, as ``KVBuffer`` always did. A device-resident one (CUDA) is
-served through a ``StagingPool``: blocks of pinned host memory, filled by copies of exactly the leased blocks
-on a side stream (per layer, an event each), never a whole-cache copy. ``--kv-staging always`` puts a CPU cache
-through the same path (plain copies; the probes are already true), so every line but the CUDA stream calls
-runs in CI.
+needs. Where each transport serves it is decided per kind (``staged_kinds``): a host-resident region is served
+in place by every kind, as ``KVBuffer`` always was; a device-resident one (CUDA) is served in place
+(GPU-direct, a ``TensorKVBuffer``) by the kinds that register or move device memory (``IN_PLACE_KINDS``: nixl,
+ucx, nccl) and through a ``StagingPool`` by the others (tcp, cma): blocks of pinned host memory, filled by
+copies of exactly the leased blocks on a side stream (per layer, an event each), never a whole-cache copy.
+``--kv-staging always`` puts every kind of any cache through staging (plain copies on a CPU cache; the probes
+are already true), so every line but the CUDA stream calls runs in CI.
 
 Serving (the prefill side, or any holder of a lease): ``StagedLeases`` stages each lease as it opens: staging
 blocks are allocated and the lease's blocks copied there, each layer once it is computed for a layer-wise lease
 (the staged progress completes a layer when its copy is done, so streamed reads follow the copies). The
-lease's handle names the staging ids, the transport servers serve the pool's buffer, and the staging blocks
-go back to the pool when the lease ends.
+lease's handle names its cache blocks whatever the reader's transport; a staged server translates a read's ids
+through the lease's staging map (``locate``) and serves the pool's buffer; the staging blocks go back to the
+pool when the lease ends.
 
 Pulling (the decode side): ``pull_staged`` pulls into staging blocks, copies them into the region's
-destination blocks, and frees them, whatever happens.
+destination blocks, and frees them, whatever happens; a kind served in place pulls straight into the cache.
 
 Event-loop thread only, like the leases it wraps.
 """
@@ -30,12 +33,13 @@ import torch
 
 from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout, paired_runs
-from kv_transfer.progress import LayerProgress, ProgressLookup, ReadyProbe
+from kv_transfer.progress import LayerProgress, ReadyProbe
+from kv_transfer.tensor_buffer import IN_PLACE_KINDS, TensorKVBuffer
 from kv_transfer.transport import KVClient, Resolver, TransferStats
 
 logger = logging.getLogger(__name__)
 
-STAGING_MODES = ("auto", "always")  # auto: only a device-resident cache is staged
+STAGING_MODES = ("auto", "always")  # auto: a device-resident cache, for the kinds that cannot read it in place
 FOLLOW_TIMEOUT_S = 3600.0  # a layer-wise copy waits this long for a layer at most (the lease's end stops it first)
 
 
@@ -87,11 +91,24 @@ class KVRegion:
             raise KVTransferError(f"the KV cache is on {self.device}: serve it through a StagingPool")
         return KVBuffer(self.layout, self.kv.numpy())
 
+    def tensor_buffer(self) -> TensorKVBuffer:
+        """The region's own bytes as a TensorKVBuffer on its device (served in place by ``IN_PLACE_KINDS``)."""
+        return TensorKVBuffer(self.layout, self.kv)
 
-def needs_staging(region: KVRegion, mode: str) -> bool:
+    def in_place_buffer(self) -> KVBuffer | TensorKVBuffer:
+        """What a kind serving this region in place serves: the host bytes, or the device tensor."""
+        return self.host_buffer() if self.is_host else self.tensor_buffer()
+
+
+def staged_kinds(kinds: Sequence[str], region: KVRegion, mode: str) -> frozenset[str]:
+    """The transport kinds of ``kinds`` that serve and pull ``region`` through host staging: every one with
+    ``--kv-staging always``; else none for a host cache, and for a device cache those that cannot move device
+    memory (not in ``IN_PLACE_KINDS``: tcp, cma)."""
     if mode not in STAGING_MODES:
         raise ValueError(f"--kv-staging must be one of {STAGING_MODES}, got {mode!r}")
-    return mode == "always" or not region.is_host
+    if mode == "always":
+        return frozenset(kinds)
+    return frozenset() if region.is_host else frozenset(kinds) - IN_PLACE_KINDS
 
 
 class StagingPool:
@@ -162,16 +179,17 @@ def _always_ready() -> bool:
 
 
 class _Staged:
-    __slots__ = ("ids", "progress", "task")
+    __slots__ = ("ids", "of", "progress", "task")
 
-    def __init__(self, ids: list[int], progress: LayerProgress) -> None:
+    def __init__(self, block_ids: Sequence[int], ids: list[int], progress: LayerProgress) -> None:
         self.ids, self.progress, self.task = ids, progress, None
+        self.of = dict(zip((int(b) for b in block_ids), ids, strict=True))  # cache block id -> its staging id
 
 
 class StagedLeases:
-    """Serve leases of ``pool.region`` from ``pool.buffer``: ``stage`` each lease as it opens (its handle then
-    names the staging ids), give the transport servers ``resolve`` and ``progress`` instead of the worker's
-    own, and ``end`` each lease as it ends."""
+    """Serve leases of ``pool.region`` from ``pool.buffer``: ``stage`` each lease as it opens, give the staged
+    transport servers ``locate`` (a read's cache block ids -> their staging ids), ``resolve`` and ``progress``
+    instead of the worker's own, and ``end`` each lease as it ends."""
 
     def __init__(self, pool: StagingPool, resolve: Resolver) -> None:
         self.pool, self._resolve = pool, resolve
@@ -182,9 +200,10 @@ class StagedLeases:
 
     def stage(self, lease_id: str, block_ids: Sequence[int], computing: LayerProgress | None = None) -> list[int]:
         """Copy the lease's blocks into staging blocks: now, or each layer once ``computing`` has it (layer-wise);
-        returns the staging ids a reader asks for. StagingFull: the lease stays unreadable (reads are refused,
-        the reader recomputes)."""
-        staged = _Staged(self.pool.allocate(len(block_ids)), LayerProgress(self.pool.region.layout.num_layers))
+        returns its staging ids. StagingFull: the lease stays unreadable by staged kinds (their reads are
+        refused, the reader recomputes)."""
+        num_layers = self.pool.region.layout.num_layers
+        staged = _Staged(block_ids, self.pool.allocate(len(block_ids)), LayerProgress(num_layers))
         self._staged[lease_id] = staged
         if computing is None or computing.is_ready:
             ready = self.pool.copy_out(block_ids, staged.ids)
@@ -205,6 +224,16 @@ class StagedLeases:
         if staged is None:
             raise KVTransferError("the lease's blocks are not in host staging (the staging pool was full)")
         return staged.ids
+
+    def locate(self, lease_id: str, block_ids: Sequence[int]) -> list[int]:
+        """Where the lease's blocks ``block_ids`` (cache ids, as its handle names them) are in staging (a
+        ``transport.Locator``): LeaseNotFound for a lease that ended, KVTransferError for a block not in it."""
+        self.resolve(lease_id)  # live and staged, or raises
+        of = self._staged[lease_id].of
+        outside = [b for b in block_ids if b not in of]
+        if outside:
+            raise KVTransferError(f"blocks {outside[:8]} are not in the lease ({len(outside)} in all)")
+        return [of[b] for b in block_ids]
 
     def ids_of(self, lease_id: str) -> list[int] | None:
         """The lease's staging ids (None: not staged)."""

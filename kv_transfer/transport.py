@@ -27,6 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.progress import ProgressLookup
+from kv_transfer.tensor_buffer import IN_PLACE_KINDS, AnyKVBuffer, TensorKVBuffer
 
 # kind (the URI scheme) -> (module, server class, client class). A transport's two classes live in one module
 # (its helpers beside it); adding one is one line here plus passing tests/unit/test_kv_transport.py.
@@ -54,6 +55,11 @@ STREAMING_KINDS = frozenset({"tcp", "cma", "nccl"})
 
 # lease id -> the block ids it pins; raises LeaseNotFound (or returns None) when not live.
 Resolver = Callable[[str], Sequence[int] | None]
+# (lease id, the block ids a reader asked for, as the lease's handle names them) -> where those blocks are in
+# the served buffer; raises LeaseNotFound, or KVTransferError for a block the lease does not hold. A server
+# through host staging translates with each lease's staging map (kv_transfer/staging.py); without one a
+# server reads the ids as they come.
+Locator = Callable[[str, Sequence[int]], list[int]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +126,7 @@ class Pull:
     layout: KVLayout
     lease_id: str
     src_ids: list[int]
-    dst_buffer: KVBuffer
+    dst_buffer: AnyKVBuffer
     dst_ids: list[int]
     landed: LayerClock = field(default_factory=LayerClock)
 
@@ -132,15 +138,21 @@ class Pull:
 class KVClient:
     """The decode side of a transport: every transport's client derives from it. ``pull`` checks its
     arguments before connecting, times the pull and reports it; a transport implements ``_pull``, which
-    moves the bytes and raises on any failure."""
+    moves the bytes and raises on any failure. ``pulls_into_tensors``: it pulls into a ``TensorKVBuffer``
+    (a device cache, in place) as well as a ``KVBuffer`` (``IN_PLACE_KINDS``)."""
+
+    pulls_into_tensors = False
 
     def __init__(self, config: TransportConfig | None = None) -> None:
         self.config = config or TransportConfig()
 
     async def pull(self, uri: str, layout: KVLayout, lease_id: str, src_block_ids: Sequence[int],
-                   dst_buffer: KVBuffer, dst_block_ids: Sequence[int]) -> TransferStats:
+                   dst_buffer: AnyKVBuffer, dst_block_ids: Sequence[int]) -> TransferStats:
         """Read leased blocks ``src_block_ids`` of the server at ``uri`` into ``dst_block_ids`` of ``dst_buffer``."""
         start, started_unix_s = time.perf_counter(), time.time()
+        if isinstance(dst_buffer, TensorKVBuffer) and not self.pulls_into_tensors:
+            raise KVTransferError(f"{uri_kind(uri)}:// pulls into host memory only: pull a device cache through "
+                                  "host staging")
         check_pull_args(layout, src_block_ids, dst_buffer, dst_block_ids)
         request = Pull(uri=uri, layout=layout, lease_id=lease_id, src_ids=[int(b) for b in src_block_ids],
                        dst_buffer=dst_buffer, dst_ids=[int(b) for b in dst_block_ids])
@@ -156,7 +168,7 @@ class KVClient:
 
 
 def check_pull_args(
-    layout: KVLayout, src_block_ids: Sequence[int], dst_buffer: KVBuffer, dst_block_ids: Sequence[int]
+    layout: KVLayout, src_block_ids: Sequence[int], dst_buffer: AnyKVBuffer, dst_block_ids: Sequence[int]
 ) -> None:
     """The decode side's checks, done before connecting."""
     layout.check_compatible(dst_buffer.layout)
@@ -169,7 +181,7 @@ def check_pull_args(
         raise KVTransferError("pull: destination block ids repeat")
 
 
-def check_read(buffer: KVBuffer, resolve: Resolver, lease_id: str, block_ids: Sequence[int]) -> None:
+def check_read(buffer: AnyKVBuffer, resolve: Resolver, lease_id: str, block_ids: Sequence[int]) -> None:
     """The serving side's checks: the lease is live, covers every requested block, and they exist."""
     leased = resolve(lease_id)
     if leased is None:
@@ -278,14 +290,20 @@ def _implementation(kind: str, which: int):
     return getattr(importlib.import_module(module), classes[which])
 
 
-def make_server(kind: str, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None,
-                progress: ProgressLookup | None = None) -> KVServer:
+def make_server(kind: str, *, buffer: AnyKVBuffer, resolve: Resolver, config: TransportConfig | None = None,
+                progress: ProgressLookup | None = None, locate: Locator | None = None) -> KVServer:
     """A server of transport ``kind`` over ``buffer``; ``resolve`` validates lease ids (see LeaseTable.resolver).
     ``progress`` (lease id -> its LayerProgress while the prompt computes) is for the ``STREAMING_KINDS``;
-    any other kind refuses such a lease until its progress is ready, so it never sends unwritten KV."""
+    any other kind refuses such a lease until its progress is ready, so it never sends unwritten KV.
+    ``locate``: where a read's blocks are in ``buffer`` (host staging; see ``Locator``). A ``TensorKVBuffer``
+    (a device cache served in place) only for the ``IN_PLACE_KINDS``."""
+    if isinstance(buffer, TensorKVBuffer) and kind not in IN_PLACE_KINDS:
+        raise ValueError(f"{kind}:// serves host memory only: serve a device cache through host staging")
     if progress is not None and kind not in STREAMING_KINDS:
         resolve, progress = _when_computed(resolve, progress), None
     extra = {"progress": progress} if progress is not None else {}
+    if locate is not None:
+        extra["locate"] = locate
     return _implementation(kind, 0)(buffer=buffer, resolve=resolve, config=config or TransportConfig(), **extra)
 
 
@@ -312,7 +330,7 @@ def connect(uri: str, config: TransportConfig | None = None) -> KVClient:
     return _implementation(uri_kind(uri), 1)(config or TransportConfig())
 
 
-async def pull(uri: str, layout: KVLayout, lease_id: str, src_block_ids: Sequence[int], dst_buffer: KVBuffer,
+async def pull(uri: str, layout: KVLayout, lease_id: str, src_block_ids: Sequence[int], dst_buffer: AnyKVBuffer,
                dst_block_ids: Sequence[int], *, config: TransportConfig | None = None) -> TransferStats:
     """``connect(uri).pull(...)`` with a client of its own, closed afterwards (one-off pulls: no reuse)."""
     client = connect(uri, config)

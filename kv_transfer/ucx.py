@@ -7,12 +7,21 @@ Why tagged messages, not RMA: UCX's one-sided ``get`` would be the natural pull,
 API does not expose memory registration, packed remote keys or ``get``/``put`` (they exist only in its
 C++ library), so the server sends and the client receives tagged messages.
 
-A pull is one round trip on a UCX endpoint (connection): by default a fresh endpoint per pull, like
-``tcp://``; with ``UcxClient(reuse_endpoints=True)`` (or ``REUSE_ENDPOINTS``) idle endpoints are kept per
-event loop and URI and reused, one pull at a time each. Every message below is a tagged message on
-that endpoint with its own tag, offset by ``n << 32`` for the endpoint's n-th pull, so nothing depends on
-message ordering. Control messages are the frames of ``kv_transfer/wire.py`` (a 12-byte header on tag
-``t``, its payload, if any, on tag ``t + 1``; ``kv_transfer/ucx_endpoint.py``)::
+Device memory: a CUDA cache served in place (a ``TensorKVBuffer``) is sent from and received into CUDA
+tensor views, which ucxx takes by their ``__cuda_array_interface__``; UCX then moves them with cuda_copy,
+cuda_ipc (same host) or RDMA (``ucx_plan.message``). The same code on a CPU tensor runs in the tests; the
+CUDA branch has never run here (no GPU).
+
+A pull is one round trip on a UCX endpoint (connection). A client keeps its idle endpoints per event loop and
+URI and reuses them, one pull at a time each (``REUSE_ENDPOINTS``; ``UcxClient(reuse_endpoints=False)`` opens one
+per pull): a UCX wireup costs 10-100 ms here, more than moving 32 MiB. A pooled endpoint the server closed
+or that broke while idle is dropped and the pull starts over on a new one, before any byte moved; one whose
+server stays silent fails the pull (``io_timeout_s``), as a fresh one would.
+
+Every message below is a tagged message on that endpoint with its own tag, offset by ``n << 32`` for the
+endpoint's n-th pull, so nothing depends on message ordering. Control messages are the frames of
+``kv_transfer/wire.py`` (a 12-byte header on tag ``t``, its payload, if any, on tag ``t + 1``;
+``kv_transfer/ucx_endpoint.py``)::
 
     client -> REQUEST   READ: u8 flags | u16 len | client KVLayout JSON | ``wire.encode_read`` with the runs
                         (blocks per message) [| HMAC trailer over all of it (READ_AUTH; kv_transfer/auth.py)]
@@ -56,15 +65,16 @@ import numpy as np
 
 from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError
-from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.layout import KVLayout
 from kv_transfer.protocol import (
-    DATA_BYTES, check_data, check_hello_ok, refuse_layout, refuse_read, refuse_unauthenticated, remote_error,
-    sign_read, verify_done,
+    DATA_BYTES, check_data, check_hello_ok, locate_read, refuse_layout, refuse_read, refuse_unauthenticated,
+    remote_error, sign_read, verify_done,
 )
-from kv_transfer.transport import KVClient, Pull, Resolver, TransportConfig, parse_uri
+from kv_transfer.tensor_buffer import AnyKVBuffer, TensorKVBuffer
+from kv_transfer.transport import KVClient, Locator, Pull, Resolver, TransportConfig, parse_uri
 from kv_transfer.ucx_endpoint import (
     ENDPOINT_ERROR_HANDLING, TAG_DONE, TAG_KV, TAG_REPLY, TAG_REQUEST, PeerSilent, abort, await_all, bounded, checkin,
-    checkout, close, import_ucxx, recv_frame, send_frame, tag,
+    checkout, close, close_idle_endpoints, import_ucxx, recv_frame, send_frame, tag,
 )
 from kv_transfer.ucx_plan import (
     check_runs, decode_request, encode_request, plan_pull, run_starts, run_views, runs_consecutive,
@@ -79,10 +89,9 @@ logger = logging.getLogger(__name__)
 RECV_WINDOW_BYTES = 16 << 20  # KV bytes the client has receives posted for at once (see UcxClient._receive)
 CLOSE_LINGER_S = 1.0  # after refusing, the server waits this long for the client to close first
 SERVER_IDLE_S = 60.0  # a served connection with no next request for this long is closed
-# Clients may keep endpoints between pulls (``reuse_endpoints``): connecting costs a UCX wireup of
-# 10-100 ms here, more than moving 32 MiB. Off by default: the transport contract has clients hold no
-# connection between pulls.
-REUSE_ENDPOINTS = False
+# Clients keep endpoints between pulls (``reuse_endpoints``) by default: connecting costs a UCX wireup of
+# 10-100 ms here, more than moving 32 MiB (tcp, cma and nixl clients keep their connections likewise).
+REUSE_ENDPOINTS = True
 
 
 # --- server ---------------------------------------------------------------------------------------
@@ -91,12 +100,15 @@ REUSE_ENDPOINTS = False
 class UcxServer:
     """Serves reads of leased blocks of ``buffer`` over UCX; ``resolve`` maps a lease id to its block ids."""
 
-    def __init__(self, *, buffer: KVBuffer, resolve: Resolver, config: TransportConfig | None = None) -> None:
+    def __init__(self, *, buffer: AnyKVBuffer, resolve: Resolver, config: TransportConfig | None = None,
+                 locate: Locator | None = None) -> None:
         self.buffer, self.resolve, self.config = buffer, resolve, config or TransportConfig()
+        self.locate = locate  # where a read's blocks are in ``buffer`` (host staging translates them)
         self.auth = auth.ReadAuth(self.config.secret) if self.config.secret else None
         self.uri: str | None = None
         self._listener: Any = None
         self._connections: set[asyncio.Task] = set()
+        self.num_accepted = 0  # connections accepted so far (clients keep and reuse theirs)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
         """Listen on ``port`` (0: a free one; UCX listens on every interface); the URI names
@@ -154,6 +166,7 @@ class UcxServer:
             abort(ep)
             return
         self._connections.add(asyncio.current_task())
+        self.num_accepted += 1
         try:
             seq = 0
             while (request := await self._next_request(ep, seq)) is not None:
@@ -200,9 +213,10 @@ class UcxServer:
         except KVTransferError as exc:
             return encode_frame(ERROR, str(exc).encode(), ERR_PROTOCOL)
         # the layouts first, then the credentials (over the whole request, flags included), then the lease
-        refusal = (refuse_layout(self.buffer.layout, layout_json)
-                   or refuse_unauthenticated(self.auth, READ, body, trailer)
-                   or self._check_read(read))
+        refusal = refuse_layout(self.buffer.layout, layout_json) or refuse_unauthenticated(self.auth, READ, body,
+                                                                                            trailer)
+        read = refusal or locate_read(self.locate, read)
+        refusal = read if isinstance(read, bytes) else self._check_read(read)
         if refusal is not None:
             return refusal
         block_ids, runs = list(read.block_ids), list(read.runs)
@@ -219,12 +233,15 @@ class UcxServer:
         await bounded(send_frame(ep, tag(seq, TAG_DONE), done), io_s, what)
         return None
 
-    def _messages(self, block_ids: list[int], runs: list[int]) -> list[memoryview]:
+    def _messages(self, block_ids: list[int], runs: list[int]) -> list[Any]:
         """The KV messages in wire order: per layer, one contiguous view per run; straight out of the
-        buffer when each run is consecutive here, else out of one gathered copy of the blocks."""
+        buffer when each run is consecutive here, else out of one gathered copy of the blocks (on the
+        buffer's device)."""
         starts = run_starts(runs)
         if runs_consecutive(block_ids, runs):
-            return run_views(self.buffer.array, [block_ids[pos] for pos in starts], runs)
+            return run_views(_blocks(self.buffer), [block_ids[pos] for pos in starts], runs)
+        if isinstance(self.buffer, TensorKVBuffer):
+            return run_views(self.buffer.take(block_ids), starts, runs)
         staged = np.take(self.buffer.array, block_ids, axis=1)  # [L, n, seg], contiguous: one gather copy
         return run_views(staged, starts, runs)
 
@@ -261,12 +278,18 @@ class UcxClient(KVClient):
     """Pulls leased blocks from ``ucx://`` servers: one endpoint per pull, or, with ``reuse_endpoints``,
     endpoints kept idle between pulls (per event loop and URI; one pull at a time on each)."""
 
+    pulls_into_tensors = True
+
     def __init__(
         self, config: TransportConfig | None = None, *, staging: bool | None = None, reuse_endpoints: bool | None = None
     ) -> None:
         super().__init__(config)
         self.staging = staging  # None: choose per pull (plan_pull); True/False force it (benchmarks, tests)
         self.reuse_endpoints = REUSE_ENDPOINTS if reuse_endpoints is None else reuse_endpoints
+
+    def close(self) -> None:
+        """Close the idle endpoints (they are kept per event loop and URI, for every client of this process)."""
+        close_idle_endpoints()
 
     async def _pull(self, request: Pull) -> None:
         uri, layout, src_ids, dst_ids = request.uri, request.layout, request.src_ids, request.dst_ids
@@ -283,8 +306,7 @@ class UcxClient(KVClient):
             if reply is None:
                 reply = await self._request(ep, seq, frame, f"KV server {uri}")
             _check_reply(uri, layout, request.num_bytes, reply)
-            shape = (layout.num_layers, len(src_ids), layout.bytes_per_block_per_layer)
-            staging = np.empty(shape, np.uint8) if staged else None
+            staging = _new_blocks(request.dst_buffer, len(src_ids)) if staged else None
             done = await self._receive(ep, seq, request, runs, staging)
         except BaseException:
             abort(ep)  # cancels any receive still posted into the destination before we return
@@ -296,8 +318,11 @@ class UcxClient(KVClient):
             checkin(uri, ep, seq + 1)
         else:
             await close(ep)
-        if staging is not None:
-            request.dst_buffer.array[:, dst_ids] = staging  # [L, n, seg] -> the scattered destination blocks
+        if staging is not None:  # [L, n, seg] -> the scattered destination blocks
+            if isinstance(request.dst_buffer, TensorKVBuffer):
+                request.dst_buffer.put(dst_ids, staging)
+            else:
+                request.dst_buffer.array[:, dst_ids] = staging
         if self.config.checksum:
             verify_done(uri, request.dst_buffer, dst_ids, done.payload)
 
@@ -321,14 +346,14 @@ class UcxClient(KVClient):
             raise
 
     async def _receive(self, ep: Any, seq: int, request: Pull, runs: list[int],
-                       staging: np.ndarray | None) -> Frame:
+                       staging: Any) -> Frame:
         """Receive the KV messages into the destination blocks (or ``staging``), then DONE."""
         what = f"KV server {request.uri}"
         starts = run_starts(runs)
         if staging is not None:
             views = run_views(staging, starts, runs)
         else:
-            views = run_views(request.dst_buffer.array, [request.dst_ids[pos] for pos in starts], runs)
+            views = run_views(_blocks(request.dst_buffer), [request.dst_ids[pos] for pos in starts], runs)
         receives = [recv_frame(ep, tag(seq, TAG_DONE), what)]
         receives += [ep.recv(view, tag=tag(seq, TAG_KV + i)) for i, view in enumerate(views)]
         # A bounded window of posted receives: UCX moves a rendezvous message's bytes once its receive
@@ -369,3 +394,15 @@ def _check_reply(uri: str, layout: KVLayout, expected: int, frame: Frame) -> Non
     server_layout = frame._replace(payload=frame.payload[DATA_BYTES.size :]) if frame.kind == DATA else frame
     check_hello_ok(uri, layout, server_layout, ok_kind=DATA)  # names the differing fields of a mismatch
     check_data(uri, expected, frame)
+
+
+def _blocks(buffer: AnyKVBuffer) -> Any:
+    """The buffer's ``[num_layers, num_blocks, segment_bytes]`` bytes: a numpy array, or a tensor (any device)."""
+    return buffer.tensor if isinstance(buffer, TensorKVBuffer) else buffer.array
+
+
+def _new_blocks(buffer: AnyKVBuffer, count: int) -> Any:
+    """Room for ``count`` blocks where ``buffer`` lives (a scattered receive lands there first)."""
+    if isinstance(buffer, TensorKVBuffer):
+        return buffer.new_blocks(count)
+    return np.empty((buffer.layout.num_layers, count, buffer.segment_bytes), np.uint8)

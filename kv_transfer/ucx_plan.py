@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -102,13 +103,24 @@ def run_starts(runs: Sequence[int]) -> list[int]:
     return list(itertools.accumulate(runs, initial=0))[:-1]
 
 
-def run_views(array: np.ndarray, first_blocks: Sequence[int], runs: Sequence[int]) -> list[memoryview]:
+def run_views(array: Any, first_blocks: Sequence[int], runs: Sequence[int]) -> list[Any]:
     """The KV messages in wire order: per layer, one contiguous view per run, run i being ``runs[i]`` blocks
-    of ``array`` (``[num_layers, num_blocks, segment_bytes]``, contiguous) from block ``first_blocks[i]`` on."""
+    of ``array`` (``[num_layers, num_blocks, segment_bytes]``, contiguous: a numpy array, or a torch tensor of a
+    ``TensorKVBuffer``) from block ``first_blocks[i]`` on; each as ucxx takes it (``message``)."""
     num_layers, seg = array.shape[0], array.shape[2]
     flat = array.reshape(num_layers, -1)  # [num_layers, num_blocks * seg]
     return [
-        memoryview(flat[layer, first * seg : (first + count) * seg])
+        message(flat[layer, first * seg : (first + count) * seg])
         for layer in range(num_layers)
         for first, count in zip(first_blocks, runs)
     ]
+
+
+def message(view: Any) -> Any:
+    """What ucxx sends from or receives into: a host array's memoryview; a CUDA tensor itself (ucxx reads its
+    ``__cuda_array_interface__``: UCX then moves device memory with cuda_copy / cuda_ipc / RDMA)."""
+    if isinstance(view, np.ndarray):
+        return memoryview(view)
+    if view.is_cuda:  # pragma: no cover - never run here (no GPU)
+        return view
+    return memoryview(view.numpy())

@@ -13,7 +13,8 @@
 #                    redis-server (Debian's, carried) on a free port, else fakeredis' TcpFakeServer
 #   parity-devices   greedy CPU fp32 == GPU fp32, tiny and SmolLM2-135M-shaped (scripts/gpu_parity.py devices)
 #   up               `baton up --device cuda` 1 P + 1 D on the one GPU, a greedy generate == CPU, KV moved
-#   kv-device        SKIP: bench.kv_transfer has no device-memory mode yet
+#   kv-device        bench.kv_transfer --device cuda: KV between two processes' CUDA tensors (nixl VRAM, ucx
+#                    cuda_ipc, tcp through pinned staging) beside the device's own D2D copy (its memcpy row)
 #   kv-nccl          SKIP: NCCL refuses two ranks on one device
 #   kv-host          bench.kv_transfer on host memory (tcp cma nixl ucx, NIXL as a peer), isolated
 #   d2d-copy         128 MiB device->device and pinned host<->device copies: the machine's ceilings
@@ -319,6 +320,26 @@ PY
     [ $rc -eq 0 ] || DETAIL="exit $rc; $DETAIL"
 }
 
+step_kv_device() {
+    bounded "$1" "$PY" -m bench.kv_transfer --device cuda --tokens 1024 16384 --runs 3 --transports nixl ucx tcp \
+        --peers --out "$TMP/kv/kv_device.json"
+    local rc=$?
+    STATUS=FAIL
+    [ $rc -eq 0 ] && STATUS=PASS
+    DETAIL=$("$PY" - "$TMP/kv/kv_device.json" <<'PY' 2>&1 | tail -1
+import json, sys
+doc = json.load(open(sys.argv[1]))
+last = doc["results"][-1]
+rates = ", ".join(f"{name} {s['gbps']:.2f}" for name, s in last["systems"].items()
+                  if name.endswith("/contiguous") or name in ("raw", "memcpy"))
+skipped = "; skipped " + ", ".join(f"{k}: {v}"[:80] for k, v in doc["skipped"].items()) if doc["skipped"] else ""
+print(f"device memory, {last['tokens']} tokens ({last['num_bytes'] / 2**20:.0f} MiB), GB/s (memcpy = D2D): "
+      f"{rates}{skipped}")
+PY
+)
+    [ $rc -eq 0 ] || DETAIL="exit $rc; $DETAIL"
+}
+
 step_d2d_copy() {
     bounded "$1" "$PY" scripts/gpu_parity.py copy
     from_result $? "$1"
@@ -377,11 +398,7 @@ main() {
     run_step setup setup 120 step_setup
     run_step parity-devices parity 180 step_parity_devices
     run_step up up 150 step_up
-    if "$PY" -m bench.kv_transfer --help 2>/dev/null | grep -qi -- '--device'; then
-        skip_step kv-device "bench.kv_transfer has a device option now: gpu-check.sh does not run it yet"
-    else
-        skip_step kv-device "bench.kv_transfer has no device-memory mode yet (issue 20)"
-    fi
+    run_step kv-device kv 120 step_kv_device
     skip_step kv-nccl "NCCL refuses two ranks on one device"
     run_step kv-host kv 180 step_kv_host
     run_step d2d-copy kv 60 step_d2d_copy

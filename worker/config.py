@@ -37,6 +37,7 @@ class WorkerConfig:
     kv_staging_blocks: int | None = None  # host staging blocks (None: half the cache, room for the longest prompt)
     fault_step_delay_s: float = 0.0  # fault injection (tests, drills): every engine step first sleeps this long
     fault_layer_delay_s: float = 0.0  # fault injection: each decoder layer of a step takes this much longer
+    fault_nixl_lose_notifications: bool = False  # fault injection: nixl READ notifications never arrive
 
 
 def transport_config(config: WorkerConfig) -> TransportConfig:

@@ -41,10 +41,17 @@ class WorkerLeases:
     def __len__(self) -> int:
         return len(self.table)
 
-    def stage_through(self, pool: StagingPool) -> None:
-        """Serve every lease from host staging (``kv_transfer/staging.py``): each is copied there as it opens,
-        its handle names the staging blocks, and they are freed as it ends."""
+    def stage_through(self, pool: StagingPool) -> StagedLeases:
+        """Copy every lease into host staging as it opens (``kv_transfer/staging.py``), for the transports
+        served through it (``staged``'s resolve / locate / progress); freed as it ends. Handles still name
+        cache blocks, which the transports served in place read as they are."""
         self._staging = StagedLeases(pool, self.table.resolver(self._clock))
+        return self._staging
+
+    @property
+    def staged(self) -> StagedLeases | None:
+        """The leases' host staging (None: none is staged)."""
+        return self._staging
 
     def _opened(self, lease: Lease, progress: LayerProgress | None = None) -> Lease:
         if self._staging is not None:
@@ -100,23 +107,19 @@ class WorkerLeases:
 
     # ---- reading ---------------------------------------------------------------------------
     def progress(self, lease_id: str) -> LayerProgress | None:
-        """The layers written so far of a lease pinned at admission (None: all of them are); staged: the
-        layers copied to host memory so far."""
-        if self._staging is not None:
-            return self._staging.progress(lease_id)
+        """The layers written so far of a lease pinned at admission (None: all of them are), for the
+        transports served in place (``staged.progress``: the layers copied to host staging so far)."""
         return self._progress.get(lease_id)
 
     def resolver(self) -> Callable[[str], Sequence[int]]:
-        """A transport ``resolve`` callback: lease id -> the block ids a reader asks for (staged: the staging
-        blocks), LeaseNotFound if not live."""
-        if self._staging is not None:
-            return self._staging.resolve
+        """A transport ``resolve`` callback for the transports served in place: lease id -> its cache block
+        ids, LeaseNotFound if not live (``staged.resolve``: its staging ids)."""
         return self.table.resolver(self._clock)
 
     def read_ids(self, lease: Lease) -> list[int]:
-        """The block ids a reader of ``lease`` asks for (what its handle names)."""
-        staged = self._staging.ids_of(lease.lease_id) if self._staging is not None else None
-        return list(lease.block_ids) if staged is None else staged
+        """The block ids a reader of ``lease`` asks for (what its handle names): its cache blocks, whatever the
+        transport (a staged server translates them)."""
+        return list(lease.block_ids)
 
     def expiry_unix_ms(self, lease: Lease) -> int:
         """When ``lease`` expires, on the wall clock a peer can compare."""

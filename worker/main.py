@@ -140,6 +140,9 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--fault-layer-delay-s", type=float, default=0.0,
                    help="fault injection: each decoder layer of every step takes this much longer before it "
                    "writes its KV, as a big model's layers do; layer-wise streaming shows (default: 0, none)")
+    p.add_argument("--fault-nixl-lose-notifications", action="store_true",
+                   help="fault injection: this worker's nixl:// server drops every READ notification, so no nixl read "
+                   "of it completes (the reader times out and recomputes); its agent still progresses")
     p.add_argument("--otel-console", action="store_true",
                    help="print OpenTelemetry trace spans on stderr (also $BATON_OTEL_CONSOLE=1; OTLP export: "
                    "the standard OTEL_* variables, see proto/tracing.py)")
@@ -178,6 +181,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         on_drain=args.on_drain, drain_settle_s=args.drain_settle_s, tls=tls_config,
         kv_staging=args.kv_staging, kv_staging_blocks=args.kv_staging_blocks,
         fault_step_delay_s=args.fault_step_delay_s, fault_layer_delay_s=args.fault_layer_delay_s,
+        fault_nixl_lose_notifications=args.fault_nixl_lose_notifications,
     )
 
 

@@ -23,10 +23,10 @@ from engine.engine import Engine
 from engine.kv_quant import SCALE_BYTES
 from kv_transfer.layout import KVLayout
 from kv_transfer.registry import HeartbeatTask, Registry, connect
-from kv_transfer.staging import KVRegion, StagingPool, needs_staging, pull_staged
+from kv_transfer.staging import KVRegion, StagingPool
 from kv_transfer.workers import WorkerInfo, WorkerLoad
 from kv_transfer.transport import (
-    STREAMING_KINDS, KVClient, TransferStats, connect as kv_connect, make_server, parse_kinds, uri_kind,
+    STREAMING_KINDS, KVClient, TransferStats, connect as kv_connect, parse_kinds, uri_kind,
 )
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
@@ -35,6 +35,7 @@ from proto.metrics_http import serve_metrics
 from proto.tls import add_port, describe
 from worker.config import WorkerConfig, transport_config
 from worker.drain import DrainGate, InFlightCounter
+from worker.kv_plane import KVPlane
 from worker.leases import WorkerLeases
 from worker.metrics import WorkerMetrics
 from worker.publisher import IndexPublisher
@@ -67,29 +68,24 @@ class WorkerNode:
         self.layout = _layout(self.engine)
         self.async_engine = AsyncEngine(self.engine, on_held=self.on_held, step_hooks=self.step_hooks())
         self.async_engine.start()
-        # the data plane moves bytes: a host cache is served in place, a device one (or any, with --kv-staging
-        # always) through pinned host staging blocks (kv_transfer/staging.py)
-        region = KVRegion(self.layout, self.engine.runner.kv_cache)
-        self.staging: StagingPool | None = None
-        if needs_staging(region, self.config.kv_staging):
-            self.staging = StagingPool(region, self.config.kv_staging_blocks or default_staging_blocks(self.engine))
-            self.leases.stage_through(self.staging)
-            logger.info("KV data plane through host staging: %d blocks (%.1f MiB)", self.staging.num_blocks,
-                        self.staging.host.numel() / 2**20)
-        self.kv_buffer = region.host_buffer() if self.staging is None else self.staging.buffer  # what is served
         # Every transport of --kv-transport is served (kv_uri lists their URIs, space-separated) and tried
         # in that order when pulling: the pair's transport is the puller's first one the server offers.
         self.kv_kinds = parse_kinds(self.config.kv_transport, str(self.engine.device))
         if {"ucx", "nixl"} <= set(self.kv_kinds):
             logger.warning("--kv-transport serves both ucx and nixl: each loads its own UCX library, and two in "
                            "one process have crashed it when a peer died (docs/operations.md); serve one of them")
+        # each kind reads the cache in place (a host cache; a device cache GPU-direct for nixl/ucx/nccl) or
+        # through pinned host staging (a device cache for tcp/cma; every kind with --kv-staging always)
+        self.kv_plane = KVPlane(KVRegion(self.layout, self.engine.runner.kv_cache), self.kv_kinds,
+                                self.config.kv_staging, self.leases,
+                                self.config.kv_staging_blocks or default_staging_blocks(self.engine))
         self.transport_config = transport_config(self.config)
         self._kv_clients: dict[str, KVClient] = {}
-        resolve = self.leases.resolver()
-        self.kv_servers = [make_server(kind, buffer=self.kv_buffer, resolve=resolve, config=self.transport_config,
-                                       progress=self.leases.progress) for kind in self.kv_kinds]
+        self.kv_servers = [self.kv_plane.server(kind, self.transport_config) for kind in self.kv_kinds]
         served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0)
                   for i, server in enumerate(self.kv_servers)]
+        if self.config.fault_nixl_lose_notifications:
+            _lose_nixl_notifications(self.kv_servers)
         self.kv_uri = self.config.kv_advertise_uri or " ".join(served)
         # what an early (kv_pending) handle offers: the URIs whose server streams layers
         self.streaming_kv_uri = " ".join(u for u in self.kv_uri.split() if uri_kind(u) in STREAMING_KINDS)
@@ -142,12 +138,15 @@ class WorkerNode:
 
     async def pull_kv(self, uri: str, layout: KVLayout, lease_id: str, src: Sequence[int],
                       dst: Sequence[int]) -> TransferStats:
-        """Pull a peer's leased blocks ``src`` into this worker's cache blocks ``dst`` (through host staging
-        when this worker stages)."""
-        client = self.kv_client(uri_kind(uri))
-        if self.staging is None:
-            return await client.pull(uri, layout, lease_id, src, self.kv_buffer, dst)
-        return await pull_staged(client, self.staging, uri, layout, lease_id, src, dst)
+        """Pull a peer's leased blocks ``src`` into this worker's cache blocks ``dst`` (in place, or through host
+        staging when this worker stages the URI's kind)."""
+        kind = uri_kind(uri)
+        return await self.kv_plane.pull(self.kv_client(kind), kind, uri, layout, lease_id, src, dst)
+
+    @property
+    def staging(self) -> StagingPool | None:
+        """The host staging pool (None: every kind reads the cache in place)."""
+        return self.kv_plane.pool
 
     def kv_client(self, kind: str) -> KVClient:
         """This worker's client for transport ``kind``, kept across pulls (nccl reuses its channels)."""
@@ -242,6 +241,16 @@ def _slow_layers(engine: Engine, delay_s: float) -> None:
         return step(*args, on_layer=slow_layer, **kwargs)
 
     engine.step = slow_step
+
+
+def _lose_nixl_notifications(servers: Sequence[object]) -> None:
+    """Fault injection (``--fault-nixl-lose-notifications``): a nixl:// server's agent still progresses when
+    polled, but every READ notification it receives is dropped, so none of its reads ends in DONE."""
+    logger.warning("fault injection: every nixl READ notification is lost")
+    for server in servers:
+        if getattr(server, "scheme", "") == "nixl" and (agent := getattr(server, "agent", None)) is not None:
+            receive = agent.nixl.get_new_notifs
+            agent.nixl.get_new_notifs = lambda: receive() and {}
 
 
 def default_staging_blocks(engine: Engine) -> int:

@@ -32,8 +32,9 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811
     require_redis_server()
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("prefix-import-logs"))
-    # both through host staging (--kv-staging always, as GPU caches): the handles name pa's staging blocks, db
-    # pulls into its own and copies them into its cache (test_tls imports a prefix without staging)
+    # both through host staging (--kv-staging always): the handles name pa's cache blocks, which its tcp server
+    # translates to their staging blocks; db pulls into its own staging blocks and copies them into its cache
+    # (test_tls imports a prefix without staging)
     staged = ("--kv-transport", "tcp", "--kv-staging", "always")
     cluster.workers = [cluster.start_worker("prefill", *staged, worker_id="pa"),
                        cluster.start_worker("decode", *staged, worker_id="db")]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import sys
+import types
 
 import numpy as np
 import pytest
 
-from bench import kv_peers, kv_transfer
+from bench import kv_device, kv_peers, kv_transfer
 from kv_transfer.layout import KVBuffer
 
 SMALL = kv_transfer.SMALL
@@ -103,9 +105,29 @@ def test_prompt_blocks_are_distinct_and_in_range():
 
 
 def test_a_peer_that_does_not_import_is_unavailable_with_the_reason(monkeypatch):
-    monkeypatch.setitem(kv_peers._MODULES, "nixl", "baton_no_such_module")
-    with pytest.raises(kv_peers.PeerUnavailable, match="nixl-cu12 not usable.*baton_no_such_module"):
+    monkeypatch.setitem(kv_peers._MODULES, "nixl", ("baton_no_such_module",))
+    with pytest.raises(kv_peers.PeerUnavailable, match="nixl-cu1[23] not usable.*baton_no_such_module"):
         kv_peers.check_available("nixl")
+
+
+def test_the_nixl_peer_imports_nixl_cu13_first_then_cu12(monkeypatch):
+    """The lent GPU machine has nixl-cu13 (module nixl_cu13), this one nixl-cu12: either is the peer."""
+    cu13, cu12 = types.ModuleType("nixl_cu13"), types.ModuleType("nixl_cu12")
+    cu13.nixl_agent = cu12.nixl_agent = object
+    monkeypatch.setitem(sys.modules, "nixl_cu13", cu13)
+    monkeypatch.setitem(sys.modules, "nixl_cu12", cu12)
+    assert kv_peers._import("nixl") is cu13
+    monkeypatch.setitem(sys.modules, "nixl_cu13", None)  # not installed: import raises ImportError
+    assert kv_peers._import("nixl") is cu12
+
+
+def test_device_cuda_refuses_clearly_without_a_gpu(capsys):
+    if kv_device.require_cuda() is None:
+        pytest.skip("a CUDA GPU is here")
+    with pytest.raises(SystemExit):
+        kv_transfer.parse_args(["--device", "cuda"])
+    assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
+    assert kv_transfer.parse_args(["--device", "cpu"]).device == "cpu"
 
 
 def _filled(num_blocks: int) -> KVBuffer:

@@ -18,6 +18,7 @@ from kv_transfer import nccl, nccl_channel, tcp, wire
 from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
+from kv_transfer.tensor_buffer import TensorKVBuffer
 from kv_transfer.transport import TransportConfig, make_server, parse_uri, pull
 
 LAYOUT = KVLayout(model_fingerprint=b"nccl", dtype="float16", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
@@ -85,15 +86,17 @@ def test_a_client_reuses_its_channel_and_close_tears_it_down() -> None:
     run(scenario())
 
 
-def test_concurrent_pulls_of_one_client_use_separate_channels() -> None:
+def test_concurrent_pulls_of_one_client_take_turns_on_one_channel() -> None:
+    """One communicator per P/D pair: built once, reused by every pull, concurrent ones included."""
+
     async def scenario() -> None:
         async with Prefill() as p:
             client, dst = nccl.NcclClient(CONFIG), KVBuffer.allocate(LAYOUT, 32)
             jobs = [([4 * i + j for j in range(4)], [31 - 4 * i - j for j in range(4)]) for i in range(6)]
             await asyncio.gather(*(p.pull(client, s, dst, d) for s, d in jobs))
-            assert next(p.server._channel_ids) == 6  # six channels were opened
-            assert sum(len(c) for c in client._idle.values()) == nccl_channel.MAX_IDLE_CHANNELS  # the rest closed
-            await eventually(lambda: p.channels() == nccl_channel.MAX_IDLE_CHANNELS)
+            await asyncio.gather(*(p.pull(client, s, dst, d) for s, d in jobs[:3]))
+            assert next(p.server._channel_ids) == 1  # one channel (one group) was ever built
+            assert sum(len(c) for c in client._idle.values()) == 1 and p.channels() == 1
             client.close()
             await eventually(lambda: p.channels() == 0)
 
@@ -199,140 +202,18 @@ def test_a_client_of_another_backend_is_refused_before_any_group_is_built() -> N
 def test_gpu_to_gpu_pull_over_nccl() -> None:  # pragma: no cover - needs GPUs
     async def scenario() -> None:
         src, table = source(), LeaseTable()
-        src_gpu = torch.from_numpy(src.array).to("cuda:0")
-        dst, dst_gpu = KVBuffer.allocate(LAYOUT, 32), torch.zeros(src.array.shape, dtype=torch.uint8, device="cuda:1")
-        server = nccl.NcclServer(buffer=src, resolve=table.resolver(lambda: 0.0), config=CONFIG, device_cache=src_gpu)
+        src_gpu = TensorKVBuffer(LAYOUT, torch.from_numpy(src.array).to("cuda:0"))
+        dst_gpu = TensorKVBuffer(LAYOUT, torch.zeros(src.array.shape, dtype=torch.uint8, device="cuda:1"))
+        server = make_server("nccl", buffer=src_gpu, resolve=table.resolver(lambda: 0.0), config=CONFIG)
         uri = await server.start()
         try:
-            client = nccl.NcclClient(CONFIG, device_cache=dst_gpu)
+            assert server.backend == "nccl"
+            client = nccl.NcclClient(CONFIG)
             lease = table.create([3, 4, 7], now=0.0).lease_id
-            await client.pull(uri, LAYOUT, lease, [3, 4, 7], dst, [0, 1, 2])
-            assert torch.equal(dst_gpu[:, [0, 1, 2]].cpu(), src_gpu[:, [3, 4, 7]].cpu())
+            await client.pull(uri, LAYOUT, lease, [3, 4, 7], dst_gpu, [0, 1, 2])
+            assert torch.equal(dst_gpu.tensor[:, [0, 1, 2]].cpu(), src_gpu.tensor[:, [3, 4, 7]].cpu())
             client.close()
         finally:
             await server.stop()
 
     run(scenario(), timeout_s=120.0)
-
-
-def test_long_runs_are_cut_into_bounded_messages(monkeypatch) -> None:
-    seg = LAYOUT.bytes_per_block_per_layer
-    monkeypatch.setattr(nccl_channel, "MAX_MESSAGE_BYTES", 2 * seg)
-    kv = torch.arange(LAYOUT.num_layers * 32 * seg, dtype=torch.int64).to(torch.uint8).view(LAYOUT.num_layers, 32, seg)
-    pieces = nccl_channel.messages(kv, [(10, 5), (3, 1)])
-    assert [p.numel() // seg for p in pieces] == [2, 2, 1, 1] * LAYOUT.num_layers
-    assert torch.equal(torch.cat(pieces[:4]), torch.cat([kv[0, 10:15].reshape(-1), kv[0, 3].reshape(-1)]))
-
-    async def scenario() -> None:  # both ends cut the same way: the bytes still land in place
-        async with Prefill() as p:
-            client, dst = nccl.NcclClient(CONFIG), KVBuffer.allocate(LAYOUT, 32)
-            await p.pull(client, [10, 11, 12, 13, 14, 3], dst, [0, 1, 2, 3, 4, 31])
-            client.close()
-
-    run(scenario())
-
-
-def test_a_cancelled_pull_ends_only_once_no_more_bytes_can_land(monkeypatch) -> None:
-    """A posted receive cannot be withdrawn, so cancelling a pull waits for it (bounded) to end."""
-    real_exchange, sending = nccl.exchange, threading.Event()
-
-    def slow_sender(group, tensors, *, send, timeout_s):
-        if send:
-            sending.set()
-            time.sleep(0.6)  # the client's receives are posted and waiting meanwhile
-        real_exchange(group, tensors, send=send, timeout_s=timeout_s)
-
-    monkeypatch.setattr(nccl, "exchange", slow_sender)
-
-    async def scenario() -> None:
-        async with Prefill() as p:
-            client, dst = nccl.NcclClient(CONFIG), KVBuffer.allocate(LAYOUT, 32)
-            pulling = asyncio.create_task(client.pull(p.uri, LAYOUT, p.lease([1, 2]), [1, 2], dst, [1, 2]))
-            await eventually(sending.is_set)
-            pulling.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await pulling
-            landed = dst.array.copy()
-            await asyncio.sleep(1.0)
-            assert np.array_equal(dst.array, landed), "bytes landed after the cancelled pull was over"
-            assert client._idle == {}
-
-    run(scenario())
-
-
-@pytest.mark.parametrize("how", ["lease released", "cancelled"])
-def test_a_streamed_pull_that_fails_drops_its_channel_and_the_next_pull_is_exact(how: str) -> None:
-    """A streamed read delivers layer 0, then its lease ends (the rest comes as zeros, then ERROR) or the pull
-    is cancelled: the channel is not kept (its message order is spent), and the next pull is exact."""
-    from kv_transfer.progress import LayerProgress
-
-    async def scenario() -> None:
-        src, table, progress = source(), LeaseTable(), {}
-        server = make_server("nccl", buffer=src, resolve=table.resolver(lambda: 0.0), config=CONFIG,
-                             progress=progress.get)
-        uri = await server.start()
-        client, dst = nccl.NcclClient(CONFIG), KVBuffer.allocate(LAYOUT, 32)
-        dst.array[:] = 0xAB
-        try:
-            lease_id = table.create([1, 2], now=0.0).lease_id
-            progress[lease_id] = LayerProgress(LAYOUT.num_layers)
-            progress[lease_id].complete(0)
-            task = asyncio.create_task(client.pull(uri, LAYOUT, lease_id, [1, 2], dst, [3, 4]))
-            await eventually(lambda: np.array_equal(dst.array[0, [3, 4]], src.array[0, [1, 2]]))
-            assert (dst.array[1:, [3, 4]] == 0xAB).all() and not task.done()  # layer 1 is not computed yet
-            if how == "cancelled":
-                task.cancel()
-            else:
-                table.release(lease_id)
-                progress[lease_id].complete(1)
-            with pytest.raises(asyncio.CancelledError if how == "cancelled" else LeaseNotFound):
-                await task
-            if how != "cancelled":
-                assert (dst.array[1:, [3, 4]] == 0).all()  # zeros, never the released blocks' bytes
-            assert not client._idle.get(uri)
-            await client.pull(uri, LAYOUT, table.create([5, 6], now=0.0).lease_id, [5, 6], dst, [3, 4])
-            assert np.array_equal(dst.array[:, [3, 4]], src.array[:, [5, 6]])
-        finally:
-            client.close()
-            await server.stop()
-
-    run(scenario())
-
-
-@pytest.mark.parametrize("cancel_after", range(16))
-def test_a_cancelled_receive_leaves_no_reader_on_its_socket(cancel_after: int) -> None:
-    """However far a receive has got when its pull is cancelled, the control socket's reader is gone by the
-    time the cancellation surfaces (the channel closes next): a reader left behind outlives the socket and
-    breaks the next socket given the same fd (seen as ``Invalid file descriptor: -1`` on a fresh clone)."""
-
-    async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        ours.setblocking(False)
-
-        async def receive() -> None:
-            for _ in range(3):
-                await asyncio.sleep(0)
-
-        async def pull() -> None:  # as NcclClient._pull: a failed receive closes its channel at once
-            try:
-                await nccl_channel.unless_closed(receive(), ours, "test")
-            finally:
-                ours.close()
-
-        fd = ours.fileno()
-        try:
-            task = asyncio.create_task(pull())
-            for _ in range(cancel_after):
-                await asyncio.sleep(0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            for _ in range(3):  # any task left behind runs now
-                await asyncio.sleep(0)
-            assert not loop.remove_reader(fd), "a reader outlived the socket"
-        finally:
-            ours.close()
-            theirs.close()
-
-    run(scenario())

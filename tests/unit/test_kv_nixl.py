@@ -3,7 +3,8 @@ the same address is a new incarnation whose agent replaces the old one's; the RE
 ends the server's part (none: the pull fails, within its bound); a client that gives up mid-wait frees the
 server's waiter; ``auto`` prefers nixl for a CUDA cache only.
 
-Every nixl case (these, and nixl's in test_kv_transport.py and test_kv_staging.py) runs in a pytest process
+Every nixl case (these, nixl's in test_kv_transport.py, test_kv_staging.py and test_kv_in_place.py, and the
+worker-level faults of tests/integration/test_nixl_faults.py) runs in a pytest process
 of its own, started by ``test_the_nixl_cases_pass_in_a_process_of_their_own`` with ``BATON_TEST_NIXL=1``: in
 the main test process NIXL's bundled UCX beside ucxx's, and NIXL agents whose peers were killed, crashed it at
 random later points (a SIGSEGV in ucxx's progress, in protoc, ...), as two UCX copies in one worker could.
@@ -28,8 +29,9 @@ from kv_transfer.transport import AUTO_PREFERENCE, TransportConfig, make_server,
 
 ROOT = Path(__file__).resolve().parents[2]
 OWN_PROCESS = "BATON_TEST_NIXL"
-NIXL_FILES = ("tests/unit/test_kv_nixl.py", "tests/unit/test_kv_transport.py", "tests/unit/test_kv_staging.py")
-MIN_NIXL_CASES = 25  # nixl's cases in NIXL_FILES, so a collection that silently drops them fails
+NIXL_FILES = ("tests/unit/test_kv_nixl.py", "tests/unit/test_kv_transport.py", "tests/unit/test_kv_staging.py",
+              "tests/unit/test_kv_in_place.py", "tests/integration/test_nixl_faults.py")
+MIN_NIXL_CASES = 30  # nixl's cases in NIXL_FILES, so a collection that silently drops them fails
 
 
 def nixl_skip_reason() -> str | None:

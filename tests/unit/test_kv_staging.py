@@ -16,7 +16,7 @@ from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVLayout
 from kv_transfer.leases import LeaseTable
 from kv_transfer.progress import LayerProgress
-from kv_transfer.staging import KVRegion, StagedLeases, StagingFull, StagingPool, needs_staging, pull_staged
+from kv_transfer.staging import KVRegion, StagedLeases, StagingFull, StagingPool, pull_staged, staged_kinds
 from kv_transfer.transport import STREAMING_KINDS, TransportConfig, connect, kind_available, make_server
 from worker.leases import WorkerLeases
 
@@ -62,9 +62,10 @@ def test_a_region_knows_each_blocks_bytes_and_serves_a_host_cache_in_place():
     assert buffer.gather([7])[-region.segment_bytes :] == cache[2, 7].numpy().tobytes()
     with pytest.raises(KVTransferError):
         region.block_ranges(16)
-    assert not needs_staging(region, "auto") and needs_staging(region, "always")
+    assert staged_kinds(("tcp", "nixl"), region, "auto") == set()  # a host cache: every kind in place
+    assert staged_kinds(("tcp", "nixl"), region, "always") == {"tcp", "nixl"}
     with pytest.raises(ValueError):
-        needs_staging(region, "sometimes")
+        staged_kinds(("tcp",), region, "sometimes")
 
 
 def test_the_pool_copies_exactly_the_blocks_asked_for_and_runs_out_cleanly():
@@ -94,7 +95,7 @@ class Holder:
         self.staged = StagedLeases(self.pool, self.table.resolver(time.monotonic))
         self.progress: dict[str, LayerProgress] = {}
         self.server = make_server(kind, buffer=self.pool.buffer, resolve=self.staged.resolve, config=CONFIG,
-                                  progress=self.staged.progress)
+                                  progress=self.staged.progress, locate=self.staged.locate)
         self.uri = ""
 
     async def __aenter__(self) -> Holder:
@@ -105,8 +106,10 @@ class Holder:
         await self.server.stop()
 
     def lease(self, block_ids: list[int], computing: LayerProgress | None = None) -> tuple[str, list[int]]:
+        """(lease id, the ids a reader asks for: the cache blocks, which the server translates)."""
         lease_id = self.table.create(block_ids, now=time.monotonic()).lease_id
-        return lease_id, self.staged.stage(lease_id, block_ids, computing)
+        self.staged.stage(lease_id, block_ids, computing)
+        return lease_id, block_ids
 
     def release(self, lease_id: str) -> None:
         self.table.release(lease_id)

@@ -403,6 +403,26 @@ def test_reused_endpoints_serve_many_pulls_and_survive_refusals_and_restarts() -
     run(scenario())
 
 
+def test_a_client_reuses_its_endpoint_by_default() -> None:
+    src, table = source(), LeaseTable()
+
+    async def scenario() -> None:
+        server = make_server("ucx", buffer=src, resolve=table.resolver(lambda: 0.0), config=CONFIG)
+        uri = await server.start()
+        client = ucx.UcxClient(CONFIG)
+        try:
+            for i in range(3):
+                dst = destination()
+                await client.pull(uri, LAYOUT, table.create([i, 9], 30.0, now=0.0).lease_id, [i, 9], dst, [4, 2])
+                assert_copied(src, [i, 9], dst, [4, 2])
+            assert server.num_accepted == 1  # one endpoint, kept and reused
+        finally:
+            ucx_endpoint.close_idle_endpoints()
+            await server.stop()
+
+    run(scenario())
+
+
 def test_without_ucxx_the_transport_says_how_to_install_it(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "ucxx", None)  # "import ucxx" raises ImportError
     assert not ucx_endpoint.ucxx_available()
