@@ -256,3 +256,38 @@ def test_the_directory_answers_from_the_running_mirror_without_redis(server: Red
         await redis.aclose()
 
     run(scenario())
+
+
+def test_a_running_mirror_resyncs_after_redis_restarts_empty():
+    """The tail loses its connection, falls back (not ready), and once the worker has registered and
+    republished on the restarted Redis, answers from memory again with the new state."""
+    require_redis_server()
+    with RedisServer.start() as server:
+        run(_restart_scenario(server))
+
+
+async def _restart_scenario(server: RedisServer) -> None:
+    redis = connect(server.url)
+    registry = Registry(redis, "restart")
+    await registry.register(info("w0"))
+    await registry.index.publish("w0", CHAIN[:4], [])
+    sync = MirrorSync(registry.index, block_ms=50, retry_s=0.05)
+    sync.start()
+    await _until(lambda: sync.lookup(CHAIN) == {"w0": 4})
+    server.stop(remove_folder=False)
+    await _until(lambda: not sync.ready)
+    server.restart()  # same port, no data
+    await _until(lambda: sync.ready, timeout_s=10.0)
+    await registry.register(info("w0"))  # what the worker's heartbeat does, then it republishes
+    await registry.index.publish("w0", CHAIN[:2], [])
+    await _until(lambda: sync.lookup(CHAIN) == {"w0": 2})
+    assert sync.resyncs >= 2
+    await sync.stop()
+    await redis.aclose()
+
+
+async def _until(done, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
