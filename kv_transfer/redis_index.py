@@ -169,6 +169,13 @@ class KVIndex:
         holdings = {bytes.fromhex(text(hx)): text(tier) for hx, tier in held.items()}
         return HolderState(holdings, int(seq or 0), text(newest[0][0]) if newest else "0-0")
 
+    async def holder_seqs(self, holders: Sequence[str]) -> dict[str, int]:
+        """Each holder's last sequence number (0: none), in one round trip."""
+        if not holders:
+            return {}
+        values = await self._redis.mget([self.keys.events_seq(h) for h in holders])
+        return {h: int(v or 0) for h, v in zip(holders, values, strict=True)}
+
     async def control_position(self) -> tuple[str, int]:
         """(the control stream's newest id, how many entries it ever added up to it), read atomically."""
         pipe = self._redis.pipeline(transaction=True)

@@ -10,6 +10,8 @@ Per-holder protocol, correct under concurrent writers (every write of a holder i
 2. apply its stream's entries after that id, each of which must carry the next sequence number. A number
    other than the next one means entries were lost (MAXLEN trimmed them before they were read, or the
    stream was recreated: a re-registered worker after a Redis restart): resync that holder alone (step 1).
+   When a read finds nothing new, every holder's last sequence number (one MGET) must be the one applied
+   (entries no later entry reveals as missing: a stream emptied outright); a holder's that is not, resyncs.
 
 Control: a worker-up resyncs that worker (a new worker is followed from then on), a worker-down drops it.
 A full sync (at start, after the connection failed, or when control entries were lost: the control stream
@@ -110,6 +112,9 @@ class MirrorSync:
             log.warning("KV index mirror: worker events were trimmed or the stream was recreated; resyncing")
             await self.sync()
             return 0
+        if idle:
+            await self._check_seqs()
+            return 0
         applied = 0
         for event in batch.control:
             await self._apply_control(event)
@@ -145,6 +150,15 @@ class MirrorSync:
             self._cursors[holder], self._seqs[holder] = event.stream_id, event.seq
             applied += 1
         return applied
+
+    async def _check_seqs(self) -> None:
+        """With nothing left to read, every followed holder's last sequence number must be the one applied:
+        one that is not lost its newest entries (a stream emptied outright, which no later entry reveals)."""
+        for holder, seq in (await self.index.holder_seqs(self.followed)).items():
+            if holder in self._seqs and seq != self._seqs[holder]:
+                log.warning("KV index mirror: %s is at seq %d, the mirror at %d; resyncing it", holder, seq,
+                            self._seqs[holder])
+                await self.resync_holder(holder)
 
     async def _lost_control(self, num_read: int) -> bool:
         """True when control entries this mirror has not applied are gone: the stream was recreated (a Redis
