@@ -11,7 +11,7 @@ than the one it expects knows it lost events of that holder and resyncs that hol
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,28 +114,47 @@ def walk_chain(holders_per_block: Iterable[Mapping[str, str] | None]) -> TieredL
     while it holds every block so far in the KV pool; the store's while it holds every block so far. The walk
     stops at the first block that continues nobody's prefix (in particular the first block nobody holds).
     """
+    return walk_sets(
+        (row.keys(), {h for h, tier in row.items() if tier != TIER_GPU}) if row else None for row in holders_per_block
+    )
+
+
+# (every holder of a block, those holding it outside a KV pool: empty or None when none does)
+BlockHolders = tuple[Set[str], Set[str] | None]
+
+
+def walk_sets(blocks: Iterable[BlockHolders | None]) -> TieredLookup:
+    """``walk_chain`` over set pairs: intersections run in C, and Python touches a worker only when its prefix
+    ends (the mirror keeps its blocks in this shape). While no block has a holder outside a KV pool, the
+    pool-only walk is the same set as the any-tier one."""
     gpu: dict[str, int] = {}
     local: dict[str, int] = {}
-    store = 0
-    alive: set[str] | None = None  # workers still holding every block so far (None before block 1)
-    alive_gpu: set[str] = set()
-    for i, holders in enumerate(holders_per_block, start=1):
-        if not holders:
+    store = depth = 0  # depth: blocks walked so far
+    alive: set[str] = set()  # workers holding every block so far, in some tier
+    alive_gpu: set[str] = alive  # ... in their KV pool (the same object while they are the same set)
+    for block in blocks:
+        if block is None:
             break
-        next_alive, next_gpu, extends = set(), set(), False
-        for holder, tier in holders.items():
-            if holder == STORE:
-                if store == i - 1:
-                    store, extends = i, True
-            elif alive is None or holder in alive:
-                next_alive.add(holder)
-                local[holder], extends = i, True
-                if tier == TIER_GPU and (alive is None or holder in alive_gpu):
-                    next_gpu.add(holder)
-                    gpu[holder] = i
-        if not extends:
+        holders, off_gpu = block
+        if depth == 0:
+            next_alive = set(holders) - {STORE}
+            in_pool = next_alive
+        else:
+            next_alive = alive & holders
+            in_pool = next_alive if alive_gpu is alive else alive_gpu & holders
+        next_gpu = in_pool - off_gpu if off_gpu else in_pool
+        store_extends = store == depth and STORE in holders
+        if not next_alive and not store_extends:
             break
-        alive, alive_gpu = next_alive, next_gpu
+        if len(next_alive) != len(alive):
+            local.update(dict.fromkeys(alive - next_alive, depth))
+        if len(next_gpu) != len(alive_gpu):
+            gpu.update(dict.fromkeys(alive_gpu - next_gpu, depth))
+        alive, alive_gpu, depth = next_alive, next_gpu, depth + 1
+        if store_extends:
+            store = depth
+    local.update(dict.fromkeys(alive, depth))
+    gpu.update(dict.fromkeys(alive_gpu, depth))
     return TieredLookup(gpu=gpu, gpu_or_cpu=local, store=store)
 
 
