@@ -24,7 +24,9 @@ STORE = "store"  # the store's holder id (its field in {ns}:kv:{hash}, its strea
 EVENT_STORED, EVENT_REMOVED, EVENT_CLEARED = "stored", "removed", "cleared"
 # Control stream entries: a worker (re)registered (a reader starts following its stream) or left.
 EVENT_WORKER_UP, EVENT_WORKER_DOWN = "worker-up", "worker-down"
-DEFAULT_EVENTS_MAXLEN = 10_000  # per stream (each holder's, and the control stream)
+# Per stream (each holder's, and the control stream). A reader that falls further behind one holder re-reads
+# that holder alone (one HGETALL), so a short backlog suffices: at 4 batches a second, about 4 minutes.
+DEFAULT_EVENTS_MAXLEN = 1_000
 
 
 @dataclass(frozen=True, slots=True)
