@@ -26,8 +26,9 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from kv_transfer.redis_index import KVIndex
+from kv_transfer.redis_index import STORE, KVIndex
 
 RESULTS = Path(__file__).parent / "results" / "index_lookup.json"
 
@@ -62,12 +63,15 @@ def v1_mirror_lookup(holders_of: dict[bytes, set[str]], hashes: list[bytes]) -> 
     return counts
 
 
-async def _fill(index: KVIndex, holders: int, hashes: list[bytes]) -> None:
+async def _fill(redis: Any, index: KVIndex, holders: int, hashes: list[bytes]) -> list[str]:
+    """Register ``holders`` workers holding every hash (even ones in the KV pool, odd ones in the host tier)
+    and the store holding them too; returns the holders' ids."""
     workers = [f"w{i}" for i in range(holders)]
-    await index._redis.sadd(index.keys.workers, *workers)
+    await redis.sadd(index.keys.workers, *workers)
     for i, worker_id in enumerate(workers):
         await index.publish(worker_id, hashes, [], tier="gpu" if i % 2 == 0 else "cpu")
     await index.publish_store(hashes, [])
+    return workers + [STORE]
 
 
 async def _timed(fn, n: int) -> list[float]:
@@ -94,7 +98,7 @@ async def measure(redis_url: str, holder_counts: list[int], num_blocks: int, n: 
             await redis.flushdb()
             index = KVIndex(redis, "bench")
             hashes = [rng.randbytes(32) for _ in range(num_blocks)]
-            await _fill(index, holders, hashes)
+            every_holder = set(await _fill(redis, index, holders, hashes))
             keys = [index.keys.kv(h) for h in hashes]
             got = await index.lookup_tiers(hashes)
             assert len(got.gpu_or_cpu) == holders and got.store == num_blocks
@@ -103,7 +107,7 @@ async def measure(redis_url: str, holder_counts: list[int], num_blocks: int, n: 
             await sync.sync()
             assert sync.mirror.lookup_tiers(hashes) == got
 
-            v1_holders = {h: set(sync.mirror._holders[h]) for h in hashes}  # the same holders, no tiers
+            v1_holders = {h: every_holder for h in hashes}  # the same holders, no tiers
             assert len(v1_mirror_lookup(v1_holders, hashes)) == holders + 1
 
             async def mirrored() -> None:
