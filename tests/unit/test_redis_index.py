@@ -148,9 +148,9 @@ def test_namespace_prefixes_every_key(url):
     run(url, scenario)
 
 
-async def _hold(index: KVIndex, holdings: dict[str, list[int]]) -> None:
+async def _hold(raw: Any, index: KVIndex, holdings: dict[str, list[int]]) -> None:
     """Register the workers (only registered workers are indexed), then publish their blocks in the KV pool."""
-    await index._redis.sadd(index.keys.workers, *holdings)
+    await raw.sadd(index.keys.workers, *holdings)
     for worker_id, blocks in holdings.items():
         await index.publish(worker_id, [H[i] for i in blocks], [])
 
@@ -159,7 +159,7 @@ async def _hold(index: KVIndex, holdings: dict[str, list[int]]) -> None:
 def test_lookup_counts_leading_blocks_per_worker(url, decode):
     async def scenario(client, raw):
         index = KVIndex(client)
-        await _hold(index, {"A": [0, 1, 2, 3], "B": [0, 1, 3], "C": [2]})
+        await _hold(raw, index, {"A": [0, 1, 2, 3], "B": [0, 1, 3], "C": [2]})
         assert await index.lookup(H[:4]) == {"A": 4, "B": 2}
         assert await index.lookup(H[:6]) == {"A": 4, "B": 2}  # blocks nobody holds end the walk
         assert await index.lookup(H[1:4]) == {"A": 3, "B": 1}  # the walk follows the order it is given
@@ -175,7 +175,7 @@ def test_lookup_counts_leading_blocks_per_worker(url, decode):
 def test_lookup_is_one_round_trip(url, monkeypatch):
     async def scenario(client, raw):
         index = KVIndex(client)
-        await _hold(index, {"A": list(range(8)), "B": [0, 1, 2]})
+        await _hold(raw, index, {"A": list(range(8)), "B": [0, 1, 2]})
         long_chain = H + [bytes([i]) * 16 for i in range(200)]
         await index.lookup(H[:1])  # connection handshake and script load happen here, not below
         await raw.config_resetstat()
