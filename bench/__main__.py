@@ -11,6 +11,7 @@ _BENCHMARKS = {
     "kv-staging": "bench.kv_staging",
     "router-overhead": "bench.router_overhead",
     "decision-latency": "bench.decision_latency",
+    "index-lookup": "bench.index_lookup",
     "routing": "bench.routing",
     "routing-sweep": "bench.routing_sweep",
     "serve": "bench.serve",

@@ -138,11 +138,12 @@ def time_hashing(prompts: list[list[int]], n: int, fingerprint: bytes) -> list[f
 async def _time_lookups(redis_url: str, hashes: list[bytes], n: int) -> tuple[list[float], list[float]]:
     from kv_transfer.redis_index import KVIndex
     from kv_transfer.registry import connect
-    from router.routing.index_mirror import MirrorSync
+    from router.routing.mirror_sync import MirrorSync
 
     redis = connect(redis_url)
     try:
         index = KVIndex(redis, "bench")
+        await redis.sadd(index.keys.workers, *cached_map(len(hashes)))  # only registered workers are indexed
         for worker_id, blocks in cached_map(len(hashes)).items():
             await index.publish(worker_id, hashes[:blocks], [])
         assert (await index.lookup(hashes))["d2"] == len(hashes)
@@ -151,8 +152,7 @@ async def _time_lookups(redis_url: str, hashes: list[bytes], n: int) -> tuple[li
             started = time.perf_counter_ns()
             await index.lookup(hashes)
             out.append((time.perf_counter_ns() - started) / 1e6)
-        await redis.sadd(index.keys.workers, *cached_map(len(hashes)))  # the mirror snapshots registered workers
-        sync = MirrorSync(index, redis)
+        sync = MirrorSync(index)
         await sync.sync()
         assert sync.mirror.lookup(hashes) == await index.lookup(hashes)
         mirrored = []

@@ -10,7 +10,9 @@ Keys (DESIGN.md "KV index and registry in Redis"; names in ``redis_index.RedisKe
     {ns}:draining              SET    ids being drained (admin)
 
 A heartbeat rewrites the whole worker hash, so a worker comes back by itself after Redis restarts or after
-it was pruned; it then clears stale index entries and tells its owner to republish its cache.
+it was pruned; it then clears stale index entries and tells its owner to republish its cache. Registering
+(and coming back) announces a worker-up on ``{ns}:worker-events``, leaving a worker-down: that control stream
+tells index mirrors which workers' block streams (``{ns}:events:{id}``) to follow.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
-from kv_transfer.redis_index import EVENT_WORKER_UP, KVIndex, text
+from kv_transfer.redis_index import DEFAULT_EVENTS_MAXLEN, EVENT_WORKER_UP, KVIndex, text
 from kv_transfer.workers import ROLES, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,8 @@ def _pairs(flat: list[Any]) -> dict[str, str]:
 class Registry:
     """Workers register and heartbeat; routers list workers (pruning dead ones); the admin sets pools."""
 
-    def __init__(self, redis: Any, ns: str = "baton", ttl_s: float = 6.0, *, events_maxlen: int = 100_000) -> None:
+    def __init__(self, redis: Any, ns: str = "baton", ttl_s: float = 6.0, *,
+                 events_maxlen: int = DEFAULT_EVENTS_MAXLEN) -> None:
         self._redis = redis
         self.ttl_s = ttl_s
         self.index = KVIndex(redis, ns, events_maxlen=events_maxlen)
@@ -214,7 +217,7 @@ class Registry:
         return {text(m) for m in await self._redis.smembers(self.keys.draining)}
 
     def _worker_up(self, pipe: Any, info: WorkerInfo, reason: str) -> None:
-        self.index.add_event(
+        self.index.add_worker_event(
             pipe, EVENT_WORKER_UP, info.worker_id, role=info.role, grpc_address=info.grpc_address, reason=reason
         )
 

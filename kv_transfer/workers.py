@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kv_transfer.index_schema import STORE
+
 Role = Literal["prefill", "decode"]
 ROLES: tuple[str, ...] = ("prefill", "decode")
 
@@ -29,6 +31,8 @@ class WorkerInfo:
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
             raise ValueError(f"worker_id must be non-empty without whitespace, got {self.worker_id!r}")
+        if self.worker_id == STORE:
+            raise ValueError(f"worker_id {STORE!r} is reserved: it names the shared store in the KV index")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 

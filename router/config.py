@@ -37,7 +37,7 @@ class RouterConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # `baton admin plan` limits and cool-downs
     max_inflight_requests: int | None = None  # admission limit: more in flight get RESOURCE_EXHAUSTED (None: none)
     shutdown_grace_s: float = 5.0
-    index_mirror: bool = False  # mirror the KV index in memory from {ns}:events: lookups with no round trip
+    index_mirror: bool = False  # mirror the KV index in memory from {ns}:events:{id}: no round trip per lookup
     kv_layerwise: bool = False  # remote prefills stream KV layer by layer to D while P computes (PrefillStream)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 

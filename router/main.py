@@ -44,8 +44,9 @@ def add_routing_options(group) -> None:
                        help="remote prefills stream the KV to the decode worker layer by layer while the prefill "
                        "worker computes it (tcp data plane), instead of after the prefill")
     group.add_argument("--index-mirror", action="store_true",
-                       help="mirror the KV block index in memory from the {ns}:events stream: routing reads no "
-                       "Redis per request, and every router replaying the stream agrees")
+                       help="mirror the KV block index in memory from its per-worker event streams "
+                       "({ns}:events:{id}): routing reads no Redis per request, and every router replaying "
+                       "the streams agrees")
     group.add_argument("--router-temperature", type=float, default=0.0,
                        help="softmax temperature in seconds over the cost policy's per-worker costs; "
                        "0 picks the cheapest (default: %(default)s)")

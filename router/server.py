@@ -30,7 +30,7 @@ from proto.metrics_http import MetricsServer, serve_metrics
 from router.admin.servicer import ADMIN_SERVICE, AdminServicer
 from router.config import ModelCard, RouterConfig, resolve_max_model_len
 from router.routing.directory import WorkerDirectory, served_scheme
-from router.routing.index_mirror import MirrorSync
+from router.routing.mirror_sync import MirrorSync
 from router.errors import WorkerUnavailable, retry_metadata, status_for
 from router.frontend import Frontend, ModelLimits
 from router.metrics import RouterMetrics
@@ -193,7 +193,7 @@ async def start_router(
                          max_model_len=resolve_max_model_len(config, card))
     redis = connect(config.redis_url)
     registry = Registry(redis, config.ns)
-    mirror = MirrorSync(registry.index, redis) if config.index_mirror else None
+    mirror = MirrorSync(registry.index) if config.index_mirror else None
     if mirror is not None:
         mirror.start()  # lookups go to Redis until its first snapshot is in
     directory = WorkerDirectory(registry, ttl_s=config.worker_list_ttl_s,

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from kv_transfer.index_schema import TieredLookup
 from kv_transfer.registry import Registry
 from kv_transfer.workers import WorkerInfo, WorkerLoad
 from proto import baton_pb2_grpc as pb_grpc
 from proto.tls import TlsConfig, aio_channel
 from router.errors import WorkerUnavailable
-from router.routing.index_mirror import MirrorSync
+from router.routing.mirror_sync import MirrorSync
 from router.routing.policy import Candidate
 
 log = logging.getLogger(__name__)
@@ -152,17 +153,23 @@ class WorkerDirectory:
         return self._snapshot
 
     async def lookup(self, hashes: list[bytes]) -> dict[str, int]:
-        """Leading cached blocks per worker; empty (load-only routing) when Redis cannot answer."""
-        if self.mirror is not None and (mirrored := self.mirror.lookup(hashes)) is not None:
+        """Leading blocks per worker held in its KV pool (the index's ``gpu`` tier: what a worker serves a
+        prefix hit from today); empty (load-only routing) when Redis cannot answer."""
+        return dict((await self.lookup_tiers(hashes)).gpu)
+
+    async def lookup_tiers(self, hashes: list[bytes]) -> TieredLookup:
+        """Per worker its leading blocks in its KV pool and in its pool or host tier, and the store's; empty
+        when Redis cannot answer. From the mirror while it is in sync, else one round trip to Redis."""
+        if self.mirror is not None and (mirrored := self.mirror.lookup_tiers(hashes)) is not None:
             return mirrored
         if self._clock() < self._lookups_paused_until_s:
-            return {}
+            return TieredLookup()
         try:
-            return await self._registry.index.lookup(hashes)
+            return await self._registry.index.lookup_tiers(hashes)
         except Exception as exc:  # noqa: BLE001 - any Redis failure degrades routing, never fails it
             log.warning("KV index lookup failed, routing by load only for %.1f s: %r", self._redis_retry_s, exc)
             self._lookups_paused_until_s = self._clock() + self._redis_retry_s
-            return {}
+            return TieredLookup()
 
     def stub(self, info: WorkerInfo) -> pb_grpc.WorkerStub:
         channel = self._channels.get(info.grpc_address)
@@ -195,7 +202,7 @@ class WorkerDirectory:
             self._last_nonempty_s = now
         elif self._snapshot is not None and self._snapshot.workers \
                 and now - self._last_nonempty_s < self._registry.ttl_s and not await self._redis_kept_data():
-            # Redis answered with no workers at all, right after listing some, and its events stream is
+            # Redis answered with no workers at all, right after listing some, and its control stream is
             # gone too: it restarted empty, and the workers re-register with their next heartbeat. Keep
             # routing to the last listing for up to one heartbeat TTL rather than failing every request.
             log.warning("Redis came back empty; routing to the last listing until the workers re-register")

@@ -78,7 +78,7 @@ def test_a_router_mirroring_the_index_agrees_with_the_one_that_placed_the_prefix
     prefix = [(7 * j) % 2500 + 30 for j in range(120)]
     holders = {generate(cluster, prefix + [1]).timings.decode_worker}  # placed through the first router
     wait_indexed()
-    for suffix in ([2, 3], [4] * 7):  # the second router learned where it lives from {ns}:events alone
+    for suffix in ([2, 3], [4] * 7):  # the second router learned where it lives from the event streams alone
         again = generate(cluster, prefix + suffix, router=cluster.mirror_router)
         reason, decoder = again.timings.route_reason, again.timings.decode_worker
         # it found the prefix and reused it: on a worker holding it, or imported from one (whichever the learned

@@ -68,8 +68,10 @@ def run(url: str, scenario: Callable[[Any, Any], Awaitable[None]], *, decode: bo
     asyncio.run(main())
 
 
-async def events(raw: Any, ns: str = "baton") -> list[dict[str, str]]:
-    return [fields for _, fields in await raw.xrange(f"{ns}:events")]
+async def events(raw: Any, holder: str | None = None, ns: str = "baton") -> list[dict[str, str]]:
+    """The holder's stream of block moves, or (holder None) the control stream of worker-up / worker-down."""
+    key = f"{ns}:worker-events" if holder is None else f"{ns}:events:{holder}"
+    return [fields for _, fields in await raw.xrange(key)]
 
 
 class RoundTrips:
@@ -98,15 +100,18 @@ def test_keys_names_types_and_ttls_match_design(url):
         kv0, kv1 = f"baton:kv:{H[0].hex()}", f"baton:kv:{H[1].hex()}"
         assert set(await raw.keys("*")) == {
             "baton:worker:w1", "baton:workers", "baton:load:w1", kv0, kv1, "baton:kv-of:w1",
-            "baton:pool:prefill:desired", "baton:draining", "baton:events",
+            "baton:pool:prefill:desired", "baton:draining", "baton:worker-events", "baton:events:w1",
+            "baton:events-seq:w1",
         }
         types = {k: await raw.type(k) for k in await raw.keys("*")}
-        assert types["baton:worker:w1"] == types["baton:load:w1"] == types[kv0] == "hash"
-        assert types["baton:workers"] == types["baton:kv-of:w1"] == types["baton:draining"] == "set"
-        assert types["baton:pool:prefill:desired"] == "string" and types["baton:events"] == "stream"
+        assert types["baton:worker:w1"] == types["baton:load:w1"] == types[kv0] == types["baton:kv-of:w1"] == "hash"
+        assert types["baton:workers"] == types["baton:draining"] == "set"
+        assert types["baton:pool:prefill:desired"] == types["baton:events-seq:w1"] == "string"
+        assert types["baton:worker-events"] == types["baton:events:w1"] == "stream"
         assert 5000 < await raw.pttl("baton:worker:w1") <= 6000
         assert 5000 < await raw.pttl("baton:load:w1") <= 6000
-        for key in (kv0, "baton:workers", "baton:kv-of:w1", "baton:events", "baton:pool:prefill:desired"):
+        for key in (kv0, "baton:workers", "baton:kv-of:w1", "baton:worker-events", "baton:events:w1",
+                    "baton:events-seq:w1", "baton:pool:prefill:desired"):
             assert await raw.ttl(key) == -1, key  # no expiry: cleaned up explicitly
         assert await raw.hgetall("baton:worker:w1") == {
             "role": "decode", "grpc_address": "127.0.0.1:5002", "kv_uri": "tcp://127.0.0.1:6000",
@@ -118,13 +123,16 @@ def test_keys_names_types_and_ttls_match_design(url):
         assert abs(int(load["reported_unix_ms"]) - time.time() * 1000) < 5000
         assert await raw.smembers("baton:workers") == {"w1"}
         assert await raw.hgetall(kv0) == {"w1": "gpu"}
-        assert await raw.smembers("baton:kv-of:w1") == {H[0].hex(), H[1].hex()}
+        assert await raw.hgetall("baton:kv-of:w1") == {H[0].hex(): "gpu", H[1].hex(): "gpu"}
         assert H[0].hex() == H[0].hex().lower() and "a0a0" in kv0
         assert await raw.get("baton:pool:prefill:desired") == "3"
         assert await raw.smembers("baton:draining") == {"w1"}
-        got = await events(raw)
-        assert [e["type"] for e in got] == ["worker-up", "stored"]
-        assert got[1] == {"type": "stored", "worker": "w1", "tier": "gpu", "hashes": f"{H[0].hex()} {H[1].hex()}"}
+        [up] = await events(raw)
+        assert up == {"type": "worker-up", "worker": "w1", "role": "decode", "grpc_address": "127.0.0.1:5002",
+                      "reason": "register"}
+        assert await events(raw, "w1") == [
+            {"seq": "1", "type": "stored", "tier": "gpu", "hashes": f"{H[0].hex()} {H[1].hex()}"}]
+        assert await raw.get("baton:events-seq:w1") == "1"
 
     run(url, scenario)
 
@@ -140,7 +148,9 @@ def test_namespace_prefixes_every_key(url):
     run(url, scenario)
 
 
-async def _hold(index: KVIndex, holdings: dict[str, list[int]]) -> None:
+async def _hold(raw: Any, index: KVIndex, holdings: dict[str, list[int]]) -> None:
+    """Register the workers (only registered workers are indexed), then publish their blocks in the KV pool."""
+    await raw.sadd(index.keys.workers, *holdings)
     for worker_id, blocks in holdings.items():
         await index.publish(worker_id, [H[i] for i in blocks], [])
 
@@ -149,7 +159,7 @@ async def _hold(index: KVIndex, holdings: dict[str, list[int]]) -> None:
 def test_lookup_counts_leading_blocks_per_worker(url, decode):
     async def scenario(client, raw):
         index = KVIndex(client)
-        await _hold(index, {"A": [0, 1, 2, 3], "B": [0, 1, 3], "C": [2]})
+        await _hold(raw, index, {"A": [0, 1, 2, 3], "B": [0, 1, 3], "C": [2]})
         assert await index.lookup(H[:4]) == {"A": 4, "B": 2}
         assert await index.lookup(H[:6]) == {"A": 4, "B": 2}  # blocks nobody holds end the walk
         assert await index.lookup(H[1:4]) == {"A": 3, "B": 1}  # the walk follows the order it is given
@@ -165,7 +175,7 @@ def test_lookup_counts_leading_blocks_per_worker(url, decode):
 def test_lookup_is_one_round_trip(url, monkeypatch):
     async def scenario(client, raw):
         index = KVIndex(client)
-        await _hold(index, {"A": list(range(8)), "B": [0, 1, 2]})
+        await _hold(raw, index, {"A": list(range(8)), "B": [0, 1, 2]})
         long_chain = H + [bytes([i]) * 16 for i in range(200)]
         await index.lookup(H[:1])  # connection handshake and script load happen here, not below
         await raw.config_resetstat()
@@ -182,18 +192,20 @@ def test_lookup_is_one_round_trip(url, monkeypatch):
 def test_publish_is_one_round_trip_and_removals_apply_last(url, monkeypatch):
     async def scenario(client, raw):
         index = KVIndex(client)
-        await raw.ping()
+        await raw.sadd("baton:workers", "w")
         await index.publish("w", [H[7]], [])  # warm the connection
         stored = [bytes([i]) * 16 for i in range(64)]
         trips = RoundTrips(monkeypatch)
         await index.publish("w", stored, [H[7], stored[0]], tier="cpu")
         assert trips.count == 1
-        assert await raw.scard("baton:kv-of:w") == 63
+        assert await raw.hlen("baton:kv-of:w") == 63
         assert await raw.hgetall(f"baton:kv:{stored[1].hex()}") == {"w": "cpu"}
         assert not await raw.exists(f"baton:kv:{stored[0].hex()}", f"baton:kv:{H[7].hex()}")
-        assert [e["type"] for e in await events(raw)] == ["stored", "stored", "removed"]
-        parsed = await index.read_events()
+        assert [(e["seq"], e["type"]) for e in await events(raw, "w")] == [("1", "stored"), ("2", "stored"),
+                                                                          ("3", "removed")]
+        parsed = (await index.read_events("0-0", {"w": "0-0"})).holders["w"]
         assert parsed[-1].hashes == (H[7], stored[0]) and parsed[1].tier == "cpu" and parsed[1].worker_id == "w"
+        assert [e.seq for e in parsed] == [1, 2, 3]
         with pytest.raises(ValueError, match="tier"):
             await index.publish("w", [H[0]], [], tier="disk")
 
@@ -215,7 +227,8 @@ def test_expired_worker_is_pruned_with_its_index_entries(url):
         assert [w.worker_id for w, _ in listed] == ["live"]
         assert dataclasses.replace(listed[0][1], reported_unix_ms=None) == LOAD
         assert await raw.smembers("baton:workers") == {"live"}
-        assert not await raw.exists("baton:kv-of:dead", "baton:load:dead", f"baton:kv:{H[2].hex()}")
+        assert not await raw.exists("baton:kv-of:dead", "baton:load:dead", f"baton:kv:{H[2].hex()}",
+                                    "baton:events:dead", "baton:events-seq:dead")
         assert await raw.hgetall(f"baton:kv:{H[0].hex()}") == {"live": "gpu"}
         assert await registry.index.lookup(H[:3]) == {"live": 2}
         await registry.list_workers()  # pruning happens once
@@ -250,7 +263,7 @@ def test_deregister_removes_everything_and_register_forgets_stale_entries(url):
         await registry.index.publish("w", H[:2], [])
         await registry.add_draining("w")
         await registry.deregister("w")
-        assert await raw.keys("*") == ["baton:events"]
+        assert await raw.keys("*") == ["baton:worker-events"]  # its stream and sequence went with it
         assert [e["type"] for e in await events(raw)][-1] == "worker-down"
         assert await registry.list_workers() == [] and await registry.list_draining() == set()
 
@@ -303,6 +316,9 @@ def test_worker_info_rejects_bad_role_and_id():
                    model_fingerprint="00", layout_json="{}", total_blocks=1)
     with pytest.raises(ValueError, match="worker_id"):
         WorkerInfo(worker_id="a b", role="decode", grpc_address="x", kv_uri="y", model_fingerprint="00",
+                   layout_json="{}", total_blocks=1)
+    with pytest.raises(ValueError, match="reserved"):  # the store's holder id in the KV index
+        WorkerInfo(worker_id="store", role="decode", grpc_address="x", kv_uri="y", model_fingerprint="00",
                    layout_json="{}", total_blocks=1)
 
 
