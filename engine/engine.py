@@ -18,6 +18,7 @@ from engine.core.outputs import CachedPrefix, PrefixReservation, RequestDelta, S
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.speculation import Speculator
+from engine.spec_draft import DraftProposer
 from engine.decode_graphs import graph_sizes
 from engine.kv_quant import SCALE_BYTES, KVQuant, kv_quant
 from engine.errors import CapacityExceeded, InvalidRequest
@@ -72,11 +73,26 @@ class Engine:
                                                       self.kv_quant),
             num_host_blocks=self.cache_config.num_host_blocks, quant=self.kv_quant,
         )
+        if config.speculative_config and config.speculative_config.method == "draft_model":
+            self.runner.draft = self._load_draft(config.speculative_config.model, num_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:  # never run here (no GPU)
             self.runner.use_decode_graphs(graph_sizes(config.cuda_graph_sizes, config.max_num_seqs), capture=True)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.max_num_waiting = config.max_num_waiting
         self.step_rates = StepRates()  # this engine's measured prefill rate and decode step time
+
+    def _load_draft(self, model: str, num_blocks: int) -> DraftProposer:
+        """The draft model on this engine's device and dtype, with a cache over the same block ids."""
+        source = resolve_model(model)
+        gguf = open_gguf(source) if source.is_gguf else None
+        config = read_model_config(source, self.model_config.dtype, gguf)
+        if config.vocab_size != self.model_config.vocab_size:
+            raise InvalidRequest(f"the draft model's vocabulary ({config.vocab_size}) is not the target's "
+                                 f"({self.model_config.vocab_size}): its tokens would mean other things")
+        draft, _ = load_model(source, config, self.device, gguf)
+        logger.info("draft model %s: %d layers, hidden %d", source.path, config.num_layers, config.hidden_size)
+        return DraftProposer(draft, config, num_blocks=num_blocks + 1, block_size=self.cache_config.block_size,
+                             device=self.device)
 
     @property
     def max_model_len(self) -> int:

@@ -16,6 +16,7 @@ from engine.attention.base import AttentionBackend, ForwardBatch, SeqSlice, Step
 from engine.core.outputs import SampledTokens, SchedulerOutput
 from engine.decode_graphs import DecodeGraphs
 from engine.host_cache import HostCache
+from engine.spec_draft import DraftProposer
 from engine.kv_quant import SCALE_BYTES, KVQuant
 from engine.model.config import ModelConfig
 from engine.sampler import Sampler
@@ -60,6 +61,7 @@ class ModelRunner:
         self.layer_events: list = []  # CUDA only: one event per layer of the last hooked step
         self.inputs = StepInputs(device, block_size)  # persistent (pinned on CUDA) input buffers
         self.graphs: DecodeGraphs | None = None
+        self.draft: DraftProposer | None = None  # draft-model speculative decoding (engine/spec_draft.py)
         self.host = HostCache(self.kv_cache, num_host_blocks) if num_host_blocks else None  # the host tier's memory
 
     def use_decode_graphs(self, sizes: Sequence[int], *, capture: bool) -> None:
@@ -74,21 +76,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, on_layer: LayerHook | None = None) -> SampledTokens:
         self.forget(output.preempted_ids)
-        input_ids, logit_rows, batch = self.inputs.fill(output.seqs)
+        seqs = output.seqs if self.draft is None else self.draft.fill(output.seqs)  # the draft model's drafts
+        input_ids, logit_rows, batch = self.inputs.fill(seqs)
         hidden = self._forward(input_ids, batch, on_layer)  # [T, hidden]
-        rows = [(s.request, offset) for s in output.seqs for offset in range(s.num_rows)]  # drafts: one row each
+        rows = [(s.request, offset) for s in seqs for offset in range(s.num_rows)]  # drafts: one row each
         if not rows:
-            return SampledTokens([])
+            return SampledTokens([], seqs=seqs)
         logits = self.model.compute_logits(hidden[logit_rows])  # [S, vocab]
         result = self.sampler(logits, self.sampling.build_rows(rows), scratch=True)
         token_ids, result = self.sampler.read(result)  # the step's one host sync (two if some row falls back)
-        return SampledTokens(token_ids, _logprob_lists(result))
+        return SampledTokens(token_ids, _logprob_lists(result), seqs)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drops the per-request state (sampling, block-table row) of requests that finished, were aborted or
         preempted (unknown ids: no-op)."""
         self.sampling.forget(request_ids)
         self.inputs.forget(request_ids)
+        if self.draft is not None:
+            self.draft.forget(request_ids)
 
     def _forward(self, input_ids: torch.Tensor, batch: StepBatch, on_layer: LayerHook | None) -> torch.Tensor:
         if on_layer is None and self.graphs is not None and self.graphs.fits(batch):

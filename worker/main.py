@@ -74,7 +74,8 @@ def add_worker_options(group) -> None:
     group.add_argument("--speculative-config", default=None,
                        help='speculative decoding, as JSON in vLLM\'s shape: {"method": "ngram", '
                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt '
-                       "lookup; decode role). Outputs are the same token for token with it on or off")
+                       'lookup) or {"model": DRAFT, "num_speculative_tokens": 3} (a smaller checkpoint with the same '
+                       "vocabulary); decode role. Outputs are the same token for token with it on or off")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: every step runs eagerly (graphs are CUDA only in any case)")
     group.add_argument("--calibrate-tokens", type=int, default=256,

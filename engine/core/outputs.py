@@ -46,6 +46,7 @@ class SampledTokens:
 
     token_ids: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    seqs: tuple[ScheduledSeq, ...] | None = None  # the slices as run, when the runner chose their drafts
 
 
 @dataclass(frozen=True, slots=True)

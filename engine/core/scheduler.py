@@ -250,7 +250,7 @@ class Scheduler:
         results: list[RequestDelta] = []
         tokens = iter(sampled.token_ids)
         logprobs = iter(sampled.logprobs) if sampled.logprobs is not None else None
-        for seq in output.seqs:
+        for seq in sampled.seqs or output.seqs:
             request = seq.request
             if not seq.samples:
                 request.num_computed_tokens = seq.end

@@ -25,13 +25,16 @@ import numpy as np
 from engine.errors import InvalidRequest
 
 SEARCH_WINDOW = 4096  # tokens of the sequence's tail searched for an earlier occurrence
+DRAFT_SLOT = -1  # a draft token the draft model has yet to choose (never reaches the model)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpeculativeConfig:
-    """vLLM's ``--speculative-config`` shape; method "ngram" (prompt lookup, no draft model)."""
+    """vLLM's ``--speculative-config`` shape: method "ngram" (prompt lookup, no draft model), or "draft_model"
+    with ``model`` (a smaller checkpoint with the target's vocabulary; the method is implied by ``model``)."""
 
-    method: str = "ngram"
+    method: str = ""  # "" -> "draft_model" with a model, else "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -39,8 +42,12 @@ class SpeculativeConfig:
     probe_tokens: int = 32  # ... once it drafted this many tokens
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise InvalidRequest(f"speculative method {self.method!r} is not supported (ngram)")
+        if not self.method:
+            object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
+        if self.method not in ("ngram", "draft_model"):
+            raise InvalidRequest(f"speculative method {self.method!r} is not supported (ngram, draft_model)")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise InvalidRequest("speculative method draft_model needs a model, and only it takes one")
         if self.num_speculative_tokens < 1:
             raise InvalidRequest(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -93,6 +100,8 @@ class Speculator:
         room = min(room, config.num_speculative_tokens)
         if room < 1 or request.request_id in self._off or request.sampling_params.needs_penalties:
             return []
+        if config.method == "draft_model":
+            return [DRAFT_SLOT] * room  # slots the draft model fills in the step (engine/spec_draft.py)
         return ngram_drafts(request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max)
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:

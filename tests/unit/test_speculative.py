@@ -190,3 +190,47 @@ def test_penalties_logprobs_and_min_tokens_keep_their_meaning(trained_tiny):
                 assert [e[0] for e in x.outputs[0].logprobs] == pytest.approx([e[0] for e in y.outputs[0].logprobs],
                                                                               abs=1e-4)
     assert llm.engine.stats().spec_accepted_tokens >= 50  # the logprobs case drafted (penalties never do)
+
+
+# ---- a draft model ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def undertrained_tiny(tmp_path_factory) -> str:
+    """The tiny model trained less: the same tokenizer and vocabulary, other predictions (a draft)."""
+    return str(build_model("tiny", tmp_path_factory.mktemp("tiny-draft"), train_steps=15, progress=lambda _: None))
+
+
+def _draft(model: str, k: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig(model=model, num_speculative_tokens=k, probe_tokens=1000)
+
+
+def test_the_target_as_its_own_draft_accepts_every_greedy_draft(trained_tiny):
+    prompts = _looping_prompts(4096, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _generate(LLM(trained_tiny, num_blocks=64), prompts, params)
+    llm = LLM(trained_tiny, num_blocks=64, speculative_config=_draft(trained_tiny))
+    assert _generate(llm, prompts, params) == expected
+    stats = llm.engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens >= 60  # the same model proposes what it picks
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_another_draft_model_keeps_outputs_identical_greedy_seeded_and_preempted(trained_tiny, undertrained_tiny):
+    prompts = _looping_prompts(4096, seed=8)
+    plain = LLM(trained_tiny, num_blocks=64)
+    llm = LLM(trained_tiny, num_blocks=64, speculative_config=_draft(undertrained_tiny))
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.3, seed=11, max_tokens=40, ignore_eos=True)):
+        assert _generate(llm, prompts, params) == _generate(plain, prompts, params)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens  # a different model: some drafts fail
+    tight = LLM(trained_tiny, num_blocks=8, speculative_config=_draft(undertrained_tiny))  # preempts under load
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert _generate(tight, prompts, params) == _generate(plain, prompts, params)
+    assert tight.engine.stats().num_preemptions > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_checkpoints, trained_tiny):
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        LLM(str(tiny_checkpoints["llama"].path), num_blocks=16, speculative_config=_draft(trained_tiny))
+    with pytest.raises(InvalidRequest, match="needs a model"):
+        SpeculativeConfig(method="draft_model")
