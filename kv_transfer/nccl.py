@@ -33,9 +33,10 @@ mid-stream: the remaining messages go out as zeros (the client's receives comple
 ERROR replaces DONE. Checksums, when asked, are computed once the last layer is computed.
 
 One pull at a time per channel keeps the two ends' message order identical (NCCL ignores tags). A client
-has **one channel per server** (so one communicator per P/D pair: NCCL's are costly to build and hold GPU
-memory), built at its first pull and reused for ``nccl_channel.REUSE_S``; concurrent pulls to one server take
-turns on it (each bounded by its own timeouts). The server drops a channel idle for ``IDLE_S``. Any failure
+keeps its channels per server for the next pulls (``nccl_channel.REUSE_S``) and opens at most
+``nccl_channel.MAX_CHANNELS`` per server: **one on a CUDA cache** (one communicator per P/D pair: NCCL's are
+costly to build and hold GPU memory; concurrent pulls take turns on it, each bounded by its own timeouts), a
+few on host memory (gloo), so concurrent pulls there, streamed layer-wise ones above all, run side by side. The server drops a channel idle for ``IDLE_S``. Any failure
 other than a refusal tears the channel down (socket closed, group shut down).
 Collective waits run on the channel's own thread, each bounded by ``TransportConfig`` timeouts (a gloo timeout
 also closes the group's connection, so nothing lands after it): a vanished peer surfaces within ``io_timeout_s``.
@@ -61,9 +62,9 @@ from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVLayout, paired_runs
 from kv_transfer.nccl_channel import (
-    Channel, IdleChannels, channel_closed, close_idle, connect, decode_plan, encode_plan, exchange, join_group,
-    keep_idle, kv_tensor, messages, new_group, reap_later, start_reaper, take_idle, unless_closed, wait_readable,
-    zeros_like,
+    MAX_CHANNELS, Channel, IdleChannels, channel_closed, close_idle, connect, decode_plan, encode_plan, exchange,
+    join_group, keep_idle, kv_tensor, messages, new_group, reap_later, start_reaper, take_idle, unless_closed,
+    wait_readable, zeros_like,
 )
 from kv_transfer.progress import LayerProgress, ProgressLookup
 from kv_transfer.protocol import (
@@ -258,10 +259,11 @@ class NcclClient(KVClient):
 
     pulls_into_tensors = True
 
-    def __init__(self, config: TransportConfig | None = None) -> None:
+    def __init__(self, config: TransportConfig | None = None, *, max_channels: int | None = None) -> None:
         super().__init__(config)
+        self.max_channels = max_channels  # per server; None: by the cache's device (MAX_CHANNELS)
         self._idle: IdleChannels = {}
-        self._turns: dict[str, asyncio.Lock] = {}  # server URI -> its one channel's turn (a pull at a time)
+        self._turns: dict[str, asyncio.Semaphore] = {}  # server URI -> its channels (a pull at a time on each)
         start_reaper()
         self._finalizer = weakref.finalize(self, reap_later, self._idle)
 
@@ -272,9 +274,11 @@ class NcclClient(KVClient):
 
     async def _pull(self, request: Pull) -> None:
         kv = kv_tensor(request.dst_buffer)
-        # One channel (one communicator) per server: a pull waits for the one before it, whose every wait is
-        # bounded; a channel that failed is closed and the next pull builds a new one.
-        async with self._turns.setdefault(request.uri, asyncio.Lock()):
+        # At most MAX_CHANNELS per server (one communicator per pair on a GPU): past that a pull waits for a
+        # turn, behind pulls whose every wait is bounded; a channel that failed is closed and replaced.
+        turns = self._turns.setdefault(request.uri, asyncio.Semaphore(self.max_channels or MAX_CHANNELS[
+            "cuda" if kv.device.type == "cuda" else "cpu"]))
+        async with turns:
             channel = take_idle(self._idle, request.uri) or await self._open(request.uri, request.layout, kv.device)
             try:
                 done = await self._read(channel, request, kv)
