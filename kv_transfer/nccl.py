@@ -33,10 +33,11 @@ mid-stream: the remaining messages go out as zeros (the client's receives comple
 ERROR replaces DONE. Checksums, when asked, are computed once the last layer is computed.
 
 One pull at a time per channel keeps the two ends' message order identical (NCCL ignores tags). A client
-keeps its channels per server for the next pulls (``nccl_channel.REUSE_S``) and opens at most
-``nccl_channel.MAX_CHANNELS`` per server: **one on a CUDA cache** (one communicator per P/D pair: NCCL's are
-costly to build and hold GPU memory; concurrent pulls take turns on it, each bounded by its own timeouts), a
-few on host memory (gloo), so concurrent pulls there, streamed layer-wise ones above all, run side by side. The server drops a channel idle for ``IDLE_S``. Any failure
+keeps **one channel per server** (one communicator per P/D pair: NCCL's are costly to build and hold GPU
+memory), built at its first pull and reused for ``nccl_channel.REUSE_S``; concurrent pulls take turns on it
+(each bounded by its own timeouts), except that a pull queued behind streamed pulls only (each waiting for P's
+layers) opens another, up to ``nccl_channel.STREAMING_CHANNELS``, so concurrent layer-wise requests stream side
+by side. One channel is built at a time per server, and a build that times out is tried once more. The server drops a channel idle for ``IDLE_S``. Any failure
 other than a refusal tears the channel down (socket closed, group shut down).
 Collective waits run on the channel's own thread, each bounded by ``TransportConfig`` timeouts (a gloo timeout
 also closes the group's connection, so nothing lands after it): a vanished peer surfaces within ``io_timeout_s``.
@@ -62,7 +63,7 @@ from kv_transfer import auth, checksum
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVLayout, paired_runs
 from kv_transfer.nccl_channel import (
-    MAX_CHANNELS, Channel, IdleChannels, channel_closed, close_idle, connect, decode_plan, encode_plan, exchange,
+    STREAMING_CHANNELS, Channel, IdleChannels, channel_closed, close_idle, connect, decode_plan, encode_plan, exchange,
     join_group, keep_idle, kv_tensor, messages, new_group, reap_later, start_reaper, take_idle, unless_closed,
     wait_readable, zeros_like,
 )
@@ -250,6 +251,38 @@ class NcclServer(SocketServer):
 # --- client ---------------------------------------------------------------------------------------
 
 
+class GroupBuildFailed(KVTransferError):
+    """The channel's process group did not form in time (nothing moved)."""
+
+
+class _Lane:
+    """A client's busy channels to one server. One channel per server (one communicator per P/D pair: NCCL's
+    are costly to build and each holds GPU memory), except that a pull queued behind streamed pulls only (each
+    waiting for P's layers as they are computed) opens another, up to ``STREAMING_CHANNELS``: concurrent
+    layer-wise requests then stream side by side instead of one after the other."""
+
+    def __init__(self) -> None:
+        self.changed = asyncio.Condition()
+        self.busy: set[Channel] = set()
+        self._streaming: set[Channel] = set()
+
+    def may_open(self) -> bool:
+        return not self.busy or (len(self.busy) < STREAMING_CHANNELS and self.busy <= self._streaming)
+
+    async def streaming(self, channel: Channel) -> None:
+        async with self.changed:
+            self._streaming.add(channel)
+            self.changed.notify_all()
+
+    async def give_back(self, channel: Channel, idle: IdleChannels | None) -> None:
+        """The pull on ``channel`` ended: keep it in ``idle`` (else close it) and wake the queued pulls."""
+        async with self.changed:
+            self.busy.discard(channel)
+            self._streaming.discard(channel)
+            keep_idle(idle, channel) if idle is not None else channel.close()
+            self.changed.notify_all()
+
+
 class NcclClient(KVClient):
     """Pulls leased blocks from ``nccl://`` servers over one channel per server, kept for the next pull.
 
@@ -259,38 +292,51 @@ class NcclClient(KVClient):
 
     pulls_into_tensors = True
 
-    def __init__(self, config: TransportConfig | None = None, *, max_channels: int | None = None) -> None:
+    def __init__(self, config: TransportConfig | None = None) -> None:
         super().__init__(config)
-        self.max_channels = max_channels  # per server; None: by the cache's device (MAX_CHANNELS)
         self._idle: IdleChannels = {}
-        self._turns: dict[str, asyncio.Semaphore] = {}  # server URI -> its channels (a pull at a time on each)
+        self._lanes: dict[str, _Lane] = {}  # server URI -> its busy channels
         start_reaper()
         self._finalizer = weakref.finalize(self, reap_later, self._idle)
 
     def close(self) -> None:
         self._finalizer.detach()
         close_idle(self._idle)
-        self._turns.clear()
+        self._lanes.clear()
 
     async def _pull(self, request: Pull) -> None:
         kv = kv_tensor(request.dst_buffer)
-        # At most MAX_CHANNELS per server (one communicator per pair on a GPU): past that a pull waits for a
-        # turn, behind pulls whose every wait is bounded; a channel that failed is closed and replaced.
-        turns = self._turns.setdefault(request.uri, asyncio.Semaphore(self.max_channels or MAX_CHANNELS[
-            "cuda" if kv.device.type == "cuda" else "cpu"]))
-        async with turns:
-            channel = take_idle(self._idle, request.uri) or await self._open(request.uri, request.layout, kv.device)
-            try:
-                done = await self._read(channel, request, kv)
-            except _Refused as refused:  # nothing moved: the channel is still good
-                keep_idle(self._idle, channel)
-                raise refused.error from None
-            except BaseException:
-                channel.close()
-                raise
-            keep_idle(self._idle, channel)
+        lane = self._lanes.setdefault(request.uri, _Lane())
+        channel = await self._take(lane, request, kv.device)
+        keep = False
+        try:
+            done = await self._read(channel, request, kv, lane)
+            keep = True
+        except _Refused as refused:  # nothing moved: the channel is still good
+            keep = True
+            raise refused.error from None
+        finally:
+            await lane.give_back(channel, self._idle if keep else None)
         if self.config.checksum:
             verify_done(request.uri, request.dst_buffer, request.dst_ids, done)
+
+    async def _take(self, lane: _Lane, request: Pull, device: torch.device) -> Channel:
+        """An idle channel to the server, else a new one while ``lane`` may open one, else the next one freed.
+        One channel is built at a time per server (gloo's rendezvous of several at once on one store stalled)."""
+        async with lane.changed:
+            while (channel := take_idle(self._idle, request.uri)) is None and not lane.may_open():
+                await lane.changed.wait()  # every busy pull's waits are bounded: it ends and wakes us
+            if channel is None:
+                channel = await self._open_once_more(request.uri, request.layout, device)
+            lane.busy.add(channel)
+        return channel
+
+    async def _open_once_more(self, uri: str, layout: KVLayout, device: torch.device) -> Channel:
+        try:
+            return await self._open(uri, layout, device)
+        except GroupBuildFailed as exc:  # a slow rendezvous (a loaded host): once more, on a fresh channel
+            logger.warning("KV channel to %s: %s; building another", uri, exc)
+            return await self._open(uri, layout, device)
 
     async def _open(self, uri: str, layout: KVLayout, device: torch.device) -> Channel:
         host, port = parse_uri(uri, "nccl")
@@ -307,14 +353,17 @@ class NcclClient(KVClient):
             (store_port,), prefix = struct.unpack_from("<H", group.payload), group.payload[2:].decode()
             join = functools.partial(join_group, host, store_port, prefix, sock.getsockname()[0],
                                      self.config.connect_timeout_s, device)
-            channel.group = await channel.call(join, bound_s=2 * self.config.connect_timeout_s,
-                                               what="building the process group")
+            try:
+                channel.group = await channel.call(join, bound_s=2 * self.config.connect_timeout_s,
+                                                   what="building the process group")
+            except KVTransferError as exc:
+                raise GroupBuildFailed(str(exc)) from exc
         except BaseException:
             channel.close()
             raise
         return channel
 
-    async def _read(self, channel: Channel, request: Pull, kv: torch.Tensor) -> bytes:
+    async def _read(self, channel: Channel, request: Pull, kv: torch.Tensor, lane: _Lane) -> bytes:
         """One pull on ``channel``; returns DONE's payload (the checksums, when asked)."""
         io_s, what, sock = self.config.io_timeout_s, f"KV server {channel.uri}", channel.sock
         src_ids, dst_ids = request.src_ids, request.dst_ids
@@ -329,6 +378,8 @@ class NcclClient(KVClient):
         tensors = messages(kv, decode_plan(channel.uri, reply.payload, dst_ids))
         # streamed: one layer at a time, each wait bounded on its own (the layers come as they are computed)
         per_batch = len(tensors) // kv.shape[0] if reply.code & DATA_STREAMED else len(tensors)
+        if reply.code & DATA_STREAMED:
+            await lane.streaming(channel)  # waits for P's layers: a pull queued behind it may open a channel
         for first in range(0, len(tensors), max(per_batch, 1)):
             recv = functools.partial(exchange, channel.group, tensors[first : first + per_batch], send=False,
                                      timeout_s=io_s)

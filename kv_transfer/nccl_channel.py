@@ -39,11 +39,10 @@ from kv_transfer.transport import TransportConfig
 GRACE_S = 1.0  # slack on top of a bounded collective wait before the event loop gives up on it
 MAX_MESSAGE_BYTES = 64 << 20  # one send/recv; each is allowed TransportConfig.io_timeout_s
 REUSE_S = 30.0  # a client reuses an idle channel only this long (well inside the server's nccl.IDLE_S)
-# Channels per server, per client (nccl.NcclClient): on a CUDA cache one (one NCCL communicator per P/D pair:
-# costly to build, and each holds GPU memory); on host memory (gloo) a few, so concurrent pulls, streamed
-# layer-wise ones above all, do not wait for each other.
-MAX_CHANNELS = {"cuda": 1, "cpu": 4}
-MAX_IDLE_CHANNELS = max(MAX_CHANNELS.values())
+# Channels per server, per client (nccl.NcclClient's lanes): one (one communicator per P/D pair), and up to
+# STREAMING_CHANNELS while every busy one streams layers of a lease still being computed.
+STREAMING_CHANNELS = 4
+MAX_IDLE_CHANNELS = STREAMING_CHANNELS
 
 PLAN_HEAD = struct.Struct("<I")  # DATA's message plan: the number of runs, then a u32 count each
 IdleChannels = dict[str, list["Channel"]]  # a client's idle channels by server URI, most recently used last

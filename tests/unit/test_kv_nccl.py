@@ -87,12 +87,11 @@ def test_a_client_reuses_its_channel_and_close_tears_it_down() -> None:
 
 
 def test_concurrent_pulls_of_one_client_take_turns_on_one_channel() -> None:
-    """One communicator per P/D pair (a CUDA cache's rule, ``max_channels=1``): built once, reused by every pull,
-    concurrent ones included."""
+    """One communicator per P/D pair: built once, reused by every pull, concurrent ones included."""
 
     async def scenario() -> None:
         async with Prefill() as p:
-            client, dst = nccl.NcclClient(CONFIG, max_channels=1), KVBuffer.allocate(LAYOUT, 32)
+            client, dst = nccl.NcclClient(CONFIG), KVBuffer.allocate(LAYOUT, 32)
             jobs = [([4 * i + j for j in range(4)], [31 - 4 * i - j for j in range(4)]) for i in range(6)]
             await asyncio.gather(*(p.pull(client, s, dst, d) for s, d in jobs))
             await asyncio.gather(*(p.pull(client, s, dst, d) for s, d in jobs[:3]))
@@ -104,21 +103,21 @@ def test_concurrent_pulls_of_one_client_take_turns_on_one_channel() -> None:
     run(scenario())
 
 
-def test_host_memory_pulls_run_side_by_side_on_a_few_kept_channels() -> None:
-    """On host memory (gloo) concurrent pulls do not queue behind each other: up to MAX_CHANNELS["cpu"] channels,
-    each built once and kept for the next pulls."""
+def test_a_lane_opens_another_channel_only_behind_streamed_pulls() -> None:
+    """Queued behind a plain pull: wait for it. Behind streamed pulls only (waiting for P's layers): open one
+    more, up to STREAMING_CHANNELS (the layer-wise integration test shows the streams then overlap)."""
 
     async def scenario() -> None:
-        async with Prefill() as p:
-            client, dst = nccl.NcclClient(CONFIG), KVBuffer.allocate(LAYOUT, 32)
-            jobs = [([4 * i + j for j in range(4)], [31 - 4 * i - j for j in range(4)]) for i in range(6)]
-            await asyncio.gather(*(p.pull(client, s, dst, d) for s, d in jobs))
-            built = next(p.server._channel_ids)
-            assert 1 < built <= nccl_channel.MAX_CHANNELS["cpu"] + 1  # concurrent pulls opened their own
-            await asyncio.gather(*(p.pull(client, s, dst, d) for s, d in jobs[:3]))
-            assert next(p.server._channel_ids) == built + 1  # ... and the next ones reused them
-            client.close()
-            await eventually(lambda: p.channels() == 0)
+        lane, channels = nccl._Lane(), [object() for _ in range(nccl_channel.STREAMING_CHANNELS)]
+        assert lane.may_open()  # none busy: the first channel
+        lane.busy.add(channels[0])
+        assert not lane.may_open()  # a plain pull holds it: take turns
+        await lane.streaming(channels[0])
+        assert lane.may_open()
+        for channel in channels[1:]:
+            lane.busy.add(channel)
+            await lane.streaming(channel)
+        assert not lane.may_open()  # the cap
 
     run(scenario())
 
