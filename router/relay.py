@@ -219,12 +219,12 @@ class _Flow:
         prompt = self._job.prompt_token_ids
         root = root_hash(scheme.fingerprint, scheme.block_size, self._job.cache_salt)
         hashes = hash_blocks(prompt, scheme.block_size, root)
-        cached = await self._relay.directory.lookup(hashes)
+        tiers = await self._relay.directory.lookup_tiers(hashes)
         pending = self._relay.pending_prefixes
-        self._candidates = build_candidates(self._snapshot, scheme, cached, self._relay.inflight,
+        self._candidates = build_candidates(self._snapshot, scheme, tiers.gpu, self._relay.inflight,
                                             self._relay.inflight_prefills.backlogs(self._snapshot.workers,
                                                                                    self._relay.routing.rates),
-                                            pending.lookup(hashes))
+                                            pending.lookup(hashes), tiers.gpu_or_cpu)
         self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size,
                                            max_tokens=self._job.params.max_tokens)
         decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)

@@ -77,6 +77,9 @@ class CostConfig:
     # the pull's setup) is cheaper than the compute. Off: every worker recomputes what it lacks.
     prefix_import: bool = True
     prefix_import_overhead_s: float = 0.005
+    # Host tier (--kv-host-blocks): a prefix held in a worker's host memory is copied up into its KV pool before
+    # it computes the rest, at about this rate (memcpy on a CPU host; pinned host-to-device copies are faster).
+    host_copy_gb_per_s: float = 8.0
 
     def __post_init__(self) -> None:
         if not self.itl_target_s > 0 or not self.ttft_target_s > 0 or self.prefill_chunk_tokens < 1 or self.kv_bytes_per_token <= 0:
@@ -101,12 +104,14 @@ class PrefillPlan:
     itl_s: float = 0.0  # local: D's step time while a chunk rides along (0 when D runs no decodes)
     overhead_s: float = 0.0  # the route kind's fixed cost
     stall_s: float = 0.0  # local: D's running sequences' delay x interference_weight (not in this ttft)
+    host_tokens: int = 0  # prompt tokens the computing worker copies up from its host tier instead (host_s)
+    host_s: float = 0.0
     import_from: str | None = None  # local: the worker whose cached prefix D pulls first (transfer_s)
     import_tokens: int = 0
 
     @property
     def ttft_s(self) -> float:
-        return self.overhead_s + self.queue_s + self.compute_s + self.transfer_s + self.interference_s
+        return self.overhead_s + self.queue_s + self.compute_s + self.host_s + self.transfer_s + self.interference_s
 
     @property
     def cost_s(self) -> float:
@@ -115,6 +120,8 @@ class PrefillPlan:
 
     def describe(self) -> str:
         terms = f"overhead {self.overhead_s:.4f} + queue {self.queue_s:.4f} + prefill {self.compute_s:.4f}"
+        if self.host_tokens:
+            terms += f" + host copy {self.host_s:.4f} ({self.host_tokens} tokens from host memory)"
         if self.kind == "remote":
             terms += f" + transfer {self.transfer_s:.4f}"
             return f"remote on {self.prefill_id} {self.ttft_s:.4f} s = {terms}"
@@ -131,13 +138,15 @@ class PrefillQuote:
     prefill: Candidate
     queue_s: float
     compute_s: float
-    uncached_tokens: int
+    uncached_tokens: int  # the tokens P computes (its host tier's copied up instead: host_tokens, host_s)
     prefill_id: str = ""  # set by quote_prefills (read for every (P, D) pair: no property chain)
     kv_uri: str = ""
+    host_tokens: int = 0
+    host_s: float = 0.0
 
     @property
     def base_s(self) -> float:
-        return self.queue_s + self.compute_s
+        return self.queue_s + self.compute_s + self.host_s
 
 
 @dataclass(slots=True, kw_only=True)  # not frozen: built for every decode worker of every request
@@ -186,14 +195,28 @@ def _layout_bytes_per_token(layout_json: str) -> float | None:
     return layout.bytes_per_block / layout.block_size
 
 
-def quote_prefills(request: RouteRequest, prefills: Sequence[Candidate], rates: Rates) -> list[PrefillQuote]:
-    """Each prefill worker's queue wait and compute for this prompt; priced once per request."""
+def host_load(request: RouteRequest, worker: Candidate, rate: float, rates: Rates,
+              config: CostConfig) -> tuple[int, float]:
+    """(tokens, seconds) of copying the worker's host-tier prefix up, or (0, 0) when none, or when computing
+    those tokens at ``rate`` would be no slower (the worker's engine then recomputes them too)."""
+    tokens = request.host_tokens(worker)
+    if not tokens:
+        return 0, 0.0
+    seconds = tokens * kv_bytes_per_token(worker, rates, config) / (config.host_copy_gb_per_s * 1e9)
+    return (tokens, seconds) if seconds < tokens / rate else (0, 0.0)
+
+
+def quote_prefills(request: RouteRequest, prefills: Sequence[Candidate], rates: Rates,
+                   config: CostConfig | None = None) -> list[PrefillQuote]:
+    """Each prefill worker's queue wait, host-tier copy and compute for this prompt; priced once per request."""
+    config = config or CostConfig()
     quotes = []
     for prefill in prefills:
         rate = rates.prefill_tokens_per_s(prefill.worker_id, prefill.load)
-        uncached = request.uncached_tokens(prefill)
-        quotes.append(PrefillQuote(prefill, prefill.queued_prefill_tokens / rate, uncached / rate, uncached,
-                                   prefill.info.worker_id, prefill.info.kv_uri))
+        hosted, host_s = host_load(request, prefill, rate, rates, config)
+        computed = request.uncached_tokens(prefill) - hosted
+        quotes.append(PrefillQuote(prefill, prefill.queued_prefill_tokens / rate, computed / rate, computed,
+                                   prefill.info.worker_id, prefill.info.kv_uri, hosted, host_s))
     quotes.sort(key=lambda q: (q.base_s, q.prefill_id))  # remote_plan stops at the first that cannot win
     return quotes
 
@@ -212,7 +235,7 @@ def remote_plan(
         transfer_s = num_bytes / (link_gb_per_s(quote.prefill_id, decode_id) * 1e9)
         if layerwise and streams_layers(quote.kv_uri, decode_uri):
             transfer_s = max(transfer_s - quote.compute_s, 0.0)  # hidden behind the layers still computing
-        total_s = quote.queue_s + quote.compute_s + transfer_s
+        total_s = quote.base_s + transfer_s
         if total_s < best_s or total_s == best_s and best is not None and quote.prefill_id < best.prefill_id:
             best, best_s, best_transfer_s = quote, total_s, transfer_s
     assert best is not None, "remote_plan needs at least one prefill quote"
@@ -220,6 +243,7 @@ def remote_plan(
     return PrefillPlan(
         kind="remote", prefill_id=quote.prefill_id, uncached_tokens=quote.uncached_tokens,
         queue_s=quote.queue_s, compute_s=quote.compute_s, transfer_s=transfer_s, overhead_s=rates.overhead_s("remote"),
+        host_tokens=quote.host_tokens, host_s=quote.host_s,
     )
 
 
@@ -230,8 +254,14 @@ def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: C
     ``source`` holding a longer cached prefix, D first pulls what of it D lacks, when that is cheaper."""
     rate = rates.prefill_tokens_per_s(decode.worker_id, decode.load, on_decode=True)
     uncached = request.uncached_tokens(decode)
+    hosted, host_s = host_load(request, decode, rate, rates, config)
     imported, import_s = _prefix_import(request, decode, source, rate, rates, config)
-    uncached -= imported
+    if imported and hosted:  # both cover the tokens after D's pool prefix: the cheaper way over the longer span
+        if host_s + max(imported - hosted, 0) / rate <= import_s + max(hosted - imported, 0) / rate:
+            imported, import_s = 0, 0.0
+        else:
+            hosted, host_s = 0, 0.0  # an imported prefix lands in D's pool: its host tier is not read
+    uncached -= imported + hosted
     running = decode.num_active
     interference_s = itl_s = 0.0
     if running:
@@ -242,7 +272,7 @@ def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: C
         kind="local", prefill_id=None, uncached_tokens=uncached, queue_s=decode.queued_prefill_tokens / rate,
         compute_s=uncached / rate, interference_s=interference_s, itl_s=itl_s, overhead_s=rates.overhead_s("local"),
         stall_s=config.interference_weight * running * uncached / rate, transfer_s=import_s,
-        import_from=source.worker_id if imported else None, import_tokens=imported,
+        import_from=source.worker_id if imported else None, import_tokens=imported, host_tokens=hosted, host_s=host_s,
     )
 
 

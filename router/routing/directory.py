@@ -94,11 +94,15 @@ def build_candidates(
     snapshot: Snapshot, scheme: HashScheme, cached_blocks: Mapping[str, int],
     inflight: Mapping[str, int] | None = None,
     inflight_prefill_tokens: Mapping[str, int] | None = None, pending_blocks: Mapping[str, int] | None = None,
+    tiered_blocks: Mapping[str, int] | None = None,
 ) -> list[Candidate]:
+    """``cached_blocks``: the index's KV-pool (gpu) counts; ``tiered_blocks``: its pool-or-host counts."""
     inflight, prefill_tokens, pending = inflight or {}, inflight_prefill_tokens or {}, pending_blocks or {}
+    tiered = tiered_blocks or {}
     return [
         Candidate(
             info=info, load=load, cached_blocks=cached_blocks.get(info.worker_id, 0),
+            tiered_blocks=max(tiered.get(info.worker_id, 0), cached_blocks.get(info.worker_id, 0)),
             draining=info.worker_id in snapshot.draining, inflight=inflight.get(info.worker_id, 0),
             inflight_prefill_tokens=prefill_tokens.get(info.worker_id, 0),
             pending_blocks=pending.get(info.worker_id, 0),

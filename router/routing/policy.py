@@ -56,7 +56,8 @@ class Candidate:
 
     info: WorkerInfo
     load: WorkerLoad | None
-    cached_blocks: int = 0  # leading blocks of this prompt's hash chain the worker holds
+    cached_blocks: int = 0  # leading blocks of this prompt's hash chain the worker holds in its KV pool
+    tiered_blocks: int = 0  # ... in its KV pool or its host tier (the index's gpu_or_cpu; >= cached_blocks)
     draining: bool = False
     inflight: int = 0  # requests this router sent here and that have not finished
     inflight_prefill_tokens: int = 0  # prompt tokens this router sent here to compute (either role), not yet answered
@@ -105,6 +106,11 @@ class RouteRequest:
 
     def uncached_tokens(self, candidate: Candidate) -> int:
         return self.num_prompt_tokens - self.cached_tokens(candidate)
+
+    def host_tokens(self, candidate: Candidate) -> int:
+        """Prompt tokens past the worker's KV-pool prefix that its host tier holds (copied up, not computed)."""
+        tiered = min(candidate.tiered_blocks * self.block_size, self.num_prompt_tokens - 1)  # the last: computed
+        return max(tiered - self.cached_tokens(candidate), 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,7 +198,7 @@ def route_by_cost(
                       for c in candidates]
     fits, note = _fitting_decodes(request, candidates, exclude)
     prefills, no_remote_reason = _usable_prefills(candidates, config, exclude)
-    quotes = cost_model.quote_prefills(request, prefills, state.rates)
+    quotes = cost_model.quote_prefills(request, prefills, state.rates, config.cost)
     sampled = cost_model.sample_decodes(fits, config.cost, state.rng)
     priced = [
         cost_model.price_decode(request, decode, quotes, state.rates, config.cost, source=source,

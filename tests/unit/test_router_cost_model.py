@@ -607,3 +607,47 @@ def test_a_prefix_being_computed_is_priced_as_cached_where_it_is_computed_but_ne
     decision = route(req(2000), [worker("d1", total=300, free=300), p0], with_cost(prefix_import=True), state=state())
     assert (decision.kind, decision.prefill_id, decision.prefix_source_id) == (RouteKind.REMOTE, "p0", None)
     assert decision.computed_tokens == 400 and "(p0 is computing 1600 of them)" in decision.reason
+
+
+# ---- the host tier (issue 22): a prefix in a worker's host memory is copied up, not computed ------------
+def tiered(worker_id: str, role: str = "decode", *, tiered_blocks: int, **kw) -> Candidate:
+    return dataclasses.replace(worker(worker_id, role, **kw), tiered_blocks=tiered_blocks)
+
+
+def test_a_prefix_in_host_memory_is_priced_as_a_copy_and_wins():
+    # 2,000 tokens, threshold high (local only): d0 holds 100 blocks (1,600 tokens) in its host tier only.
+    # d0: copy 1,600 x 131,072 B at 8 GB/s = 0.026214 s + compute 400 / 5,000 = 0.08 -> ttft 0.106214
+    # d1: compute 2,000 / 5,000 = 0.4
+    cands = [tiered("d0", tiered_blocks=100, total=300, free=300), worker("d1", total=300, free=300)]
+    local_only = dataclasses.replace(COST, disagg_threshold_tokens=100_000)
+    decision = route(req(2000), cands, local_only, state=state())
+    assert (decision.kind, decision.decode_id) == (RouteKind.LOCAL, "d0")
+    assert decision.predicted_ttft_s == pytest.approx(1600 * 131072 / 8e9 + 400 / 5000)
+    assert "host copy 0.0262 (1600 tokens from host memory)" in decision.reason
+    slow_copy = dataclasses.replace(local_only, cost=dataclasses.replace(COST.cost, host_copy_gb_per_s=0.01))
+    recompute = route(req(2000), cands, slow_copy, state=state())  # copying slower than computing: computed
+    assert recompute.predicted_ttft_s == pytest.approx(2000 / 5000) and "host copy" not in recompute.reason
+
+
+def test_a_prefill_workers_host_prefix_shortens_its_quote():
+    # remote only (no local: D's running sequences would stall): p0's host tier holds 1,600 of 2,000 tokens.
+    # p0: copy 0.026214 + 400 / 10,000 = 0.066214; p1: 2,000 / 10,000 = 0.2; transfer 2,000 tokens either way.
+    cands = [worker("d0", running=30, total=300, free=300), tiered("p0", "prefill", tiered_blocks=100, total=300),
+             worker("p1", "prefill", total=300)]
+    decision = route(req(2000), cands, COST, state=state())
+    assert (decision.kind, decision.prefill_id) == (RouteKind.REMOTE, "p0")
+    transfer = 2000 * 131072 / 1e10
+    assert decision.predicted_ttft_s == pytest.approx(1600 * 131072 / 8e9 + 400 / 10_000 + transfer)
+    assert decision.computed_tokens == 400
+
+
+def test_own_host_memory_beats_importing_the_same_prefix_from_another_worker():
+    # d0 holds 1,600 tokens in host memory; d1 holds them in its pool: d0's copy (0.026 s) beats a pull over
+    # the 10 GB/s link (0.005 + 0.021 s) plus nothing; with a slow host copy the import wins.
+    cands = [tiered("d0", tiered_blocks=100, total=300, free=300), worker("d1", "prefill", cached=100, total=300)]
+    importing = dataclasses.replace(COST, disagg_threshold_tokens=100_000, cost=CostConfig(prefix_import=True))
+    plan = local_plan(req(2000), cands[0], Rates(BASE), importing.cost, source=cands[1])
+    assert (plan.host_tokens, plan.import_tokens) == (0, 1600)  # 0.026 s copy vs 0.005 + 0.021 s pull: import
+    fast_host = dataclasses.replace(importing.cost, host_copy_gb_per_s=20.0)  # 0.0105 s: its own memory
+    plan = local_plan(req(2000), cands[0], Rates(BASE), fast_host, source=cands[1])
+    assert (plan.host_tokens, plan.import_tokens, plan.import_from) == (1600, 0, None)
