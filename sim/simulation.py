@@ -229,9 +229,11 @@ class Simulation:
         self.cluster.touched(worker_id)
         for job, at_s in outcome.first_tokens:
             flow = self.flows[job.request_id]
-            if flow.record.first_token_s is None:  # a fallback's first token came from P already
+            if flow.record.first_token_s is None:
                 flow.record.first_token_s, flow.record.cached_tokens = at_s + rpc_s, job.cached_tokens
                 flow.prefill_ms, flow.queue_ms = (at_s - job.arrived_s) * 1e3, (job.started_s - job.arrived_s) * 1e3
+            else:  # a fallback: P streamed the first token, this is the second
+                self.cluster.itl[round(at_s + rpc_s - flow.record.first_token_s, 5)] += 1
             self.router.decode_answered(flow.routed, local=True)
         for request_id, at_s in outcome.finished:
             self._finish(self.flows[request_id], at_s + rpc_s)
