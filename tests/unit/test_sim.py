@@ -66,10 +66,14 @@ def assert_conserved(result) -> None:
     assert sum(result.cluster.itl.values()) == decode_tokens  # one inter-token gap per token after the first
 
 
-def test_the_same_seed_gives_the_same_run(trace_requests):
-    first = simulate(config(policy="random", seed=7), trace_requests)
-    again = simulate(config(policy="random", seed=7), trace_requests)
+@pytest.mark.parametrize("policy", ["cost", "random"])  # cost reads the heartbeats' loads, random its RNG
+def test_the_same_seed_gives_the_same_run(trace_requests, policy):
+    first = simulate(config(policy=policy, seed=7), trace_requests)
+    again = simulate(config(policy=policy, seed=7), trace_requests)
     assert first.records == again.records and first.summary == again.summary
+    assert first.cluster.itl == again.cluster.itl
+    if policy != "random":
+        return
     other = simulate(config(policy="random", seed=8), trace_requests)
     assert [r.decode_id for r in other.records] != [r.decode_id for r in first.records]
 
