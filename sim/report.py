@@ -9,8 +9,10 @@ from typing import TextIO
 
 from sim.metrics import RequestRecord
 
+nan = float("nan")
+
 COLUMNS = ("policy", "scale", "req/s", "done", "refused", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "ITL p50",
-           "p99", "SLO att.", "good req/s", "hit rate", "KV GB", "remote/local", "GPU-h", "busy", "decide p50 ms",
+           "p99", "SLO att.", "good req/s", "hit rate", "KV GB", "remote/local", "GPU-h", "busy", "decide p50/p99 ms",
            "wall s")
 
 
@@ -24,7 +26,7 @@ def run_row(run: dict) -> list[str]:
             f"{s['cache_hit_rate']:.1%}", f"{s['kv_bytes_moved'] / 1e9:,.1f}",
             f"{kinds.get('remote', 0)}/{kinds.get('local', 0)}",
             f"{gpu['provisioned'] / 3600:,.2f}", f"{gpu['busy'] / max(gpu['provisioned'], 1e-9):.1%}",
-            f"{run['decision_ms'].get('p50', float('nan')):.2f}", f"{run['wall_s']:.1f}"]
+            f"{run['decision_ms'].get('p50', nan):.2f}/{run['decision_ms'].get('p99', nan):.2f}", f"{run['wall_s']:.1f}"]
 
 
 def table(runs: Sequence[dict]) -> str:

@@ -58,7 +58,10 @@ class SimRouter:
         self._entries: dict[str, tuple[WorkerInfo, WorkerLoad | None]] = {w.worker_id: (w, None) for w in workers}
         self._snapshot: Snapshot | None = None
         self._scheme: HashScheme | None = served_scheme(tuple(self._entries.values()))
-        self.decision_s: list[float] = []  # wall time of each route() call (the real policy's cost at this scale)
+        # wall time of each decision (index lookup, candidates, books, route()) and of route() alone: the real
+        # router's cost per request at this scale
+        self.decision_s: list[float] = []
+        self.policy_s: list[float] = []
 
     # ---- what the workers tell it -------------------------------------------------------------
     def report(self, worker_id: str, load: WorkerLoad) -> None:
@@ -76,6 +79,7 @@ class SimRouter:
     def route(self, request_id: str, hashes: Sequence[BlockHash], num_prompt_tokens: int,
               max_tokens: int) -> Routed:
         """Raises ``WorkerUnavailable`` / ``CapacityExceeded`` as the relay's routing stage does."""
+        started = time.perf_counter()
         snapshot, scheme = self.snapshot(), self._scheme
         cached = self.index.lookup(hashes)
         candidates = build_candidates(snapshot, scheme, cached, self.inflight,
@@ -83,9 +87,11 @@ class SimRouter:
                                       self.pending_prefixes.lookup(hashes))
         request = RouteRequest(num_prompt_tokens=num_prompt_tokens, block_size=scheme.block_size,
                                max_tokens=max_tokens)
-        started = time.perf_counter()
+        routing = time.perf_counter()
         decision = route(request, candidates, self.policy, state=self.routing)
-        self.decision_s.append(time.perf_counter() - started)
+        ended = time.perf_counter()
+        self.decision_s.append(ended - started)
+        self.policy_s.append(ended - routing)
         decode = next(c for c in candidates if c.worker_id == decision.decode_id)
         routed = Routed(request_id, decision, request, hashes, self._clock(), decode.num_active,
                         used_kv_blocks(decode))

@@ -57,7 +57,8 @@ class SimResult:
     cluster: Cluster
     events: int
     wall_s: float
-    decision_ms: dict[str, float] = field(default_factory=dict)
+    decision_ms: dict[str, float] = field(default_factory=dict)  # lookup + candidates + route()
+    policy_ms: dict[str, float] = field(default_factory=dict)  # route() alone
 
 
 class Simulation:
@@ -93,7 +94,7 @@ class Simulation:
         summary = summarize(self.records, self.cluster.itl, self.slo, gpus=self.config.num_gpus,
                             busy_gpu_s=self.cluster.busy_gpu_s())
         return SimResult(self.records, summary, self.cluster, self.events.processed, time.perf_counter() - started,
-                         _decision_ms(self.router.decision_s))
+                         _decision_ms(self.router.decision_s), _decision_ms(self.router.policy_s))
 
     # ---- routing -------------------------------------------------------------------------------
     def _arrival(self, request_id: str) -> None:
