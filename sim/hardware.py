@@ -12,7 +12,6 @@ bandwidth and memory scale by ``tp`` (ideal; its collectives are not modelled).
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 
 from kv_transfer.layout import KVLayout
@@ -140,9 +139,6 @@ def default_tp(gpu: GpuSpec, model: ModelSpec, *, weights_share: float = 0.7) ->
     raise ValueError(f"{model.name} does not fit 8 x {gpu.name}")
 
 
-def host_of(index: int, *, workers_per_host: int) -> int:
-    return index // max(workers_per_host, 1)
-
-
 def workers_per_host(gpus_per_host: int, tp: int) -> int:
-    return max(1, math.floor(gpus_per_host / tp))
+    """Workers of ``tp`` GPUs on one host (at least one: a worker wider than a host spans hosts)."""
+    return max(1, gpus_per_host // tp)
