@@ -76,6 +76,13 @@ def policies_of(text: str) -> list[str]:
     return names
 
 
+def time_scales_of(text: str) -> list[float]:
+    scales = [float(x) for x in text.split(",") if x.strip()]
+    if not scales or any(not (x > 0 and x != float("inf")) for x in scales):
+        raise ValueError(f"--time-scale needs positive numbers, got {text!r}")
+    return scales
+
+
 def shape_of(args: argparse.Namespace) -> WorkerShape:
     gpu, model = GPUS[args.gpu], MODELS[args.model]
     tp = default_tp(gpu, model) if args.tp == "auto" else int(args.tp)
@@ -114,7 +121,7 @@ def explain_of(model: TimeModel, shape: WorkerShape, requests: list[SimRequest])
 def run_all(args: argparse.Namespace, base: ClusterConfig, requests: list[SimRequest], slo: Slo,
             out=sys.stderr) -> list[tuple[dict, list]]:
     runs = []
-    for time_scale in (float(x) for x in args.time_scale.split(",")):
+    for time_scale in time_scales_of(args.time_scale):
         scaled = [dataclasses.replace(r, arrival_s=r.arrival_s * time_scale) for r in requests]
         for name in policies_of(args.policy):
             policy = PolicyConfig(policy=name, cost=CostConfig(ttft_target_s=slo.ttft_s, itl_target_s=slo.tpot_s))
@@ -141,26 +148,35 @@ def config_dict(args: argparse.Namespace, base: ClusterConfig, slo: Slo) -> dict
             "gpu_spec": dataclasses.asdict(shape.gpu), "model_spec": dataclasses.asdict(shape.model)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    try:
-        shape = shape_of(args)
-        policies_of(args.policy)
-        requests = requests_of(args, shape)
-    except (ValueError, OSError) as exc:
-        print(f"baton simulate: {exc}", file=sys.stderr)
-        return 2
+def setup(args: argparse.Namespace) -> tuple[ClusterConfig, list[SimRequest], Slo]:
+    """The run's cluster, requests and SLOs from the flags; ValueError / OSError on bad input."""
+    shape = shape_of(args)
+    policies_of(args.policy)
+    time_scales_of(args.time_scale)
+    requests = requests_of(args, shape)
+    if not requests:
+        raise ValueError("no requests to simulate")
     slo = Slo(ttft_s=args.slo_ttft_ms * 1e-3, tpot_s=args.slo_tpot_ms * 1e-3, attainment=args.attainment)
     base = ClusterConfig(shape=shape, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
                          efficiency=Efficiency(compute=args.mfu, memory=args.bandwidth_efficiency,
                                                step_overhead_s=args.step_overhead_ms * 1e-3),
                          inter_link=LINKS[args.link], gpus_per_host=args.gpus_per_host, placement=args.placement,
                          seed=args.seed)
-    base = dataclasses.replace(base, time_model=time_model_of(args, base))
-    plan, traffic = plan_for(requests, base.time_model, slo, kv_tokens=shape.num_blocks * shape.block_size)
+    return dataclasses.replace(base, time_model=time_model_of(args, base)), requests, slo
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        base, requests, slo = setup(args)
+        plan, traffic = plan_for(requests, base.time_model, slo,
+                                 kv_tokens=base.shape.num_blocks * base.shape.block_size)
+    except (ValueError, OSError) as exc:  # InvalidRequest (a planner input) is a ValueError too
+        print(f"baton simulate: {exc}", file=sys.stderr)
+        return 2
     runs = run_all(args, base, requests, slo)
     doc = {"command": ["baton", "simulate", *(sys.argv[2:] if argv is None else argv)],
-           "config": config_dict(args, base, slo), "explain": explain_of(base.time_model, shape, requests),
+           "config": config_dict(args, base, slo), "explain": explain_of(base.time_model, base.shape, requests),
            "planner": plan_dict(plan, traffic), "runs": [run for run, _ in runs]}
     if len({run["time_scale"] for run, _ in runs}) > 1:
         doc["distserve_goodput"] = {p: distserve_goodput([(r["summary"]["request_rate"], r["summary"]) for r, _ in runs
@@ -172,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None:
         plot(runs, args.plot)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

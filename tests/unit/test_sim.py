@@ -173,8 +173,22 @@ def test_the_command_line_prints_a_table_and_writes_json_and_a_plot(tmp_path, ca
     assert doc["runs"][0]["summary"]["finished"] == 40 and set(doc["distserve_goodput"]) == {"cost", "round_robin"}
     assert doc["config"]["num_blocks"] == SHAPE.num_blocks and doc["planner"]["prefill"] >= 1
     assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
-    assert cli.main(["--trace", str(SLICE), "--prefill-workers", "1", "--decode-workers", "1",
-                     "--policy", "best"]) == 2
+
+
+@pytest.mark.parametrize(("flags", "why"), [
+    (["--policy", "best"], "unknown policy"),
+    (["--time-scale", "1,-2"], "--time-scale"),
+    (["--decode-workers", "0"], "decode workers"),
+    (["--model", "llama-3-70b", "--gpu", "H100", "--tp", "1"], "raise --tp"),
+    (["--profile", "/nonexistent/curves.json"], "curves.json"),
+    (["--block-size", "100"], "must divide"),
+])
+def test_bad_flags_say_why_and_exit_2(flags, why, capsys):
+    base = {"--trace": str(SLICE), "--limit": "5", "--prefill-workers": "1", "--decode-workers": "1"}
+    for flag, value in zip(flags[::2], flags[1::2]):
+        base[flag] = value
+    assert cli.main([x for pair in base.items() for x in pair]) == 2
+    assert why in capsys.readouterr().err
 
 
 def test_baton_simulate_is_a_subcommand_and_never_loads_torch(tmp_path):
