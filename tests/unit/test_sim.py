@@ -206,3 +206,32 @@ def test_the_planner_in_the_report_is_the_real_planner(trace_requests):
 
     plan, _ = plan_for(trace_requests, config().build_time_model(), Slo(), kv_tokens=SHAPE.num_blocks * 512)
     assert type(plan) is Plan
+
+
+def test_placement_decides_which_pairs_share_a_host():
+    from sim.cluster import Cluster
+    from sim.events import EventQueue
+
+    split = Cluster(config(num_prefill=3, num_decode=3, gpus_per_host=2), EventQueue())
+    assert split.host == {"p0": 0, "p1": 0, "p2": 1, "d0": 2, "d1": 2, "d2": 3}  # decode starts on a fresh host
+    assert split.link("p0", "d0").name == "rdma" and split.link("p0", "p1").name == "nvlink"
+    mixed = Cluster(config(num_prefill=3, num_decode=3, gpus_per_host=2, placement="mixed"), EventQueue())
+    assert mixed.host == {"p0": 0, "d0": 0, "p1": 1, "d1": 1, "p2": 2, "d2": 2}
+    assert mixed.link("p1", "d1").name == "nvlink" and mixed.link("p1", "d0").name == "rdma"
+
+
+def test_measured_curves_replace_the_roofline(tmp_path, capsys):
+    from sim.timing import profiles_of
+
+    prefill, decode = profiles_of(config().build_time_model(), prompt_lens=(256, 4096, 65536),
+                                  batch_sizes=(1, 16, 128), context=12_000, kv_tokens=None)
+    curves = {"prefill": {"prompt_lens": list(prefill.prompt_lens), "tokens_per_s": list(prefill.tokens_per_s)},
+              "decode": {"batch_sizes": list(decode.batch_sizes), "itl_ms": [x * 1e3 for x in decode.itl_s]}}
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps(curves))
+    out = tmp_path / "sim.json"
+    assert cli.main(["--trace", str(SLICE), "--limit", "30", "--prefill-workers", "2", "--decode-workers", "2",
+                     "--profile", str(path), "--explain", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["time_model"] == f"curves from {path}"
+    assert "decode_curve_s" in json.dumps(doc["explain"]) and doc["runs"][0]["summary"]["finished"] == 30
