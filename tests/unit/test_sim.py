@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,17 @@ def test_measured_curves_replace_the_roofline(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["config"]["time_model"] == f"curves from {path}"
     assert "decode_curve_s" in json.dumps(doc["explain"]) and doc["runs"][0]["summary"]["finished"] == 30
+
+
+def test_the_same_seed_gives_the_same_run_in_another_process(tmp_path):
+    """Nothing depends on set or dict order of hashed values (PYTHONHASHSEED differs between the two runs)."""
+    summaries = []
+    for hash_seed in ("1", "2"):
+        out = tmp_path / f"run{hash_seed}.json"
+        run = subprocess.run([sys.executable, "-m", "deploy.cli", "simulate", "--trace", str(SLICE), "--limit", "80",
+                              "--prefill-workers", "2", "--decode-workers", "2", "--time-scale", "0.3", "--json",
+                              str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert run.returncode == 0, run.stderr
+        summaries.append(json.loads(out.read_text())["runs"][0]["summary"])
+    assert summaries[0] == summaries[1]
