@@ -128,7 +128,7 @@ def run_all(args: argparse.Namespace, base: ClusterConfig, requests: list[SimReq
             result = simulate(dataclasses.replace(base, policy=policy), scaled, slo, max_events=args.max_events)
             runs.append(({"policy": name, "time_scale": time_scale, "summary": result.summary,
                           "decision_ms": result.decision_ms, "policy_ms": result.policy_ms, "events": result.events,
-                          "wall_s": result.wall_s}, result.records))
+                          "wall_s": result.wall_s, "learned": result.learned}, result.records))
             out.write(f"simulated {name} at time scale {time_scale:g}: {len(scaled)} requests, {result.events:,} "
                       f"events in {result.wall_s:.1f} s\n")
     return runs

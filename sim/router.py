@@ -62,6 +62,7 @@ class SimRouter:
         # router's cost per request at this scale
         self.decision_s: list[float] = []
         self.policy_s: list[float] = []
+        self._pairs: set[tuple[str, str]] = set()  # (source, decode) pairs that moved KV
 
     # ---- what the workers tell it -------------------------------------------------------------
     def report(self, worker_id: str, load: WorkerLoad) -> None:
@@ -118,6 +119,7 @@ class SimRouter:
 
     def transfer(self, source_id: str, decode_id: str, *, num_bytes: int, transfer_ms: float,
                  num_blocks: int) -> None:
+        self._pairs.add((source_id, decode_id))
         self.routing.rates.observe_transfer(source_id, decode_id, num_bytes, transfer_ms,
                                             num_tokens=num_blocks * self.scheme.block_size)
 
@@ -142,6 +144,20 @@ class SimRouter:
         if self.inflight[decision.decode_id] <= 0:
             del self.inflight[decision.decode_id]
 
+    def learned(self) -> dict[str, dict[str, float]]:
+        """What the rates hold at the end (min / mean / max over workers, or over the pairs that moved KV), read
+        through ``Rates``' own estimates: a worker it never measured shows its fallback (report, peers, default)."""
+        rates = self.routing.rates
+        roles = {role: [w for w, (info, _) in self._entries.items() if info.role == role]
+                 for role in ("prefill", "decode")}
+        return {
+            "prefill_tokens_per_s": _spread([rates.prefill_tokens_per_s(w, None) for w in roles["prefill"]]),
+            "local_prefill_tokens_per_s": _spread([rates.prefill_tokens_per_s(w, None, on_decode=True)
+                                                   for w in roles["decode"]]),
+            "link_gb_per_s": _spread([rates.link_gb_per_s(a, b) for a, b in sorted(self._pairs)]),
+            "overhead_ms": {kind: rates.overhead_s(kind) * 1e3 for kind in ("remote", "local")},
+        }
+
     @property
     def scheme(self) -> HashScheme:
         assert self._scheme is not None
@@ -150,3 +166,9 @@ class SimRouter:
     def books_empty(self) -> bool:
         """Nothing in flight, no prompt counted as any worker's queue, no prefix pending past its grace."""
         return not self.inflight and not self.inflight_prefills.tokens()
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {"min": min(values), "mean": sum(values) / len(values), "max": max(values), "count": len(values)}

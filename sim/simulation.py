@@ -59,6 +59,7 @@ class SimResult:
     wall_s: float
     decision_ms: dict[str, float] = field(default_factory=dict)  # lookup + candidates + route()
     policy_ms: dict[str, float] = field(default_factory=dict)  # route() alone
+    learned: dict[str, dict[str, float]] = field(default_factory=dict)  # the router's rates at the end
 
 
 class Simulation:
@@ -94,7 +95,8 @@ class Simulation:
         summary = summarize(self.records, self.cluster.itl, self.slo, gpus=self.config.num_gpus,
                             busy_gpu_s=self.cluster.busy_gpu_s())
         return SimResult(self.records, summary, self.cluster, self.events.processed, time.perf_counter() - started,
-                         _decision_ms(self.router.decision_s), _decision_ms(self.router.policy_s))
+                         _decision_ms(self.router.decision_s), _decision_ms(self.router.policy_s),
+                         self.router.learned())
 
     # ---- routing -------------------------------------------------------------------------------
     def _arrival(self, request_id: str) -> None:

@@ -250,3 +250,11 @@ def test_the_same_seed_gives_the_same_run_in_another_process(tmp_path):
         assert run.returncode == 0, run.stderr
         summaries.append(json.loads(out.read_text())["runs"][0]["summary"])
     assert summaries[0] == summaries[1]
+
+
+def test_the_router_learns_the_modelled_links(trace_requests):
+    result = simulate(config(), trace_requests)
+    links = result.learned["link_gb_per_s"]
+    assert links["count"] >= 3 and 45 <= links["min"] and links["max"] <= 450  # RDMA 50 GB/s, NVLink 450
+    assert set(result.learned) == {"prefill_tokens_per_s", "local_prefill_tokens_per_s", "link_gb_per_s",
+                                   "overhead_ms"}
