@@ -30,7 +30,7 @@ from sim.timing import Chunk, Efficiency, Roofline, TimeModel
 PLACEMENTS = ("split", "mixed")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterConfig:
     shape: WorkerShape
     num_prefill: int
