@@ -15,6 +15,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("engine.model_cli:main", "build the tiny or small offline checkpoint, or locate smollm2 (a GGUF)"),
     "demo": ("engine.demo:main", "stream an offline generation from the engine (no servers)"),
     "bench": ("bench.__main__:main", "run benchmarks (throughput, kv-transfer, serve, compare, ...)"),
+    "simulate": ("sim.cli:main", "replay a trace against modelled GPUs with the real router (discrete-event)"),
     "router": ("router.main:main", "run the router (public Generate API, routing, orchestration)"),
     "generate": ("router.generate_cli:main", "stream a generation from a running router, with timings"),
     "admin": ("router.admin.cli:main", "inspect workers and pools, scale, drain, and plan pool sizes from SLOs"),

@@ -100,6 +100,9 @@ def package_plan(arrows: ModuleType) -> PackagePlan:
     if ("router", "engine") in kinds:
         names = ", ".join(sorted(m.removeprefix("engine.") for m in arrows.ROUTER_ENGINE_MODULES))
         notes[("router", "engine")] = "router -> engine:\ntorch-free modules only\n" + textwrap.fill(names, 24)
+    if ("sim", "engine") in kinds:
+        names = ", ".join(sorted(m.removeprefix("engine.") for m in arrows.SIM_ENGINE_MODULES))
+        notes[("sim", "engine")] = "sim -> engine:\ntorch-free modules only\n" + textwrap.fill(names, 24)
     modules = {p: sum(not f.name.endswith(("_pb2.py", "_pb2_grpc.py")) for f in (arrows.ROOT / p).rglob("*.py"))
                for p in arrows.OURS}
     exceptions = {arrow: arrows.KNOWN[arrow] for arrow, kind in kinds.items() if kind is ArrowKind.KNOWN}

@@ -1,6 +1,7 @@
 """The packages' import arrows (DESIGN.md "Repository layout"), read from every module's source, lazy imports inside
 functions included, so the picture cannot rot: proto and kv_transfer lowest, engine on kv_transfer, the worker
-roles on engine, the router on proto, kv_transfer and engine's torch-free modules only, deploy and bench on top.
+roles on engine, the router on proto, kv_transfer and engine's torch-free modules only, deploy and bench on top,
+the simulator above bench (it runs the router's policy on bench's workloads and engine's torch-free block pool).
 Inside the router, routing imports nothing of the serving core but its typed errors, and the OpenAI front and
 the admin side never import each other."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("proto", "kv_transfer", "engine", "worker", "prefill_node", "decode_node", "router", "deploy", "bench")
+OURS = ("proto", "kv_transfer", "engine", "worker", "prefill_node", "decode_node", "router", "deploy", "bench", "sim")
 ALLOWED: dict[str, set[str]] = {
     "proto": set(),
     "kv_transfer": set(),
@@ -23,8 +24,11 @@ ALLOWED: dict[str, set[str]] = {
     "prefill_node": {"worker", "engine", "kv_transfer", "proto"},
     "decode_node": {"worker", "engine", "kv_transfer", "proto"},
     "router": {"proto", "kv_transfer", "engine"},
-    "deploy": set(OURS) - {"deploy", "bench"},  # `baton up` starts them all and takes their options
-    "bench": set(OURS) - {"bench"},
+    "deploy": set(OURS) - {"deploy", "bench", "sim"},  # `baton up` starts them all and takes their options
+    "bench": set(OURS) - {"bench", "sim"},
+    # `baton simulate` runs the router's own policy and planner against modelled workers (engine's BlockPool),
+    # on the benches' workloads and trace loader; nothing imports it (deploy.cli dispatches to it by name)
+    "sim": {"router", "engine", "kv_transfer", "bench"},
 }
 # Arrows that exist today and go against the picture, each with what removes it. The test fails on any other
 # arrow, and on one of these that is gone (so the list only shrinks).
@@ -34,6 +38,10 @@ ROUTER_ENGINE_MODULES = {
     "engine.errors", "engine.tokenizer", "engine.text_stream", "engine.sampling_params", "engine.model_source",
     "engine.gguf_file", "engine.gguf_tokenizer",
 }
+
+
+# What the simulator may import of the engine: the torch-free block pool and typed errors.
+SIM_ENGINE_MODULES = {"engine.core.block_pool", "engine.errors"}
 
 
 def imports_of(package: str) -> dict[str, set[str]]:
@@ -90,6 +98,11 @@ def test_every_package_imports_only_what_the_layout_allows():
 def test_the_router_imports_only_the_engines_torch_free_modules():
     used = {name for imported in imports_of("router").values() for name in imported if name.startswith("engine")}
     assert used <= ROUTER_ENGINE_MODULES, used - ROUTER_ENGINE_MODULES
+
+
+def test_the_simulator_imports_only_the_engines_torch_free_block_pool():
+    used = {name for imported in imports_of("sim").values() for name in imported if name.startswith("engine")}
+    assert used <= SIM_ENGINE_MODULES, used - SIM_ENGINE_MODULES
 
 
 @pytest.mark.parametrize(("part", "forbidden"), [

@@ -1,0 +1,72 @@
+"""Baton's planner (``router.admin.planner``, the real one) on the modelled workers, and the calibration hook.
+
+``plan_for`` profiles a modelled worker as ``baton admin profile`` profiles a real one (prefill tokens/s per
+prompt length, ITL per batch size) and hands those curves, the workload's traffic and the SLOs to
+``plan_pools``: what the planner would size the pools to for this trace, beside the sizes the run used.
+``curves_from_profile`` reads the curves ``baton admin profile -o FILE`` wrote (its ``plan --profile`` format),
+so a measured profile can replace the roofline (``CurveTimeModel``): the hook the calibration against real
+runs (issue 23, item 2) fills. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from router.admin.planner import DecodeProfile, Plan, PlannerConfig, PrefillProfile, Traffic, plan_pools
+from router.admin.planner import Slo as PlannerSlo
+from sim.metrics import Slo
+from sim.timing import TimeModel, profiles_of
+from sim.workload import SimRequest
+
+PROFILE_PROMPT_LENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def traffic_of(requests: Sequence[SimRequest]) -> Traffic:
+    """Mean rate over the workload's span, mean prompt and output lengths."""
+    n = len(requests)
+    span_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    return Traffic(rate_per_s=n / span_s if span_s > 0 else float(n),
+                   mean_isl=sum(r.prompt_tokens for r in requests) / n,
+                   mean_osl=sum(r.output_tokens for r in requests) / n)
+
+
+def plan_for(requests: Sequence[SimRequest], time_model: TimeModel, slo: Slo, *, kv_tokens: int,
+             max_workers: int = 4096) -> tuple[Plan, Traffic]:
+    traffic = traffic_of(requests)
+    context = round(traffic.mean_isl + traffic.mean_osl / 2)
+    prefill, decode = profiles_of(time_model, prompt_lens=PROFILE_PROMPT_LENS, batch_sizes=PROFILE_BATCH_SIZES,
+                                  context=context, kv_tokens=kv_tokens)
+    plan = plan_pools(PlannerSlo(ttft_p90_s=slo.ttft_s, itl_p90_s=slo.tpot_s), traffic, prefill, decode,
+                      config=PlannerConfig(max_workers=max_workers))
+    return plan, traffic
+
+
+def _pick(doc: Mapping[str, Any], snake: str) -> Any:
+    head, *rest = snake.split("_")
+    camel = head + "".join(part.title() for part in rest)
+    if snake in doc:
+        return doc[snake]
+    if camel in doc:
+        return doc[camel]
+    raise ValueError(f"profile curve lacks {snake!r}")
+
+
+def curves_from_profile(doc: Mapping[str, Any]) -> tuple[PrefillProfile, DecodeProfile]:
+    """The two curves of a ``baton admin profile -o FILE`` document (proto JSON: camelCase or snake_case)."""
+    if "prefill" not in doc or "decode" not in doc:
+        raise ValueError("a profile for the simulator needs both a 'prefill' and a 'decode' curve")
+    prefill, decode = doc["prefill"], doc["decode"]
+    kv = decode.get("kv_tokens_per_worker", decode.get("kvTokensPerWorker"))
+    return (PrefillProfile(prompt_lens=tuple(int(x) for x in _pick(prefill, "prompt_lens")),
+                           tokens_per_s=tuple(float(x) for x in _pick(prefill, "tokens_per_s"))),
+            DecodeProfile(batch_sizes=tuple(int(x) for x in _pick(decode, "batch_sizes")),
+                          itl_s=tuple(float(x) * 1e-3 for x in _pick(decode, "itl_ms")),
+                          kv_tokens_per_worker=None if kv is None else int(kv)))
+
+
+def plan_dict(plan: Plan, traffic: Traffic) -> dict:
+    return {"prefill": plan.prefill, "decode": plan.decode, "feasible": plan.feasible,
+            "traffic": {"rate_per_s": traffic.rate_per_s, "mean_isl": traffic.mean_isl, "mean_osl": traffic.mean_osl},
+            "explain": plan.explain()}
