@@ -356,8 +356,8 @@ class _Flow:
         self._trace.merge(response.timings)
         if self._prefill_worker is not None:  # learn P's prefill rate (the cost model's input)
             computed = len(self._job.prompt_token_ids) - response.num_cached_tokens
-            self._relay.routing.rates.observe_prefill(self._prefill_worker.worker_id, computed,
-                                                      response.timings.prefill_ms)
+            compute_ms = response.timings.prefill_ms - response.timings.queue_ms  # P's queue is priced apart
+            self._relay.routing.rates.observe_prefill(self._prefill_worker.worker_id, computed, compute_ms)
         self._prefilled_remotely = True
         self._cached_prompt_tokens = response.num_cached_tokens
         logprobs = [response.logprobs] if response.HasField("logprobs") else []
