@@ -25,6 +25,7 @@ _BENCHMARKS = {
     "decode-sampling": "bench.decode_sampling",
     "speculative": "bench.speculative",
     "kv-quant": "bench.kv_quant",
+    "preemption": "bench.preemption",
     "step-prep": "bench.step_prep",
 }
 

@@ -29,6 +29,10 @@ class SchedulerConfig:
     max_model_len: int
     # Chunked prefill: a prompt longer than the step's leftover budget is split across steps.
     enable_chunked_prefill: bool = True
+    # What a preempted request loses: "recompute" frees its blocks (full ones stay in the prefix cache);
+    # "swap" copies them all to the host tier first and back when it resumes (falls back to recompute when the
+    # host tier has no room)
+    preemption_mode: str = "recompute"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +56,7 @@ class EngineConfig:
     kv_host_blocks: int = 0  # host-memory tier below the KV pool, in blocks (pinned on CUDA); 0: none
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8: 8-bit values + a scale per row
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (n-gram drafts); None: off
+    preemption_mode: str = "recompute"  # recompute | swap (needs kv_host_blocks: the swap space)
     # CUDA graphs for decode steps of up to max(cuda_graph_sizes) sequences (capped by max_num_seqs); CUDA only
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
@@ -60,6 +65,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise InvalidRequest(f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.kv_host_blocks:
+            raise InvalidRequest("preemption_mode=swap swaps into the host tier: give it kv_host_blocks")
         if self.kv_host_blocks < 0:
             raise InvalidRequest(f"kv_host_blocks must be >= 0, got {self.kv_host_blocks}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -50,6 +50,9 @@ def add_worker_options(group) -> None:
     group.add_argument("--kv-staging-blocks", type=int, default=None,
                        help="host staging blocks (default: half the cache, and room for the longest prompt)")
     group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                       help="a request preempted for KV blocks: recompute (its full blocks stay in the prefix cache) "
+                       "or swap (all its blocks to the host tier, --kv-host-blocks, and back when it resumes)")
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                        help="auto: the model's dtype; int8 or fp8: 8-bit KV values with a float32 scale per token and "
                        "head (about half a 16-bit cache's bytes: more sequences fit, every KV transfer moves less)")
@@ -169,7 +172,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         max_num_waiting=args.max_num_waiting, num_threads=args.num_threads,
         attention_backend=args.attention_backend, cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
         enforce_eager=args.enforce_eager, kv_host_blocks=args.kv_host_blocks, kv_cache_dtype=args.kv_cache_dtype,
-        speculative_config=_speculative(args.speculative_config),
+        speculative_config=_speculative(args.speculative_config), preemption_mode=args.preemption_mode,
     )
     return WorkerConfig(
         role=role, engine=engine, redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),

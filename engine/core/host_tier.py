@@ -11,6 +11,11 @@ Copies are not made here: ``save`` and ``load`` queue (pool block, host block) p
 them (``take_copies``) before anything else writes into those pool blocks: saves first (a block evicted and
 reused in the same step is read before it is overwritten), then loads. A host block named in a queued copy is
 pinned until then: the LRU never hands it out twice in one batch.
+
+Swap (``--preemption-mode swap``): a preempted request's blocks, all of them (its partial last block and its
+blocks not yet committed too), are copied into host blocks held for it alone (``swap_out``), outside the LRU
+and the index, and copied back into fresh pool blocks when it is admitted again (``swap_in``), so it resumes
+where it stopped instead of recomputing. Its host blocks return to the free list once those copies are made.
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ class HostTier:
         self._saves: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self._events: list[BlockEvent] = []
+        self._swapped: dict[str, list[int]] = {}  # request id -> the host blocks holding its KV, in order
+        self._released: list[int] = []  # host blocks free once this batch's copies are made
         self.worth_loading = True  # copying a block up beats recomputing it (the engine measures both)
         self.num_saved = self.num_loaded = self.num_dropped = 0  # blocks, since start
+        self.num_swapped_out = self.num_swapped_in = 0  # requests, since start
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -102,11 +110,46 @@ class HostTier:
         self.num_loaded += len(host_ids)
 
     def take_copies(self) -> HostCopies:
-        """The queued copies (the caller makes them now); their host blocks are no longer pinned."""
+        """The queued copies (the caller makes them now); their host blocks are no longer pinned, and the host
+        blocks of requests swapped back in (or ended while swapped) are free again."""
         copies = HostCopies(tuple(self._saves), tuple(self._loads))
         self._saves, self._loads = [], []
         self._pinned.clear()
+        self._free.extend(self._released)
+        self._released = []
         return copies
+
+    # ---- swap ------------------------------------------------------------------------------
+    def swap_out(self, request_id: str, block_ids: Sequence[int]) -> bool:
+        """Hold copies of a preempted request's ``block_ids``; False (nothing taken) when the tier cannot."""
+        room = len(self._free) + sum(1 for h in self._lru.values() if h not in self._pinned)
+        if len(block_ids) > room:
+            return False
+        host_ids = [self._take() for _ in block_ids]
+        for block_id, host_id in zip(block_ids, host_ids):
+            self._pinned[host_id] += 1
+            self._saves.append((block_id, host_id))
+        self._swapped[request_id] = host_ids
+        self.num_swapped_out += 1
+        return True
+
+    def swapped(self, request_id: str) -> int | None:
+        """How many blocks of ``request_id`` are swapped out, or None."""
+        host_ids = self._swapped.get(request_id)
+        return None if host_ids is None else len(host_ids)
+
+    def swap_in(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Copy the request's swapped blocks back into the fresh pool blocks ``block_ids``."""
+        host_ids = self._swapped.pop(request_id)
+        for host_id, block_id in zip(host_ids, block_ids, strict=True):
+            self._pinned[host_id] += 1
+            self._loads.append((host_id, block_id))
+        self._released.extend(host_ids)
+        self.num_swapped_in += 1
+
+    def drop_swap(self, request_id: str) -> None:
+        """The request ended while swapped out: its host blocks go back (after this batch's copies)."""
+        self._released.extend(self._swapped.pop(request_id, ()))
 
     def take_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
@@ -126,8 +169,9 @@ class HostTier:
 
     def check_invariants(self) -> None:
         held = set(self._lru.values())
+        swapped = {h for ids in self._swapped.values() for h in ids}
         assert len(held) == len(self._lru), "a host block holds two hashes"
-        assert not held & set(self._free), "a host block is both held and free"
-        assert len(held) + len(self._free) == self.num_blocks, "held + free != total"
+        assert not held & set(self._free) and not swapped & (held | set(self._free)), "a host block used twice"
+        assert len(held) + len(self._free) + len(swapped) == self.num_blocks, "held + free + swapped != total"
         assert all(self._hash_of[h] == k for k, h in self._lru.items()), "hash map out of sync"
         assert not self._pinned and not self._saves and not self._loads, "copies left untaken"

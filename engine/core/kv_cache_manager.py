@@ -157,10 +157,38 @@ class KVCacheManager:
     def release(self, block_ids: list[int]) -> None:
         self.pool.free(reversed(block_ids))
 
+    # ---- swap (--preemption-mode swap) ------------------------------------------------------
+    def swap_out(self, request: Request) -> bool:
+        """Copy a preempted request's blocks down to the host tier and free them; False (nothing changed) when
+        there is no host tier or it has no room: the caller recomputes instead."""
+        blocks = self._blocks.get(request.request_id)
+        if self.host is None or not blocks or not self.host.swap_out(request.request_id, blocks):
+            return False
+        self.free(request)
+        return True
+
+    def swapped_out(self, request: Request) -> int | None:
+        """Blocks of ``request`` held in the host tier since its preemption, or None."""
+        return None if self.host is None else self.host.swapped(request.request_id)
+
+    def swap_in(self, request: Request, num_blocks: int) -> bool:
+        """Fresh blocks for a swapped-out request, its KV queued to be copied back into them; False (still
+        swapped out) when the pool cannot give ``num_blocks`` now."""
+        if num_blocks > self.pool.num_free_blocks:
+            return False
+        blocks = self.pool.allocate(num_blocks)
+        self._offer_evicted()
+        self.host.swap_in(request.request_id, blocks)
+        self._blocks[request.request_id] = blocks
+        self._num_committed[request.request_id] = 0
+        return True
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_committed.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+        if self.host is not None and not blocks:
+            self.host.drop_swap(request.request_id)  # ended while swapped out (abort): its host blocks go back
 
     def num_requests(self) -> int:
         return len(self._blocks)

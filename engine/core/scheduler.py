@@ -188,6 +188,13 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
+            swapped = self.kv_cache.swapped_out(request)
+            if swapped is not None:
+                if not self._swap_in(request, swapped, budget, seqs):
+                    break
+                budget -= seqs[-1].num_new_tokens
+                self.waiting.pop(i)
+                continue
             computed = self.kv_cache.get_computed_blocks(request)
             hosted = self.kv_cache.host_prefix(request, len(computed))  # the prefix's continuation in host memory
             num_hit = len(computed) + len(hosted)
@@ -221,6 +228,19 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _swap_in(self, request: Request, num_blocks: int, budget: int, seqs: list[ScheduledSeq]) -> bool:
+        """A swapped-out request resumes where it stopped: its blocks copied back, then its next tokens."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        needed = self.kv_cache.blocks_needed(request.num_computed_tokens + num_new)
+        if needed > self.kv_cache.pool.num_free_blocks or not self.kv_cache.swap_in(request, num_blocks):
+            return False
+        if self.kv_cache.allocate_slots(request, num_new) is None:  # room for the next token: it was checked
+            raise AssertionError("swap-in allocated its blocks but not the next token's")
+        request.transition(RequestStatus.RUNNING)
+        self.running.append(request)
+        seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new, (), False))
+        return True
+
     def _blocks_in_progress(self) -> set[bytes]:
         """Hashes of the full blocks running requests have yet to compute (their prompts' uncomputed part)."""
         block_size = self.kv_cache.block_size
@@ -238,8 +258,10 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv_cache.free(request)
-        request.num_computed_tokens = 0
+        swapped = self.config.preemption_mode == "swap" and self.kv_cache.swap_out(request)
+        if not swapped:
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0  # recompute (mostly from the prefix cache)
         request.num_preemptions += 1
         request.transition(RequestStatus.PREEMPTED)
         self.num_preemptions += 1

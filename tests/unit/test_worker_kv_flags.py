@@ -64,6 +64,9 @@ def test_engine_flags_reach_the_engine_config_and_bad_graph_sizes_are_refused():
     assert (engine.device, engine.attention_backend, engine.cuda_graph_sizes, engine.enforce_eager) == (
         "cuda:1", "torch", (1, 2, 8), True)
     assert config("decode", "--kv-host-blocks", "128").engine.kv_host_blocks == 128
+    assert config("decode", "--kv-host-blocks", "8", "--preemption-mode", "swap").engine.preemption_mode == "swap"
+    with pytest.raises(ValueError, match="kv_host_blocks"):  # swap needs the host tier to swap into
+        config("decode", "--preemption-mode", "swap")
     spec = config("decode", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}').engine
     assert spec.speculative_config.num_speculative_tokens == 3 and config("decode").engine.speculative_config is None
     for bad in ("{", "[1]", '{"method": "eagle"}', '{"draft": 1}'):
