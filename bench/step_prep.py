@@ -35,11 +35,11 @@ def scheduled(num_decodes: int, max_context: int, prefill: int) -> list[Schedule
     rng, seqs = random.Random(0), []
     for i in range(num_decodes):
         context = rng.randrange(20, max_context)
-        request = SimpleNamespace(request_id=f"d{i}", all_token_ids=list(range(context + 1)), num_preemptions=0)
+        request = SimpleNamespace(request_id=f"d{i}", all_token_ids=list(range(context + 1)), num_preemptions=0, num_window_freed=0)
         blocks = tuple(range(i * 200, i * 200 + context // BLOCK_SIZE + 1))
         seqs.append(ScheduledSeq(request, context, 1, blocks, True))
     if prefill:
-        request = SimpleNamespace(request_id="p", all_token_ids=list(range(prefill)), num_preemptions=0)
+        request = SimpleNamespace(request_id="p", all_token_ids=list(range(prefill)), num_preemptions=0, num_window_freed=0)
         seqs.append(ScheduledSeq(request, 0, prefill, tuple(range(60000, 60000 + prefill // BLOCK_SIZE)), True))
     return seqs
 

@@ -22,6 +22,7 @@ class BlockTables:
         self.table = np.zeros((rows, width), np.int64)  # [rows, width] row r: its request's block ids
         self._lengths = [0] * rows  # blocks written per row
         self._epochs = [0] * rows  # the request's num_preemptions when its row was written
+        self._freed = [0] * rows  # the request's num_window_freed when its row was written
         self._row_of: dict[str, int] = {}
         self._free = list(range(rows - 1, -1, -1))
         self.num_writes = 0  # block ids written since start (tests: a decode step writes almost none)
@@ -57,6 +58,11 @@ class BlockTables:
                         or self.table[row, written - 1] != block_ids[written - 1]):
             written = 0  # not the list it had: write it whole
         self._epochs[row] = request.num_preemptions
+        freed = request.num_window_freed
+        if freed != self._freed[row] and written:  # entries now pointing at the pad block (a sliding window)
+            low, high = sorted((self._freed[row], freed))
+            self.table[row, low:high] = block_ids[low:high]
+        self._freed[row] = freed
         if total > written:
             if total > self.table.shape[1]:
                 self._grow(self.table.shape[0], max(total, 2 * self.table.shape[1]))
@@ -71,6 +77,7 @@ class BlockTables:
             self._grow(2 * rows, self.table.shape[1])
             self._lengths.extend([0] * rows)
             self._epochs.extend([0] * rows)
+            self._freed.extend([0] * rows)
             self._free = list(range(2 * rows - 1, rows - 1, -1))
         return self._free.pop()
 

@@ -33,6 +33,8 @@ class SchedulerConfig:
     # "swap" copies them all to the host tier first and back when it resumes (falls back to recompute when the
     # host tier has no room)
     preemption_mode: str = "recompute"
+    # Every layer attends within this window (Mistral): a running request's blocks wholly before it are freed
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

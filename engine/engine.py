@@ -63,6 +63,7 @@ class Engine:
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len, preemption_mode=config.preemption_mode,
+            sliding_window=self.model_config.uniform_window,
         )
         self.kv_cache_manager = KVCacheManager(self.cache_config, self.fingerprint)
         speculator = Speculator(config.speculative_config) if config.speculative_config else None

@@ -141,6 +141,24 @@ class KVCacheManager:
             self.pool.commit(blocks[i], request.block_hashes[i])
         self._num_committed[request.request_id] = max(start, num_full)
 
+    def free_outside_window(self, request: Request, window: int) -> None:
+        """Give back the request's blocks wholly before the window its next token attends within: their entries
+        become ``pad_block`` (a block no request owns; attention masks those positions anyway). A committed
+        block stays in the prefix cache, evictable."""
+        blocks = self._blocks.get(request.request_id)
+        first_needed = max(request.num_computed_tokens - window + 1, 0) // self.block_size
+        if not blocks or first_needed <= request.num_window_freed:
+            return
+        freed = blocks[request.num_window_freed : first_needed]
+        self.pool.free(reversed(freed))
+        blocks[request.num_window_freed : first_needed] = [self.pad_block] * len(freed)
+        request.num_window_freed = first_needed
+
+    @property
+    def pad_block(self) -> int:
+        """The runner's block past the pool's: what freed window entries point at."""
+        return self.pool.num_blocks
+
     def trim(self, request: Request) -> None:
         """Give back blocks past what the request's known tokens need (reserved for drafts it rejected)."""
         blocks = self._blocks.get(request.request_id)
@@ -162,9 +180,12 @@ class KVCacheManager:
         """Copy a preempted request's blocks down to the host tier and free them; False (nothing changed) when
         there is no host tier or it has no room: the caller recomputes instead."""
         blocks = self._blocks.get(request.request_id)
-        if self.host is None or not blocks or not self.host.swap_out(request.request_id, blocks):
+        kept = blocks[request.num_window_freed :] if blocks else None  # freed window entries are not swapped
+        if self.host is None or not kept or not self.host.swap_out(request.request_id, kept):
             return False
+        freed = request.num_window_freed
         self.free(request)
+        request.num_window_freed = freed  # swap_in puts the pad entries back in front of its blocks
         return True
 
     def swapped_out(self, request: Request) -> int | None:
@@ -179,14 +200,15 @@ class KVCacheManager:
         blocks = self.pool.allocate(num_blocks)
         self._offer_evicted()
         self.host.swap_in(request.request_id, blocks)
-        self._blocks[request.request_id] = blocks
-        self._num_committed[request.request_id] = 0
+        self._blocks[request.request_id] = [self.pad_block] * request.num_window_freed + blocks
+        self._num_committed[request.request_id] = request.num_window_freed  # commit again from its first block
         return True
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_committed.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
+        self.pool.free(reversed(blocks[request.num_window_freed :]))
+        request.num_window_freed = 0
         if self.host is not None and not blocks:
             self.host.drop_swap(request.request_id)  # ended while swapped out (abort): its host blocks go back
 

@@ -71,6 +71,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
+    num_window_freed: int = 0  # leading blocks given back because they fell out of the sliding window
     block_hashes: list[BlockHash] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None  # the stop token id that ended it, if any

@@ -19,18 +19,22 @@ from collections.abc import Sequence
 from engine.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestDelta, SampledTokens, ScheduledSeq, SchedulerOutput, SchedulerStats
+from engine.core.remote_requests import RemoteRequests
 from engine.core.request import Request, RequestStatus
 from engine.core.speculation import Speculator, accepted
 from engine.errors import InvalidRequest
 
 
-class Scheduler:
+class Scheduler(RemoteRequests):
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, speculator: Speculator | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.speculator = speculator  # speculative decoding (engine/core/speculation.py), or None
-        # A lone request must always fit, or the queue could deadlock: cap the length at the pool.
-        self.max_model_len = min(config.max_model_len, kv_cache.pool.num_blocks * kv_cache.block_size)
+        # A lone request must always fit, or the queue could deadlock: cap the length at the pool, unless every
+        # layer attends within a window and the pool holds a window plus a step's chunk (all a request then holds).
+        pool_tokens, window = kv_cache.pool.num_blocks * kv_cache.block_size, config.sliding_window
+        roomy = window is not None and pool_tokens >= window + config.max_num_batched_tokens + 2 * kv_cache.block_size
+        self.max_model_len = config.max_model_len if roomy else min(config.max_model_len, pool_tokens)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a longer request (or a preempted one that grew) could never be admitted.
             raise InvalidRequest(
@@ -64,63 +68,6 @@ class Scheduler:
         request.transition(RequestStatus.FINISHED_ABORTED)
         self.num_aborted += 1
         return self._finish(request, [])
-
-    # ---- disaggregated decode: KV arrives from a prefill worker ---------------------------
-    def add_remote(self, request: Request, num_prompt_tokens: int) -> tuple[int, list[int]] | None:
-        """Reserve blocks for a prompt whose KV will be pulled; reuse locally cached prefix blocks.
-
-        Returns (number of leading blocks already cached here, the request's block ids), or None
-        when the pool cannot hold the prompt now (the caller falls back to local prefill).
-        """
-        self._check_new(request)  # before any block is allocated: a refused id must not leak them
-        computed = self.kv_cache.get_computed_blocks(request)
-        num_hit = min(len(computed), num_prompt_tokens // self.kv_cache.block_size)
-        computed = computed[:num_hit]
-        num_new = num_prompt_tokens - num_hit * self.kv_cache.block_size
-        if self.kv_cache.allocate_slots(request, num_new, computed) is None:
-            return None
-        self.add_request(request)
-        self.waiting.remove(request)
-        request.num_cached_tokens = num_hit * self.kv_cache.block_size
-        request.transition(RequestStatus.WAITING_FOR_REMOTE_KV)
-        return num_hit, list(self.kv_cache.block_ids(request.request_id))
-
-    def activate_remote(self, request_id: str, num_prompt_tokens: int) -> None:
-        """The pulled KV is in place: the request joins the running batch at its next token.
-
-        Its first output token (the prefill worker's) must be there already: with none, the next step would
-        schedule 0 new tokens and sample from another sequence's logit row. Refused before any change, so the
-        caller can still ``fallback_remote`` (recompute) or abort.
-        """
-        request = self._requests[request_id]
-        if request.num_output_tokens == 0:
-            raise InvalidRequest(
-                f"request {request_id!r}: activating pulled KV needs the prefill worker's first output token; "
-                "none was given (fall back to recompute instead)"
-            )
-        request.num_computed_tokens = num_prompt_tokens
-        self.kv_cache.commit(request)
-        request.transition(RequestStatus.RUNNING)
-        self.running.append(request)
-
-    def activate_prefix(self, request_id: str, num_prefix_tokens: int) -> None:
-        """A prefix of a reserved request's KV is in place (pulled, or cached here): it counts as cached and
-        the request prefills the rest in the running batch (chunked, within the token budget)."""
-        request = self._requests[request_id]
-        num_computed = max(num_prefix_tokens, request.num_cached_tokens)
-        assert num_computed % self.kv_cache.block_size == 0 and num_computed < request.num_tokens
-        request.num_computed_tokens = request.num_cached_tokens = num_computed
-        self.kv_cache.commit(request)
-        request.transition(RequestStatus.RUNNING)
-        self.running.append(request)
-
-    def fallback_remote(self, request_id: str) -> None:
-        """The pull failed: free the reserved blocks and prefill locally instead (recompute)."""
-        request = self._requests[request_id]
-        self.kv_cache.free(request)
-        request.num_computed_tokens = 0
-        request.transition(RequestStatus.WAITING)
-        self._enqueue(request)
 
     def _check_new(self, request: Request) -> None:
         if request.request_id in self._requests:
@@ -277,6 +224,7 @@ class Scheduler:
             if not seq.samples:
                 request.num_computed_tokens = seq.end
                 self.kv_cache.commit(request)
+                self._slide(request)
                 continue
             sampled = [next(tokens) for _ in range(seq.num_rows)]
             entries = [next(logprobs) for _ in range(seq.num_rows)] if logprobs is not None else [None] * seq.num_rows
@@ -287,6 +235,12 @@ class Scheduler:
             request.num_computed_tokens = seq.end - len(drafts) + len(kept) - 1  # accepted drafts' KV is valid
             results.append(self._after_tokens(request, kept, entries))
         return results
+
+    def _slide(self, request: Request) -> None:
+        """A model whose every layer attends within a window frees what fell out of it (not a prefill's prompt,
+        whose blocks are handed over whole)."""
+        if self.config.sliding_window is not None and not request.hold_blocks:
+            self.kv_cache.free_outside_window(request, self.config.sliding_window)
 
     def _after_tokens(self, request: Request, tokens: list[int], entries: list) -> RequestDelta:
         """Append a step's tokens (one, or accepted drafts and one more) up to the first that stops the request."""
@@ -304,6 +258,7 @@ class Scheduler:
         self.kv_cache.commit(request)
         if status is None:
             self.kv_cache.trim(request)  # blocks reserved for rejected drafts go back
+            self._slide(request)
             return RequestDelta(request.request_id, tokens, None, new_logprobs, queue_s=request.queue_s)
         self.running.remove(request)
         request.transition(status)

@@ -54,6 +54,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def uniform_window(self) -> int | None:
+        """The sliding window every layer attends within (Mistral), or None when some layer attends to all."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows and self.layer_windows else None
+
 
 def read_config_json(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"

@@ -19,7 +19,7 @@ BS = 4  # block size
 def _seq(rid: str, tokens: list[int], start: int, count: int, samples: bool, blocks=None,
          preemptions: int = 0) -> ScheduledSeq:
     blocks = tuple(blocks) if blocks is not None else tuple(range(100, 100 + -(-(start + count) // BS)))
-    request = SimpleNamespace(request_id=rid, all_token_ids=tokens, num_preemptions=preemptions)
+    request = SimpleNamespace(request_id=rid, all_token_ids=tokens, num_preemptions=preemptions, num_window_freed=0)
     return ScheduledSeq(request, start, count, blocks, samples)
 
 

@@ -95,7 +95,7 @@ def test_swap_needs_a_host_tier():
         EngineConfig(preemption_mode="discard")
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral-swa"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])  # windowed models rarely preempt: test_sliding_window.py
 def test_greedy_output_under_swap_preemption_equals_the_unpressured_engine(tiny_checkpoints, name):
     checkpoint = tiny_checkpoints[name]
     rng = random.Random(1)

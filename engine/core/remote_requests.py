@@ -1,0 +1,76 @@
+"""The scheduler's disaggregation states (no torch): a request whose KV another worker computed (``add_remote`` ->
+``activate_remote``), or whose cached prefix another worker holds (-> ``activate_prefix``), and the way back to a
+local prefill when the pull fails (``fallback_remote``). A mixin of ``engine.core.scheduler.Scheduler``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.core.request import Request, RequestStatus
+from engine.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache_manager import KVCacheManager
+
+
+class RemoteRequests:
+    kv_cache: KVCacheManager
+    running: list[Request]
+    _requests: dict[str, Request]
+
+    def add_remote(self, request: Request, num_prompt_tokens: int) -> tuple[int, list[int]] | None:
+        """Reserve blocks for a prompt whose KV will be pulled; reuse locally cached prefix blocks.
+
+        Returns (number of leading blocks already cached here, the request's block ids), or None
+        when the pool cannot hold the prompt now (the caller falls back to local prefill).
+        """
+        self._check_new(request)  # before any block is allocated: a refused id must not leak them
+        computed = self.kv_cache.get_computed_blocks(request)
+        num_hit = min(len(computed), num_prompt_tokens // self.kv_cache.block_size)
+        computed = computed[:num_hit]
+        num_new = num_prompt_tokens - num_hit * self.kv_cache.block_size
+        if self.kv_cache.allocate_slots(request, num_new, computed) is None:
+            return None
+        self.add_request(request)
+        self.waiting.remove(request)
+        request.num_cached_tokens = num_hit * self.kv_cache.block_size
+        request.transition(RequestStatus.WAITING_FOR_REMOTE_KV)
+        return num_hit, list(self.kv_cache.block_ids(request.request_id))
+
+    def activate_remote(self, request_id: str, num_prompt_tokens: int) -> None:
+        """The pulled KV is in place: the request joins the running batch at its next token.
+
+        Its first output token (the prefill worker's) must be there already: with none, the next step would
+        schedule 0 new tokens and sample from another sequence's logit row. Refused before any change, so the
+        caller can still ``fallback_remote`` (recompute) or abort.
+        """
+        request = self._requests[request_id]
+        if request.num_output_tokens == 0:
+            raise InvalidRequest(
+                f"request {request_id!r}: activating pulled KV needs the prefill worker's first output token; "
+                "none was given (fall back to recompute instead)"
+            )
+        request.num_computed_tokens = num_prompt_tokens
+        self.kv_cache.commit(request)
+        request.transition(RequestStatus.RUNNING)
+        self.running.append(request)
+
+    def activate_prefix(self, request_id: str, num_prefix_tokens: int) -> None:
+        """A prefix of a reserved request's KV is in place (pulled, or cached here): it counts as cached and
+        the request prefills the rest in the running batch (chunked, within the token budget)."""
+        request = self._requests[request_id]
+        num_computed = max(num_prefix_tokens, request.num_cached_tokens)
+        assert num_computed % self.kv_cache.block_size == 0 and num_computed < request.num_tokens
+        request.num_computed_tokens = request.num_cached_tokens = num_computed
+        self.kv_cache.commit(request)
+        request.transition(RequestStatus.RUNNING)
+        self.running.append(request)
+
+    def fallback_remote(self, request_id: str) -> None:
+        """The pull failed: free the reserved blocks and prefill locally instead (recompute)."""
+        request = self._requests[request_id]
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.transition(RequestStatus.WAITING)
+        self._enqueue(request)
+
