@@ -26,7 +26,7 @@ from decode_node.first_tokens import RECOMPUTE
 from engine.core.outputs import RequestDelta
 from engine.errors import InvalidRequest
 from kv_transfer.errors import KVTransferError
-from kv_transfer.transport import TransferStats, choose_uri, uri_kind
+from kv_transfer.transport import TransferStats, uri_kind
 from proto import baton_pb2 as pb
 from proto import tracing
 from worker.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
@@ -185,10 +185,11 @@ class DecodeServicer(WorkerServicer):
 
     async def _pull(self, handle: pb.KVHandle, src: list[int], dst: list[int]) -> tuple[TransferStats, str]:
         """Pull ``handle``'s leased blocks ``src`` into this worker's blocks ``dst`` over the pair's transport
-        (the first of this worker's kinds the peer serves); the layouts are compared before any byte moves."""
-        node = self.node
-        uri = choose_uri(handle.data_plane_uri, node.kv_kinds)
-        stats = await node.pull_kv(uri, layout_from_pb(handle.layout), handle.lease_id, src, dst)
+        (the first of this worker's kinds the peer serves that its handshake accepts: ``kv_transfer/pairs.py``);
+        the layouts are compared before any byte moves."""
+        node, layout = self.node, layout_from_pb(handle.layout)
+        stats, uri = await node.kv_pairs.pull(handle.worker_id, handle.data_plane_uri,
+                                              lambda uri: node.pull_kv(uri, layout, handle.lease_id, src, dst))
         return stats, uri_kind(uri)
 
     async def _first_token(self, request: pb.DecodeRequest, context) -> int:

@@ -20,6 +20,16 @@ class LayoutMismatch(KVTransferError):
         self.fields = fields
 
 
+class TransportUnusable(KVTransferError):
+    """This transport cannot work between these two workers, whatever the request: shown at the handshake,
+    before any KV byte moves (e.g. a cma:// server in another PID namespace). The puller falls through to its
+    next transport for the pair (``kv_transfer/pairs.py``). ``reason`` is a short label for metrics."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class LeaseNotFound(KVTransferError):
     """A transfer lease is unknown, released or expired."""
 

@@ -31,6 +31,11 @@ import grpc
 
 ENV_CERT, ENV_KEY, ENV_CA, ENV_SERVER_NAME = "BATON_TLS_CERT", "BATON_TLS_KEY", "BATON_TLS_CA", "BATON_TLS_SERVER_NAME"
 ChannelOptions = Sequence[tuple[str, Any]]
+# Channels between Baton's own processes (router -> worker, decode worker -> KV holder): one connection attempt
+# gives up after PEER_CONNECT_TIMEOUT_S (gRPC's own default waits 20 s on an address that never answers, e.g.
+# one a worker advertises that this host cannot reach), and an RPC waiting on it fails UNAVAILABLE then.
+PEER_CONNECT_TIMEOUT_S = 2.0
+PEER_CHANNEL_OPTIONS: ChannelOptions = (("grpc.min_reconnect_backoff_ms", int(PEER_CONNECT_TIMEOUT_S * 1000)),)
 
 
 class TlsConfigError(ValueError):

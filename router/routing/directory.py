@@ -21,7 +21,7 @@ import grpc
 from kv_transfer.registry import Registry
 from kv_transfer.workers import WorkerInfo, WorkerLoad
 from proto import baton_pb2_grpc as pb_grpc
-from proto.tls import TlsConfig, aio_channel
+from proto.tls import PEER_CHANNEL_OPTIONS, TlsConfig, aio_channel
 from router.errors import WorkerUnavailable
 from router.routing.index_mirror import MirrorSync
 from router.routing.policy import Candidate
@@ -167,7 +167,7 @@ class WorkerDirectory:
     def stub(self, info: WorkerInfo) -> pb_grpc.WorkerStub:
         channel = self._channels.get(info.grpc_address)
         if channel is None:
-            channel = aio_channel(info.grpc_address, self._tls)
+            channel = aio_channel(info.grpc_address, self._tls, PEER_CHANNEL_OPTIONS)
             self._channels[info.grpc_address] = channel
             self._last_listed_s.setdefault(info.grpc_address, self._clock())
         return pb_grpc.WorkerStub(channel)
