@@ -10,7 +10,8 @@ import grpc
 
 from decode_node.first_tokens import FirstTokenMailbox
 from decode_node.servicer import DecodeServicer
-from kv_transfer.pairs import Fallthrough, PairTransports
+from kv_transfer.errors import PeerUnreachable
+from kv_transfer.pairs import UNREACHABLE_RETRY_S, Fallthrough, PairTransports
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from proto.tls import PEER_CHANNEL_OPTIONS, aio_channel
@@ -31,7 +32,7 @@ class DecodeNode(WorkerNode):
     async def start(self) -> str:
         address = await super().start()
         # the transport of each pair (this worker pulling from a peer), decided at the pair's first handshake
-        self.kv_pairs = PairTransports(self.kv_kinds, self._fell_through)
+        self.kv_pairs = PairTransports(self.kv_kinds, self._fell_through, on_unreachable=self._unreachable)
         return address
 
     def servicer(self) -> DecodeServicer:
@@ -43,6 +44,11 @@ class DecodeNode(WorkerNode):
         logger.warning("worker_id=%s KV transport %s cannot work with %s (%s): %s; %s", self.worker_id, event.kind,
                        event.peer, event.reason, event.detail, then)
         self.metrics.kv_transport_fallthrough(event.kind, event.reason)
+
+    def _unreachable(self, peer: str, exc: PeerUnreachable) -> None:
+        """A peer's KV address cannot be reached (once per spell; its pulls fail fast meanwhile)."""
+        logger.warning("worker_id=%s cannot reach the KV data plane of %s: %s; its pulls fail at once for %g s "
+                       "(each request prefills here)", self.worker_id, peer, exc, UNREACHABLE_RETRY_S)
 
     def release_remote_lease(self, address: str, lease_id: str) -> asyncio.Task:
         """Tell the worker at ``address`` that this one is done reading lease ``lease_id`` (it frees the blocks).

@@ -30,6 +30,12 @@ class TransportUnusable(KVTransferError):
         self.reason = reason
 
 
+class PeerUnreachable(KVTransferError):
+    """The serving worker's KV address cannot be connected to from here (refused, no route, no answer within
+    the connect timeout): a wrong advertised address, a partition, or a dead peer. Raised before any KV byte
+    moves."""
+
+
 class LeaseNotFound(KVTransferError):
     """A transfer lease is unknown, released or expired."""
 

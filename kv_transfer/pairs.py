@@ -10,6 +10,11 @@ to the transport that does, and reports each fall-through once per pair (``on_fa
 logs it and counts it by reason). Any other error (the lease gone, a layout mismatch, an unreachable peer, a
 timeout) belongs to the request, not the transport: it propagates, and the caller recomputes as before.
 
+A peer whose KV address cannot be connected to (``PeerUnreachable``: refused, no route, no answer within the
+connect timeout) fails the pull as before, but for ``unreachable_retry_s`` afterwards the pair's pulls fail at
+once with the same clear error instead of each waiting for the connect timeout again (``on_unreachable`` is
+told at the first failure of each such spell).
+
 A pair is keyed by the URIs the peer offers (``KVHandle.data_plane_uri``): a restarted peer offers new ports
 or a new boot id and is judged afresh. Only pairs that fell through are remembered (at most ``max_pairs``,
 least recently used dropped): for every other pair the puller's first choice is the pair's.
@@ -18,16 +23,18 @@ least recently used dropped): for every other pair the puller's first choice is 
 from __future__ import annotations
 
 from collections import OrderedDict
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from kv_transfer.errors import KVTransferError, TransportUnusable
+from kv_transfer.errors import KVTransferError, PeerUnreachable, TransportUnusable
 from kv_transfer.transport import uris_in_order
 
 T = TypeVar("T")
 MAX_PAIRS = 4096
+UNREACHABLE_RETRY_S = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,11 +52,14 @@ class PairTransports:
     """The pulling side's memory of its pairs: ``pull`` runs a pull over the pair's transport."""
 
     def __init__(self, preferred: Sequence[str], on_fallthrough: Callable[[Fallthrough], None] | None = None, *,
-                 max_pairs: int = MAX_PAIRS) -> None:
+                 on_unreachable: Callable[[str, PeerUnreachable], None] | None = None, max_pairs: int = MAX_PAIRS,
+                 unreachable_retry_s: float = UNREACHABLE_RETRY_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.preferred = tuple(preferred)
         self._on_fallthrough = on_fallthrough or (lambda _: None)
-        self._max_pairs = max_pairs
+        self._on_unreachable = on_unreachable or (lambda peer, exc: None)
+        self._max_pairs, self._retry_s, self._clock = max_pairs, unreachable_retry_s, clock
         self._unusable: OrderedDict[str, dict[str, str]] = OrderedDict()  # offered URIs -> kind -> why not
+        self._unreachable: dict[str, tuple[float, PeerUnreachable]] = {}  # offered URIs -> (since, the error)
 
     def candidates(self, offered: str) -> list[str]:
         """The URIs a pull from ``offered`` tries, in order: the puller's preference, less what cannot work for
@@ -65,15 +75,36 @@ class PairTransports:
     async def pull(self, peer: str, offered: str, pull: Callable[[str], Awaitable[T]]) -> tuple[T, str]:
         """``pull(uri)`` over the pair's transport, falling through the ones its handshake refuses; returns the
         result and the URI that served it."""
+        self._check_reachable(offered)
         while True:
             uris = self.candidates(offered)
             if not uris:
                 why = "; ".join(f"{kind}: {detail}" for kind, detail in self._unusable.get(offered, {}).items())
                 raise KVTransferError(f"no KV transport works between this worker and {peer}: {why}")
             try:
-                return await pull(uris[0]), uris[0]
+                result = await pull(uris[0])
             except TransportUnusable as exc:
                 self._mark(peer, offered, uris, exc)
+                continue
+            except PeerUnreachable as exc:
+                self._unreachable_since(peer, offered, exc)
+                raise
+            self._unreachable.pop(offered, None)
+            return result, uris[0]
+
+    def _check_reachable(self, offered: str) -> None:
+        """Fail at once while the peer was unreachable less than ``unreachable_retry_s`` ago."""
+        seen = self._unreachable.get(offered)
+        if seen is not None and (age_s := self._clock() - seen[0]) < self._retry_s:
+            raise PeerUnreachable(f"{seen[1]} [{age_s:.1f} s ago; not retried for {self._retry_s:g} s]")
+
+    def _unreachable_since(self, peer: str, offered: str, exc: PeerUnreachable) -> None:
+        now = self._clock()
+        for key in [k for k, (since, _) in self._unreachable.items() if now - since >= self._retry_s]:
+            del self._unreachable[key]  # spells long over: their next pull tries again anyway
+        if offered not in self._unreachable:
+            self._on_unreachable(peer, exc)
+        self._unreachable[offered] = (now, exc)
 
     def _mark(self, peer: str, offered: str, uris: list[str], exc: TransportUnusable) -> None:
         kind = urlsplit(uris[0]).scheme

@@ -156,6 +156,15 @@ class Host:
         """Bring the host's one interface down (a pulled cable: nothing in or out) or back up."""
         _ip("-n", self.netns, "link", "set", "eth0", "up" if up else "down")
 
+    def blackhole(self, address: str) -> None:
+        """From this host, frames to ``address`` go to a MAC no host has and vanish (a firewall dropping them:
+        connections time out, nothing refuses)."""
+        _ip("-n", self.netns, "neigh", "replace", address, "lladdr", "02:00:00:00:00:01", "dev", "eth0",
+            "nud", "permanent")
+
+    def unblackhole(self, address: str) -> None:
+        _ip("-n", self.netns, "neigh", "del", address, "dev", "eth0", check=False)
+
     def kill_all(self) -> None:
         """SIGKILL every process of the host at once: the kernel kills a PID namespace's processes with its
         init. The host keeps its network; ``spawn`` fails afterwards (there is no PID namespace to enter)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from kv_transfer.registry import Registry, connect
+from kv_transfer.workers import WorkerInfo
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.hosts import HostProc, Network
@@ -76,10 +77,11 @@ class HostsCluster:
         return f"redis://{self.redis.address}/0"
 
     def start_worker(self, role: str, worker_id: str, *, host: str, extra: Sequence[str] = (), num_blocks: int = 256,
-                     block_size: int = 4) -> HostProc:
+                     block_size: int = 4, bind: str | None = None) -> HostProc:
+        """``bind``: its ``--host`` (default: the host's address; e.g. 0.0.0.0)."""
         address = self.net[host].address
         port = WORKER_PORT + 10 * sum(1 for w in self.workers.values() if w.address.startswith(f"{address}:"))
-        args = [role, "--redis-url", self.redis_url, "--model", str(self.model_dir), "--host", address,
+        args = [role, "--redis-url", self.redis_url, "--model", str(self.model_dir), "--host", bind or address,
                 "--port", str(port), "--kv-port", str(port + 1), "--metrics-port", str(port - WORKER_PORT + METRICS_PORT),
                 "--num-blocks", str(num_blocks), "--block-size", str(block_size), "--worker-id", worker_id,
                 "--num-threads", "1", "--on-drain", "stay", *extra]
@@ -114,11 +116,29 @@ class HostsCluster:
         raise TimeoutError(f"workers {worker_ids} did not register in {timeout_s} s")
 
     async def _registered(self) -> list[str]:
+        return [info.worker_id for info in await self.registered()]
+
+    async def registered(self) -> list[WorkerInfo]:
+        """The workers registered in Redis, as the router sees them."""
         redis = connect(f"unix://{self.forward(self.redis.address)}?db=0")
         try:
-            return [info.worker_id for info, _ in await Registry(redis, "baton").list_workers()]
+            return [info for info, _ in await Registry(redis, "baton").list_workers()]
         finally:
             await redis.aclose()
+
+    def only(self, *worker_ids: str, settle_s: float = 1.5) -> None:
+        """Drain every worker but ``worker_ids`` (the router then has one choice per role); waits ``settle_s``
+        for the router to re-list the registry (every 0.5 s)."""
+        async def set_draining() -> None:
+            redis = connect(f"unix://{self.forward(self.redis.address)}?db=0")
+            registry = Registry(redis, "baton")
+            for worker_id in self.workers:
+                await (registry.remove_draining(worker_id) if worker_id in worker_ids
+                       else registry.add_draining(worker_id))
+            await redis.aclose()
+
+        asyncio.run(set_draining())
+        time.sleep(settle_s)
 
     # ---- talking to them -------------------------------------------------------------------
     def channel(self, address: str) -> grpc.Channel:

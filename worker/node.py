@@ -32,6 +32,7 @@ from proto import baton_pb2_grpc as pb_grpc
 from proto.malformed import MalformedRequestInterceptor
 from proto.metrics_http import serve_metrics
 from proto.tls import add_port, describe
+from worker.addresses import advertised_host, host_port, loopback_warning
 from worker.config import WorkerConfig, transport_config
 from worker.drain import DrainGate, InFlightCounter
 from worker.leases import WorkerLeases
@@ -87,8 +88,11 @@ class WorkerNode:
         resolve = self.leases.resolver()
         self.kv_servers = [make_server(kind, buffer=self.kv_buffer, resolve=resolve, config=self.transport_config,
                                        progress=self.leases.progress) for kind in self.kv_kinds]
-        served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0)
-                  for i, server in enumerate(self.kv_servers)]
+        self.advertise_host = self.config.advertise_host or advertised_host(self.config.host, self.config.redis_url)
+        if (warning := loopback_warning(self.advertise_host, self.config.redis_url)) is not None:
+            logger.warning("%s", warning)
+        served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0,
+                                     advertise_host=self.advertise_host) for i, server in enumerate(self.kv_servers)]
         self.kv_uri = self.config.kv_advertise_uri or " ".join(served)
         # what an early (kv_pending) handle offers: the URIs whose server streams layers
         self.streaming_kv_uri = " ".join(u for u in self.kv_uri.split() if uri_kind(u) in STREAMING_KINDS)
@@ -137,7 +141,7 @@ class WorkerNode:
         await self.grpc_server.start()
         logger.info("gRPC on %s:%d is %s", self.config.host, self.grpc_port, describe(self.config.tls))
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        return f"{self.config.host}:{self.grpc_port}"
+        return host_port(self.advertise_host, self.grpc_port)
 
     async def pull_kv(self, uri: str, layout: KVLayout, lease_id: str, src: Sequence[int],
                       dst: Sequence[int]) -> TransferStats:
