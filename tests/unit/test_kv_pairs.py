@@ -1,16 +1,17 @@
 """The transport of a worker pair (kv_transfer/pairs.py), against real in-process cma and tcp servers over one
 buffer: a transport whose handshake shows it cannot work for the pair (a cma server in another PID namespace)
 is fallen through within the same pull, remembered for the pair and reported once; a request's own failure
-(an expired lease) is not a transport's and falls through nothing."""
+(an expired lease) is not a transport's and falls through nothing; an unreachable peer fails at once for a while."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import numpy as np
 import pytest
 
-from kv_transfer.errors import KVTransferError, LeaseNotFound, TransportUnusable
+from kv_transfer.errors import KVTransferError, LeaseNotFound, PeerUnreachable, TransportUnusable
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
 from kv_transfer.pairs import Fallthrough, PairTransports
@@ -146,3 +147,31 @@ def test_only_so_many_degraded_pairs_are_remembered() -> None:
     for offered in offers:
         run(pairs.pull("p", offered, refuse_cma))
     assert [pairs.chosen(o).split(":")[0] for o in offers] == ["cma", "tcp", "tcp"]  # the oldest was dropped
+
+
+def test_an_unreachable_peer_fails_at_once_for_a_while_then_is_tried_again() -> None:
+    now = [0.0]
+    told: list[str] = []
+    pairs = PairTransports(("tcp",), on_unreachable=lambda peer, exc: told.append(peer), unreachable_retry_s=10.0,
+                           clock=lambda: now[0])
+    attempts: list[str] = []
+    puller = Puller()
+
+    async def refused(uri: str):
+        attempts.append(uri)
+        return await puller.pull("lease", [1], [1])(uri)
+
+    with socket.socket() as closed:  # a port nobody listens on: the connection is refused
+        closed.bind(("127.0.0.1", 0))
+        offered = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(PeerUnreachable, match="cannot connect to KV server tcp://127.0.0.1:.*--host"):
+            run(pairs.pull("p0", offered, refused))
+        now[0] = 9.0
+        with pytest.raises(PeerUnreachable, match=r"\[9.0 s ago; not retried for 10 s\]"):
+            run(pairs.pull("p0", offered, refused))
+        assert len(attempts) == 1 and told == ["p0"]  # failed at once, reported once
+        now[0] = 10.5
+        with pytest.raises(PeerUnreachable):
+            run(pairs.pull("p0", offered, refused))
+        assert len(attempts) == 2 and told == ["p0", "p0"]  # tried again: a new spell
+    puller.close()
