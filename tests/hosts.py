@@ -175,16 +175,22 @@ class Host:
             proc.popen.wait(10)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        for proc in reversed(self.procs):
-            proc.signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in reversed(self.procs):
-            try:
-                proc.popen.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.signal(signal.SIGKILL)
+        """Stop every process (SIGTERM; SIGKILL after ``timeout_s``), then the PID namespace and the netns."""
+        stop_all(self.procs, timeout_s)
         self.kill_all()
         _ip("netns", "del", self.netns, check=False)
+
+
+def stop_all(procs: Sequence[HostProc], timeout_s: float = 10.0) -> None:
+    """SIGTERM every process at once, then wait; SIGKILL those still running after ``timeout_s``."""
+    for proc in procs:
+        proc.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.popen.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.signal(signal.SIGKILL)
 
 
 class Network:
@@ -257,6 +263,7 @@ class Network:
                   "match", "ip", "dst", f"{self.hosts[peer].address}/32", "flowid", classid])
 
     def close(self) -> None:
+        stop_all([proc for host in self.hosts.values() for proc in host.procs])  # all hosts' at once
         for host in reversed(list(self.hosts.values())):
             host.close()
         self.hosts.clear()
