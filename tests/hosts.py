@@ -72,6 +72,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _start_init(netns: str) -> tuple[subprocess.Popen, int]:
+    """A PID namespace for a host: ``unshare`` and the pid of its child, ``sleep``, the namespace's pid 1."""
+    init = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+                             "sleep", "infinity"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    return init, _child_pid(init.pid)
+
+
 def _child_pid(pid: int, timeout_s: float = 5.0) -> int:
     """The first child of ``pid`` (``nsenter``/``unshare`` fork the process that enters the namespaces)."""
     deadline = time.monotonic() + timeout_s
@@ -167,12 +175,18 @@ class Host:
 
     def kill_all(self) -> None:
         """SIGKILL every process of the host at once: the kernel kills a PID namespace's processes with its
-        init. The host keeps its network; ``spawn`` fails afterwards (there is no PID namespace to enter)."""
+        init. The host keeps its network; ``spawn`` fails afterwards until ``reboot``."""
         if self.init.poll() is None:
             os.kill(self.init_pid, signal.SIGKILL)
             self.init.wait(10)
         for proc in self.procs:
             proc.popen.wait(10)
+
+    def reboot(self) -> None:
+        """``kill_all``, then a fresh PID namespace to ``spawn`` in (the network stays as it was)."""
+        self.kill_all()
+        self.procs.clear()
+        self.init, self.init_pid = _start_init(self.netns)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every process (SIGTERM; SIGKILL after ``timeout_s``), then the PID namespace and the netns."""
@@ -241,10 +255,7 @@ class Network:
         for args in (("link", "set", "lo", "up"), ("addr", "add", f"{address}/24", "dev", "eth0"),
                      ("link", "set", "eth0", "up")):
             _ip("-n", netns, *args)
-        init = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--pid", "--fork", "--kill-child",
-                                 "--mount-proc", "sleep", "infinity"], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        self.hosts[name] = Host(name, netns, address, init, _child_pid(init.pid))
+        self.hosts[name] = Host(name, netns, address, *_start_init(netns))
 
     def shape(self, name: str, rate: str | None, per_peer: Mapping[str, str] | None = None) -> None:
         """Shape host ``name``'s egress: ``rate`` for all it sends (None: unlimited), ``per_peer`` host name ->

@@ -43,6 +43,7 @@ class HostsCluster:
         self.router: HostProc | None = None
         self.workers: dict[str, HostProc] = {}
         self.metrics_addresses: dict[str, str] = {}  # worker id -> host:port of its /metrics
+        self._worker_args: dict[str, tuple[str, list[str]]] = {}  # worker id -> (host, CLI arguments)
         self._forwarded: dict[str, Path] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._forwarder = net[client].spawn("forwarder", [sys.executable, "-m", "tests.hosts_forward"], log_dir,
@@ -85,10 +86,19 @@ class HostsCluster:
                 "--port", str(port), "--kv-port", str(port + 1), "--metrics-port", str(port - WORKER_PORT + METRICS_PORT),
                 "--num-blocks", str(num_blocks), "--block-size", str(block_size), "--worker-id", worker_id,
                 "--num-threads", "1", "--on-drain", "stay", *extra]
+        self._worker_args[worker_id] = (host, args)
         proc = self._spawn(host, worker_id, args)
         proc.address = f"{address}:{port}"
         self.workers[worker_id] = proc
         self.metrics_addresses[worker_id] = f"{address}:{port - WORKER_PORT + METRICS_PORT}"
+        return proc
+
+    def restart_worker(self, worker_id: str) -> HostProc:
+        """Start worker ``worker_id`` again as it was first started (its host rebooted or the process gone)."""
+        host, args = self._worker_args[worker_id]
+        address = self.workers[worker_id].address
+        proc = self.workers[worker_id] = self._spawn(host, worker_id, args)
+        proc.address = address
         return proc
 
     def start_router(self, host: str, *extra: str) -> HostProc:
@@ -148,14 +158,18 @@ class HostsCluster:
 
     def generate(self, prompt: list[int], max_tokens: int, timeout_s: float = 60.0) -> tuple[list[int], pb.GenerateResponse]:
         """Greedy ``prompt`` through the router: (token ids, the last response, with the timings)."""
-        stub = pb_grpc.GenerationStub(self.channel(self.router.address))
-        params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params),
-                                       timeout=timeout_s))
+        responses = list(self.stream(prompt, max_tokens, timeout_s))
         return [t for r in responses for t in r.token_ids], responses[-1]
 
+    def stream(self, prompt: list[int], max_tokens: int, timeout_s: float = 60.0):
+        """Greedy ``prompt`` through the router: the call, to iterate response by response."""
+        stub = pb_grpc.GenerationStub(self.channel(self.router.address))
+        params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params), timeout=timeout_s)
+
     def stats(self, worker_id: str) -> pb.StatsResponse:
-        return pb_grpc.WorkerStub(self.channel(self.workers[worker_id].address)).Stats(pb.StatsRequest(), timeout=10)
+        stub = pb_grpc.WorkerStub(self.channel(self.workers[worker_id].address))
+        return stub.Stats(pb.StatsRequest(), timeout=10, wait_for_ready=True)  # a restarted worker: reconnect
 
     def metrics(self, worker_id: str) -> str:
         """The worker's Prometheus /metrics text."""

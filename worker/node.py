@@ -31,7 +31,7 @@ from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from proto.malformed import MalformedRequestInterceptor
 from proto.metrics_http import serve_metrics
-from proto.tls import add_port, describe
+from proto.tls import PEER_SERVER_OPTIONS, add_port, describe
 from worker.addresses import advertised_host, host_port, loopback_warning
 from worker.config import WorkerConfig, transport_config
 from worker.drain import DrainGate, InFlightCounter
@@ -130,7 +130,8 @@ class WorkerNode:
         await self.redis.aclose()
 
     async def _start_grpc(self) -> str:
-        self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+        options = [("grpc.max_receive_message_length", 64 << 20), *PEER_SERVER_OPTIONS]
+        self.grpc_server = grpc.aio.server(options=options,
                                            interceptors=[MalformedRequestInterceptor(), self.in_flight])
         pb_grpc.add_WorkerServicer_to_server(self.servicer(), self.grpc_server)
         health_servicer = health.aio.HealthServicer()

@@ -115,6 +115,7 @@ class WorkerDirectory:
         ttl_s: float = 0.5,
         channel_idle_s: float = 900.0,
         redis_retry_s: float = 1.0,
+        redis_wait_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         mirror: MirrorSync | None = None,
         tls: TlsConfig | None = None,
@@ -123,6 +124,9 @@ class WorkerDirectory:
         than any request may last, so a worker that misses a heartbeat never loses its streams).
         ``redis_retry_s``: after a Redis failure, requests use the stale listing and skip index lookups
         for this long instead of each waiting on Redis's timeout.
+        ``redis_wait_s``: the longest a request waits on Redis (a listing, a lookup; each takes a millisecond or
+        so): a Redis that does not answer (a partition: no error, only silence) costs a request this much, not
+        the client's timeouts and retries (seconds each); the listing goes on in the background meanwhile.
         ``mirror``: an in-memory mirror of the KV index answers lookups with no round trip while in sync.
         ``tls``: call the workers over TLS (presenting its certificate for mTLS); None: plaintext."""
         self._registry = registry
@@ -130,6 +134,8 @@ class WorkerDirectory:
         self._ttl_s = ttl_s
         self._channel_idle_s = channel_idle_s
         self._redis_retry_s = redis_retry_s
+        self._redis_wait_s = redis_wait_s
+        self._refreshing: asyncio.Task | None = None
         self._clock = clock
         self._snapshot: Snapshot | None = None
         self._last_nonempty_s = float("-inf")  # when a listing last held any worker
@@ -142,14 +148,23 @@ class WorkerDirectory:
         self._mismatch_warned: set[str] = set()
 
     async def snapshot(self) -> Snapshot:
-        """The registry as of at most ``ttl_s`` ago; one refresh at a time however many requests wait."""
+        """The registry as of at most ``ttl_s`` ago; one refresh at a time however many requests wait. A refresh
+        that takes longer than ``redis_wait_s`` goes on in the background while requests use the last listing."""
         if self._fresh():
             return self._snapshot  # type: ignore[return-value]
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh_once())
+        if self._snapshot is None:
+            await asyncio.shield(self._refreshing)  # nothing to route by yet: wait (WorkerUnavailable if it fails)
+        else:
+            await asyncio.wait({self._refreshing}, timeout=self._redis_wait_s)
+        assert self._snapshot is not None
+        return self._snapshot
+
+    async def _refresh_once(self) -> None:
         async with self._refresh_lock:
             if not self._fresh():
                 await self._refresh()
-        assert self._snapshot is not None
-        return self._snapshot
 
     async def lookup(self, hashes: list[bytes]) -> dict[str, int]:
         """Leading cached blocks per worker; empty (load-only routing) when Redis cannot answer."""
@@ -158,8 +173,8 @@ class WorkerDirectory:
         if self._clock() < self._lookups_paused_until_s:
             return {}
         try:
-            return await self._registry.index.lookup(hashes)
-        except Exception as exc:  # noqa: BLE001 - any Redis failure degrades routing, never fails it
+            return await asyncio.wait_for(self._registry.index.lookup(hashes), self._redis_wait_s)
+        except Exception as exc:  # noqa: BLE001 - any Redis failure (or silence) degrades routing, never fails it
             log.warning("KV index lookup failed, routing by load only for %.1f s: %r", self._redis_retry_s, exc)
             self._lookups_paused_until_s = self._clock() + self._redis_retry_s
             return {}
@@ -173,6 +188,8 @@ class WorkerDirectory:
         return pb_grpc.WorkerStub(channel)
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
 

@@ -31,17 +31,21 @@ AUTO = ("--kv-transport", "auto", "--calibrate-tokens", "0")
 FRESH = [[(11 * i + 5 * j) % 2900 + 40 for j in range(60 + 7 * i)] for i in range(9)]
 
 
-@pytest.fixture(scope="module")
-def fresh(model_dir):  # noqa: F811
-    """The offline engine's greedy output for FRESH."""
+def offline(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # noqa: F811
+    """The offline engine's greedy output for ``prompts``."""
     engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
-    for i, prompt in enumerate(FRESH):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     out: dict[int, list[int]] = {}
     while engine.has_unfinished():
         for delta in engine.step():
             out.setdefault(int(delta.request_id), []).extend(delta.new_token_ids)
-    return [out[i] for i in range(len(FRESH))]
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def fresh(model_dir):  # noqa: F811
+    return offline(model_dir, FRESH, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
