@@ -22,22 +22,20 @@ process (SIGTERM, then SIGKILL) and deletes every namespace, also when a test fa
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import os
-import re
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PREFIX = "bth"
+from tests.hosts_procs import (  # noqa: F401 - HostProc and stop_all are part of this module's interface
+    PREFIX, ROOT, HostProc, _child_pid, _die_with_parent, _ip, _run, _start_init, remove_stale, stop_all,
+)
+
 SUBNET = "10.213.0"  # private, and only ever inside the namespaces (no route to it exists outside them)
-_PR_SET_PDEATHSIG = 1
 _counter = itertools.count()
 
 
@@ -54,77 +52,6 @@ def unavailable_reason() -> str | None:
         return f"ip netns add failed: {made.stderr.strip()}"
     _ip("netns", "del", probe, check=False)
     return None
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return _run(["ip", *args], check=check)
-
-
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the process that started it dies (no orphans after a crash)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _start_init(netns: str) -> tuple[subprocess.Popen, int]:
-    """A PID namespace for a host: ``unshare`` and the pid of its child, ``sleep``, the namespace's pid 1."""
-    init = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
-                             "sleep", "infinity"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-    return init, _child_pid(init.pid)
-
-
-def _child_pid(pid: int, timeout_s: float = 5.0) -> int:
-    """The first child of ``pid`` (``nsenter``/``unshare`` fork the process that enters the namespaces)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            children = []
-        if children:
-            return int(children[0])
-        time.sleep(0.01)
-    raise RuntimeError(f"process {pid} started no child in {timeout_s} s")
-
-
-@dataclass
-class HostProc:
-    """A process started inside a host; ``pid`` is its pid on the machine (signals go there)."""
-
-    name: str
-    popen: subprocess.Popen  # nsenter: it exits with the process's status
-    pid: int
-    log_path: Path
-    address: str = ""
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL if it has not exited in ``timeout_s``."""
-        self.signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.popen.wait(5)
 
 
 @dataclass
@@ -193,18 +120,6 @@ class Host:
         stop_all(self.procs, timeout_s)
         self.kill_all()
         _ip("netns", "del", self.netns, check=False)
-
-
-def stop_all(procs: Sequence[HostProc], timeout_s: float = 10.0) -> None:
-    """SIGTERM every process at once, then wait; SIGKILL those still running after ``timeout_s``."""
-    for proc in procs:
-        proc.signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            proc.popen.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            proc.signal(signal.SIGKILL)
 
 
 class Network:
@@ -301,31 +216,3 @@ def _htb_rate(rate: str) -> list[str]:
     # 256 KiB and 4 MiB transfers within ~10% of the rate from 100 Mbit/s to 1 Gbit/s (measured).
     burst = f"{max(8192, int(rate_bits(rate) / 8 * 200e-6))}b"
     return ["htb", "rate", rate, "ceil", rate, "burst", burst, "cburst", burst]
-
-
-def remove_stale() -> list[str]:
-    """Delete the namespaces of runs whose process is gone (a crashed or killed run), killing what ran in them."""
-    listed = _ip("netns", "list", check=False).stdout.split("\n")
-    removed = []
-    for name in (line.split()[0] for line in listed if line.strip()):
-        match = re.fullmatch(rf"{PREFIX}-(\d+)-\d+-.+", name)
-        if match is None or _alive(int(match.group(1))):
-            continue
-        for pid in _ip("netns", "pids", name, check=False).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _ip("netns", "del", name, check=False)
-        removed.append(name)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
