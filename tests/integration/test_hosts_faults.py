@@ -55,22 +55,29 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def kv_bytes_in_flight(net: Network, sender: str, receiver: str) -> bool:
+    """``sender`` has bytes queued on a TCP connection to ``receiver`` (``ss`` on its host): a pull is under way."""
+    lines = net[sender].run("ss", "-tnH", "state", "established").stdout.splitlines()
+    return any(int(f[1]) > 0 and f[3].startswith(f"{net[receiver].address}:") for f in map(str.split, lines))
+
+
 def test_a_prefill_hosts_link_down_mid_pull_recomputes_on_d(cluster, expected) -> None:
     net = cluster.net
     cluster.only("p0", "d0")
-    net.shape("b", "1gbit", per_peer={"c": "1mbit"})  # p0 -> d0 slow: the pull lasts ~0.7 s
+    assert cluster.generate(PROMPTS[0], MAX_TOKENS)[1].timings.transfer_bytes > 0  # the pair knows its transport
+    net.shape("b", "1gbit", per_peer={"c": "1mbit"})  # p0 -> d0 slow: a pull lasts ~0.7 s
     result: list = []
-    request = threading.Thread(target=lambda: result.append(cluster.generate(PROMPTS[0], MAX_TOKENS, timeout_s=30)))
+    request = threading.Thread(target=lambda: result.append(cluster.generate(PROMPTS[1], MAX_TOKENS, timeout_s=30)))
     try:
         request.start()
-        wait_for(lambda: cluster.stats("p0").num_open_leases == 1)  # p0 prefilled: d0 is about to pull, or pulling
+        wait_for(lambda: kv_bytes_in_flight(net, "b", "c"))  # p0 is sending d0 the KV
         net["b"].set_link(up=False)
         request.join(30)
     finally:
         net["b"].set_link(up=True)
         net.shape("b", "1gbit")
     tokens, last = result[0]
-    assert tokens == expected[0] and last.timings.local_fallback, last.timings  # d0 recomputed: same tokens
+    assert tokens == expected[1] and last.timings.local_fallback, last.timings  # d0 recomputed: same tokens
     assert "KV pull failed" in last.timings.route_reason, last.timings
     cluster.assert_pools_full(timeout_s=15)  # p0's lease: released, or expired (5 s) while nobody could reach it
 
@@ -78,7 +85,7 @@ def test_a_prefill_hosts_link_down_mid_pull_recomputes_on_d(cluster, expected) -
 def test_a_decode_hosts_link_down_mid_stream_ends_with_a_clear_error(cluster, expected) -> None:
     net = cluster.net
     cluster.only("p1", "d1")
-    call = cluster.stream(PROMPTS[1], 400, timeout_s=60)  # ~8 s of tokens from the slowed d1
+    call = cluster.stream(PROMPTS[2], 400, timeout_s=60)  # ~8 s of tokens from the slowed d1
     started = time.monotonic()
     try:
         assert len(next(call).token_ids) >= 1
@@ -99,7 +106,7 @@ def test_a_decode_hosts_link_down_mid_stream_ends_with_a_clear_error(cluster, ex
 def test_hosts_whose_processes_are_all_killed_end_streams_clearly_and_are_routed_around(cluster, expected) -> None:
     net = cluster.net
     cluster.only("p0", "d1")
-    call = cluster.stream(PROMPTS[2], 400, timeout_s=60)
+    call = cluster.stream(PROMPTS[3], 400, timeout_s=60)
     next(call), next(call)  # d1 streams
     cluster.only("p0", "p1", "d0", "d1")
     net["f"].kill_all()  # d1's host: every process SIGKILLed at once
@@ -109,7 +116,7 @@ def test_hosts_whose_processes_are_all_killed_end_streams_clearly_and_are_routed
     assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value
     assert "decode worker d1 failed after" in failure.value.details(), failure.value.details()
     net["b"].kill_all()  # p0's host too, the prefill worker the router prefers: both listed until their TTL
-    for i in range(3, 9):  # prefilled on p1 (retried there) or on d0
+    for i in range(4, 9):  # prefilled on p1 (retried there) or on d0
         tokens, last = cluster.generate(PROMPTS[i], MAX_TOKENS, timeout_s=30)
         assert tokens == expected[i] and last.timings.decode_worker == "d0", last.timings
     for host, worker_id in (("f", "d1"), ("b", "p0")):
