@@ -45,6 +45,9 @@ PEER_KEEPALIVE_S = 5.0
 PEER_KEEPALIVE_TIMEOUT_S = 5.0
 PEER_CHANNEL_OPTIONS: ChannelOptions = (
     ("grpc.min_reconnect_backoff_ms", int(PEER_CONNECT_TIMEOUT_S * 1000)),
+    # a channel that failed to connect fails its calls at once until its next attempt: a worker restarted at the
+    # same address is tried again within 5 s (gRPC's backoff grows to 120 s)
+    ("grpc.max_reconnect_backoff_ms", 5000),
     ("grpc.keepalive_time_ms", int(PEER_KEEPALIVE_S * 1000)),
     ("grpc.keepalive_timeout_ms", int(PEER_KEEPALIVE_TIMEOUT_S * 1000)),
     ("grpc.http2.max_pings_without_data", 0),

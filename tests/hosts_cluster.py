@@ -93,12 +93,18 @@ class HostsCluster:
         self.metrics_addresses[worker_id] = f"{address}:{port - WORKER_PORT + METRICS_PORT}"
         return proc
 
-    def restart_worker(self, worker_id: str) -> HostProc:
-        """Start worker ``worker_id`` again as it was first started (its host rebooted or the process gone)."""
+    def restart_worker(self, worker_id: str, timeout_s: float = 90.0) -> HostProc:
+        """Start worker ``worker_id`` again as it was first started (its host rebooted or the process gone) and
+        wait until it serves (its old registration may not have expired yet: the registry cannot tell)."""
         host, args = self._worker_args[worker_id]
         address = self.workers[worker_id].address
         proc = self.workers[worker_id] = self._spawn(host, worker_id, args)
         proc.address = address
+        deadline = time.monotonic() + timeout_s
+        while " ready: grpc=" not in proc.log():
+            if not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{worker_id} did not start again:\n{proc.log()}")
+            time.sleep(0.2)
         return proc
 
     def start_router(self, host: str, *extra: str) -> HostProc:

@@ -21,7 +21,7 @@ from tests.integration.test_hosts import offline
 
 WHY_NOT = unavailable_reason()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-WORKER = ("--kv-transport", "auto", "--calibrate-tokens", "0", "--lease-ttl-s", "5", "--kv-io-timeout-s", "3")
+WORKER = ("--kv-transport", "tcp", "--calibrate-tokens", "0", "--lease-ttl-s", "5", "--kv-io-timeout-s", "3")
 PROMPTS = [[(13 * i + 7 * j) % 2900 + 40 for j in range(150 + i)] for i in range(12)]
 MAX_TOKENS = 8
 

@@ -120,7 +120,7 @@ def test_a_silent_redis_costs_a_request_at_most_redis_wait_s(redis_server):
             clock.now_s += 1.0
             assert await directory.snapshot() is first  # the refresh goes on in the background
             assert await directory.lookup([b"x" * 16]) == {}  # load only
-            assert await directory.snapshot() is first  # one refresh at a time: not a second wait
+            assert await directory.snapshot() is first  # the same refresh: past its first redis_wait_s, no wait
         finally:
             os.kill(redis_server.pid, signal.SIGCONT)
         await directory.close()
