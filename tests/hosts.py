@@ -17,7 +17,7 @@ one rate per destination host (a ``u32`` filter on the destination address).
 Every namespace is named ``bth-<creating pid>-<n>-<host>``; ``close()`` (or leaving the ``with``) stops every
 process (SIGTERM, then SIGKILL) and deletes every namespace, also when a test fails. A crashed run's leftovers
 (namespaces whose creating pid is gone) are removed by the next ``Network.create``. Needs root, ``ip``, ``tc``,
-``unshare`` and ``nsenter`` (``unavailable_reason()`` says what is missing).
+``unshare``, ``nsenter``, ``setpriv`` and ``ss`` (``unavailable_reason()`` says what is missing).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.hosts_procs import (  # noqa: F401 - HostProc and stop_all are part of this module's interface
-    PREFIX, ROOT, HostProc, _child_pid, _die_with_parent, _ip, _run, _start_init, remove_stale, stop_all,
+    DIE_WITH_PARENT, PREFIX, ROOT, HostProc, _child_pid, _ip, _run, _start_init, remove_stale, stop_all,
 )
 
 SUBNET = "10.213.0"  # private, and only ever inside the namespaces (no route to it exists outside them)
@@ -43,7 +43,7 @@ def unavailable_reason() -> str | None:
     """None when hosts can be made here, else why not (not root, a tool missing, ``ip netns`` refused)."""
     if os.geteuid() != 0:
         return "network and PID namespaces need root (run the multi-host tests as root)"
-    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter", "setpriv", "ss") if shutil.which(tool) is None]
     if missing:
         return f"missing {', '.join(missing)} (Debian: iproute2, util-linux)"
     probe = f"{PREFIX}-{os.getpid()}-probe"
@@ -59,7 +59,7 @@ class Host:
     name: str
     netns: str
     address: str
-    init: subprocess.Popen  # `unshare --pid --fork --kill-child sleep infinity`: the PID namespace's holder
+    init: subprocess.Popen  # `unshare --pid --fork cat`: the PID namespace's holder (hosts_procs._start_init)
     init_pid: int  # its child, pid 1 of the host's PID namespace
     procs: list[HostProc] = field(default_factory=list)
 
@@ -68,12 +68,11 @@ class Host:
         """Start ``argv`` inside this host (its network, mount and PID namespaces), output to ``log_dir/name.log``
         (``pipe``: stdin and stdout are text pipes to the caller, stderr goes to the log)."""
         log_path = log_dir / f"{name}.log"
-        enter = ["nsenter", "--target", str(self.init_pid), "--net", "--mount", "--pid", "--"]
+        enter = [*DIE_WITH_PARENT, "nsenter", "--target", str(self.init_pid), "--net", "--mount", "--pid", "--"]
         with log_path.open("wb") as log:
             streams = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) if pipe else dict(stdout=log)
             popen = subprocess.Popen([*enter, *argv], stderr=log if pipe else subprocess.STDOUT, cwd=ROOT,
-                                     env=dict(env if env is not None else os.environ), preexec_fn=_die_with_parent,
-                                     **streams)
+                                     env=dict(env if env is not None else os.environ), **streams)
         try:
             proc = HostProc(name, popen, _child_pid(popen.pid), log_path)
         except RuntimeError:
@@ -106,6 +105,8 @@ class Host:
         if self.init.poll() is None:
             os.kill(self.init_pid, signal.SIGKILL)
             self.init.wait(10)
+        if self.init.stdin is not None:
+            self.init.stdin.close()
         for proc in self.procs:
             proc.popen.wait(10)
 

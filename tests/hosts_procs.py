@@ -3,7 +3,6 @@ started inside a host and stopped by their pid on the machine, and the removal o
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -15,7 +14,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "bth"  # every namespace of the harness: bth-<creating pid>-<n>-<host>
-_PR_SET_PDEATHSIG = 1
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -29,16 +27,20 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     return done
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the process that started it dies (no orphans after a crash)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+# Run first in every process the harness starts: SIGKILL it when the process that started it dies (no orphans after
+# a crash). A wrapper that execs, not a preexec_fn: forking a process with gRPC's threads running and then running
+# Python in the child before exec can hang in gRPC's fork handlers (seen: "epoll_wait error: Bad file descriptor"
+# and no exec); without a preexec_fn, subprocess spawns without running any.
+DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL", "--")
 
 
 def _start_init(netns: str) -> tuple[subprocess.Popen, int]:
-    """A PID namespace for a host: ``unshare`` and the pid of its child, ``sleep``, the namespace's pid 1."""
-    init = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
-                             "sleep", "infinity"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    """A PID namespace for a host: ``unshare`` and the pid of its child, the namespace's pid 1: ``cat`` reading a
+    pipe only this process writes to. When this process dies, however it dies, the pipe closes, ``cat`` exits and
+    the kernel kills every process of the namespace (a namespace's pid 1 ignores a parent-death SIGKILL, so
+    ``--kill-child`` alone would leave it and its host's processes running)."""
+    init = subprocess.Popen([*DIE_WITH_PARENT, "ip", "netns", "exec", netns, "unshare", "--pid", "--fork", "--mount-proc",
+                             "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return init, _child_pid(init.pid)
 
 
