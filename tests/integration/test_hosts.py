@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.hosts import Network, unavailable_reason
+from tests.hosts import ROOT, Network, remove_stale, unavailable_reason
 from tests.hosts_cluster import HostsCluster
 from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, expected, model_dir  # noqa: F401
 
@@ -100,6 +102,33 @@ def test_hosts_are_isolated_and_their_links_shaped(tmp_path) -> None:
     assert "off-machine 101" in out  # ENETUNREACH: no route leaves the bridge
     rates = {addr: float(rate) for addr, rate in re.findall(r"rate (\S+) (\S+)", out)}
     assert rates[b] < 1.5 * 100e6 and rates[c] < 1.5 * 20e6, rates  # ~2e10 unshaped
+
+
+def test_a_crashed_runs_hosts_die_with_it_and_their_namespaces_go_with_the_next_run(tmp_path) -> None:
+    crash = ("import os, sys\nfrom pathlib import Path\nfrom tests.hosts import Network\n"
+             "net = Network.create(['a'])\nproc = net['a'].spawn('sleeper', ['sleep', '600'], Path(sys.argv[1]))\n"
+             "print(net.prefix, proc.pid, flush=True)\nos._exit(3)\n")
+    run = subprocess.run([sys.executable, "-c", crash, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert run.returncode == 3, run.stderr
+    prefix, pid = run.stdout.split()
+    wait_for_exit(int(pid))  # the crashed run's host process: killed with its PID namespace
+    removed = remove_stale()
+    assert sorted(removed) == [f"{prefix}-a", f"{prefix}-br"]
+    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if n.startswith(prefix)]
+
+
+def wait_for_exit(pid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":  # exited (reaped by no one)
+                return
+        except FileNotFoundError:
+            return
+        assert time.monotonic() < deadline, f"process {pid} outlived the run that started it"
+        time.sleep(0.05)
 
 
 def test_greedy_output_across_hosts_equals_the_offline_engine(cluster, expected) -> None:  # noqa: F811
