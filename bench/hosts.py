@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(args.model).path  # built once here, not by every worker at once
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-hosts-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    names = ["redis", "router", *(f"p{i}" for i in range(args.prefill)), *(f"d{i}" for i in range(args.decode)), "client"]
+    workers = [*(f"p{i}" for i in range(args.prefill)), *(f"d{i}" for i in range(args.decode))]
+    names = ["redis", "router", *workers, "client"]
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     for rate in rates:
         rate_bits(rate)

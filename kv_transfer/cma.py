@@ -19,10 +19,10 @@ exchanges one after another and closes after an ERROR; clients pool idle connect
                           layer per run of consecutive source blocks, in wire order (layout.py)
     client               checks the boot id and pid namespace are its own (else refuses: another host or
                           container), reads the 16-byte probe at its address and compares it (the pid is
-                          the server, not a recycled pid) — any of these failing raises TransportUnusable,
-                          and the puller's next transport serves the pair (kv_transfer/pairs.py) — then ``process_vm_readv``s the blocks straight
-                          into its destination blocks (paired runs; at most IOV_MAX iovecs a side a call;
-                          partial reads resumed)
+                          the server, not a recycled pid; any of these failing raises TransportUnusable
+                          and the puller's next transport serves the pair: kv_transfer/pairs.py), then
+                          ``process_vm_readv``s the blocks straight into its destination blocks (paired
+                          runs; at most IOV_MAX iovecs a side a call; partial reads resumed)
     client -> C_READ_DONE
     server -> DONE        the lease was still live after the client's last byte (so no block was freed and
                           reused under the read); payload: one xxh3-64 per block, computed over the

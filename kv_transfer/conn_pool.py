@@ -207,7 +207,8 @@ async def connect_socket(uri: str, config: TransportConfig, scheme: str = "tcp")
                               f"({UNREACHABLE_HINT})") from None
     except OSError as exc:
         sock.close()
-        raise PeerUnreachable(f"cannot connect to KV server {uri}: {exc.strerror or exc!r} ({UNREACHABLE_HINT})") from exc
+        raise PeerUnreachable(f"cannot connect to KV server {uri}: {exc.strerror or exc!r} "
+                              f"({UNREACHABLE_HINT})") from exc
     except BaseException:
         sock.close()
         raise

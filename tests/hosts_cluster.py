@@ -83,7 +83,8 @@ class HostsCluster:
         address = self.net[host].address
         port = WORKER_PORT + 10 * sum(1 for w in self.workers.values() if w.address.startswith(f"{address}:"))
         args = [role, "--redis-url", self.redis_url, "--model", str(self.model_dir), "--host", bind or address,
-                "--port", str(port), "--kv-port", str(port + 1), "--metrics-port", str(port - WORKER_PORT + METRICS_PORT),
+                "--port", str(port), "--kv-port", str(port + 1),
+                "--metrics-port", str(port - WORKER_PORT + METRICS_PORT),
                 "--num-blocks", str(num_blocks), "--block-size", str(block_size), "--worker-id", worker_id,
                 "--num-threads", "1", "--on-drain", "stay", *extra]
         self._worker_args[worker_id] = (host, args)
@@ -162,7 +163,8 @@ class HostsCluster:
             self._channels[address] = grpc.insecure_channel(f"unix:{self.forward(address)}")
         return self._channels[address]
 
-    def generate(self, prompt: list[int], max_tokens: int, timeout_s: float = 60.0) -> tuple[list[int], pb.GenerateResponse]:
+    def generate(self, prompt: list[int], max_tokens: int,
+                 timeout_s: float = 60.0) -> tuple[list[int], pb.GenerateResponse]:
         """Greedy ``prompt`` through the router: (token ids, the last response, with the timings)."""
         responses = list(self.stream(prompt, max_tokens, timeout_s))
         return [t for r in responses for t in r.token_ids], responses[-1]

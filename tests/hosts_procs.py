@@ -39,8 +39,9 @@ def _start_init(netns: str) -> tuple[subprocess.Popen, int]:
     pipe only this process writes to. When this process dies, however it dies, the pipe closes, ``cat`` exits and
     the kernel kills every process of the namespace (a namespace's pid 1 ignores a parent-death SIGKILL, so
     ``--kill-child`` alone would leave it and its host's processes running)."""
-    init = subprocess.Popen([*DIE_WITH_PARENT, "ip", "netns", "exec", netns, "unshare", "--pid", "--fork", "--mount-proc",
-                             "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    init = subprocess.Popen([*DIE_WITH_PARENT, "ip", "netns", "exec", netns, "unshare", "--pid", "--fork",
+                             "--mount-proc", "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     return init, _child_pid(init.pid)
 
 

@@ -42,9 +42,9 @@ class WorkerMetrics:
                                   "Requests handed KV (or a prefix) to import that this worker prefilled itself instead, "
                                   "by why", ["worker_id", "reason"], registry=r)
         self._fallthroughs = Counter("baton:kv_transport_fallthroughs_total",
-                                     "Worker pairs whose preferred KV transport could not work, seen at their first "
-                                     "handshake (counted once per pair; its pulls use the next transport), by transport "
-                                     "and why", ["worker_id", "transport", "reason"], registry=r)
+                                     "Worker pairs whose preferred KV transport could not work, seen at their "
+                                     "first handshake (counted once per pair; its pulls use the next transport), "
+                                     "by transport and why", ["worker_id", "transport", "reason"], registry=r)
         self._errors = Counter("baton:request_errors_total", "Worker calls that ended in an error status",
                                ["worker_id", "code"], registry=r)
         for series in (self._running, self._waiting, self._kv_usage, self._hit_rate, self._queries, self._hits,
