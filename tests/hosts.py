@@ -189,8 +189,9 @@ class Network:
             _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                   "match", "ip", "dst", f"{self.hosts[peer].address}/32", "flowid", classid])
 
-    def close(self) -> None:
-        stop_all([proc for host in self.hosts.values() for proc in host.procs])  # all hosts' at once
+    def close(self, grace_s: float = 3.0) -> None:
+        """SIGTERM every host's processes at once, SIGKILL what still runs after ``grace_s``; delete the namespaces."""
+        stop_all([proc for host in self.hosts.values() for proc in host.procs], grace_s)
         for host in reversed(list(self.hosts.values())):
             host.close()
         self.hosts.clear()
