@@ -17,6 +17,7 @@ _BENCHMARKS = {
     "serve": "bench.serve",
     "compare": "bench.compare",
     "faults": "bench.faults",
+    "hosts": "bench.hosts",
     "soak": "bench.soak",
     "layerwise": "bench.layerwise",
     "layerwise-serving": "bench.layerwise_serving",

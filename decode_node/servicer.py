@@ -25,8 +25,8 @@ import grpc
 from decode_node.first_tokens import RECOMPUTE
 from engine.core.outputs import RequestDelta
 from engine.errors import InvalidRequest
-from kv_transfer.errors import KVTransferError
-from kv_transfer.transport import TransferStats, choose_uri, uri_kind
+from kv_transfer.errors import KVTransferError, PeerUnreachable
+from kv_transfer.transport import TransferStats, uri_kind
 from proto import baton_pb2 as pb
 from proto import tracing
 from worker.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
@@ -116,7 +116,7 @@ class DecodeServicer(WorkerServicer):
             except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
                 logger.warning("request_id=%s worker_id=%s KV pull failed (%s); recomputing locally", rid,
                                node.worker_id, exc)
-                self._fall_back(timings, "pull_failed", f"KV pull failed ({exc})")
+                self._fall_back(timings, _failure_reason(exc), f"KV pull failed ({exc})")
                 self._done_with(handle, marks)
                 first = await self._first_token(request, context) if request.first_token_pending else None
                 return lambda e: e.fallback_remote(rid, None if first == RECOMPUTE else first)
@@ -166,7 +166,7 @@ class DecodeServicer(WorkerServicer):
             except (KVTransferError, OSError, asyncio.TimeoutError) as exc:
                 logger.warning("request_id=%s worker_id=%s prefix pull from %s failed (%s); recomputing locally",
                                rid, node.worker_id, handle.worker_id, exc)
-                self._fall_back(timings, "pull_failed", f"prefix pull from {handle.worker_id} failed ({exc})")
+                self._fall_back(timings, _failure_reason(exc), f"prefix pull from {handle.worker_id} failed ({exc})")
                 return lambda e: e.fallback_remote(rid)
             _record_transfer(node, timings, stats, kind)
         block_size = node.layout.block_size
@@ -185,10 +185,11 @@ class DecodeServicer(WorkerServicer):
 
     async def _pull(self, handle: pb.KVHandle, src: list[int], dst: list[int]) -> tuple[TransferStats, str]:
         """Pull ``handle``'s leased blocks ``src`` into this worker's blocks ``dst`` over the pair's transport
-        (the first of this worker's kinds the peer serves); the layouts are compared before any byte moves."""
-        node = self.node
-        uri = choose_uri(handle.data_plane_uri, node.kv_kinds)
-        stats = await node.pull_kv(uri, layout_from_pb(handle.layout), handle.lease_id, src, dst)
+        (the first of this worker's kinds the peer serves that its handshake accepts: ``kv_transfer/pairs.py``);
+        the layouts are compared before any byte moves."""
+        node, layout = self.node, layout_from_pb(handle.layout)
+        stats, uri = await node.kv_pairs.pull(handle.worker_id, handle.data_plane_uri,
+                                              lambda uri: node.pull_kv(uri, layout, handle.lease_id, src, dst))
         return stats, uri_kind(uri)
 
     async def _first_token(self, request: pb.DecodeRequest, context) -> int:
@@ -197,6 +198,11 @@ class DecodeServicer(WorkerServicer):
         left_s = context.time_remaining()
         return await self.node.first_tokens.wait(request.request_id, MAX_FIRST_TOKEN_WAIT_S if left_s is None
                                                  else min(left_s, MAX_FIRST_TOKEN_WAIT_S))
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """``kv_pull_fallbacks_total``'s reason for a failed pull."""
+    return "peer_unreachable" if isinstance(exc, PeerUnreachable) else "pull_failed"
 
 
 def _check_prefix_request(request: pb.DecodeRequest) -> None:

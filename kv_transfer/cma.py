@@ -19,9 +19,10 @@ exchanges one after another and closes after an ERROR; clients pool idle connect
                           layer per run of consecutive source blocks, in wire order (layout.py)
     client               checks the boot id and pid namespace are its own (else refuses: another host or
                           container), reads the 16-byte probe at its address and compares it (the pid is
-                          the server, not a recycled pid), then ``process_vm_readv``s the blocks straight
-                          into its destination blocks (paired runs; at most IOV_MAX iovecs a side a call;
-                          partial reads resumed)
+                          the server, not a recycled pid; any of these failing raises TransportUnusable
+                          and the puller's next transport serves the pair: kv_transfer/pairs.py), then
+                          ``process_vm_readv``s the blocks straight into its destination blocks (paired
+                          runs; at most IOV_MAX iovecs a side a call; partial reads resumed)
     client -> C_READ_DONE
     server -> DONE        the lease was still live after the client's last byte (so no block was freed and
                           reused under the read); payload: one xxh3-64 per block, computed over the
@@ -60,7 +61,7 @@ from kv_transfer import checksum
 from kv_transfer.cma_memory import boot_id, pid_namespace, readv
 from kv_transfer.cma_stream import IOVECS_STREAMED, NOT_STREAMING, announce_layers, read_announced
 from kv_transfer.conn_pool import PooledClient
-from kv_transfer.errors import KVTransferError
+from kv_transfer.errors import KVTransferError, TransportUnusable
 from kv_transfer.layout import KVBuffer
 from kv_transfer.progress import ProgressLookup
 from kv_transfer.protocol import remote_error
@@ -216,14 +217,19 @@ def _check_iovecs(uri: str, frame: Frame) -> tuple[int, np.ndarray]:
     except (struct.error, ValueError) as exc:
         raise KVTransferError(f"KV server {uri}: malformed C_IOVECS: {exc}") from exc
     if boot != boot_id():
-        raise KVTransferError(f"KV server {uri} runs on another host (boot id {boot.hex()}, here {boot_id().hex()}): "
-                              "cma:// reads only between processes of one host; use tcp://")
+        raise TransportUnusable(f"KV server {uri} runs on another host (boot id {boot.hex()}, here "
+                                f"{boot_id().hex()}): cma:// reads only between processes of one host; use tcp://",
+                                "other_host")
     if pidns and pid_namespace() and pidns != pid_namespace():
-        raise KVTransferError(f"KV server {uri} runs in another pid namespace (a container?): its pid {pid} means "
-                              "nothing here; cma:// needs both workers in one pid namespace (e.g. --pid=host); "
-                              "use tcp://")
+        raise TransportUnusable(f"KV server {uri} runs in another pid namespace (a container?): its pid {pid} means "
+                                "nothing here; cma:// needs both workers in one pid namespace (e.g. --pid=host); "
+                                "use tcp://", "pid_namespace")
     got = np.zeros(16, np.uint8)
-    readv(pid, np.array([[got.ctypes.data, 16]], np.uint64), np.array([[probe_addr, 16]], np.uint64), uri)
+    try:
+        readv(pid, np.array([[got.ctypes.data, 16]], np.uint64), np.array([[probe_addr, 16]], np.uint64), uri)
+    except KVTransferError as exc:  # EPERM (ptrace rules), ESRCH: this process cannot read the server's memory
+        raise TransportUnusable(str(exc), "memory_unreadable") from exc
     if got.tobytes() != probe:
-        raise KVTransferError(f"KV server {uri}: pid {pid} is not the server (its probe does not read back)")
+        raise TransportUnusable(f"KV server {uri}: pid {pid} is not the server (its probe does not read back)",
+                                "memory_unreadable")
     return pid, np.frombuffer(frame.payload, np.uint64, offset=IOVECS_HEAD.size).reshape(-1, 2)

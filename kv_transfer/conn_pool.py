@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-import os
 import socket
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from kv_transfer.errors import KVTransferError
+from kv_transfer.errors import KVTransferError, PeerUnreachable
 from kv_transfer.protocol import check_hello_ok, remote_error, sign_read, verify_done
 from kv_transfer.socket_server import ReadKinds
 from kv_transfer.tcp_wire import peek_byte, recv_frame, send_frame, transfer, tune_socket
@@ -43,6 +41,10 @@ logger = logging.getLogger(__name__)
 MAX_IDLE_PER_PEER = 4
 CLIENT_IDLE_S = 30.0  # below socket_server.SERVER_IDLE_S: the client drops an idle connection first
 T = TypeVar("T")
+
+
+UNREACHABLE_HINT = ("is the address the serving worker registered one this host can reach? check its --host, "
+                    "--kv-advertise-uri and the network between them")
 
 
 class NotAnswered(KVTransferError):
@@ -192,14 +194,21 @@ async def send_request(sock: socket.socket, frames: Sequence[bytes], config: Tra
 
 
 async def connect_socket(uri: str, config: TransportConfig, scheme: str = "tcp") -> socket.socket:
-    """A non-blocking socket connecting to ``scheme://host:port`` (completes while the first write waits)."""
+    """A non-blocking socket connected to ``scheme://host:port``; ``PeerUnreachable`` when the connection is
+    refused, has no route, or is not accepted within ``connect_timeout_s`` (an address this host cannot reach)."""
     family, addr = await _resolve(uri, config.connect_timeout_s, scheme)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         tune_socket(sock, config)
-        err = sock.connect_ex(addr)  # completes (or fails) while the request is written
-        if err not in (0, errno.EINPROGRESS):
-            raise KVTransferError(f"cannot connect to KV server {uri}: {os.strerror(err)}")
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, addr), config.connect_timeout_s)
+    except TimeoutError:
+        sock.close()
+        raise PeerUnreachable(f"cannot connect to KV server {uri}: no answer in {config.connect_timeout_s:g} s "
+                              f"({UNREACHABLE_HINT})") from None
+    except OSError as exc:
+        sock.close()
+        raise PeerUnreachable(f"cannot connect to KV server {uri}: {exc.strerror or exc!r} "
+                              f"({UNREACHABLE_HINT})") from exc
     except BaseException:
         sock.close()
         raise

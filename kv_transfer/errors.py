@@ -20,6 +20,22 @@ class LayoutMismatch(KVTransferError):
         self.fields = fields
 
 
+class TransportUnusable(KVTransferError):
+    """This transport cannot work between these two workers, whatever the request: shown at the handshake,
+    before any KV byte moves (e.g. a cma:// server in another PID namespace). The puller falls through to its
+    next transport for the pair (``kv_transfer/pairs.py``). ``reason`` is a short label for metrics."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class PeerUnreachable(KVTransferError):
+    """The serving worker's KV address cannot be connected to from here (refused, no route, no answer within
+    the connect timeout): a wrong advertised address, a partition, or a dead peer. Raised before any KV byte
+    moves."""
+
+
 class LeaseNotFound(KVTransferError):
     """A transfer lease is unknown, released or expired."""
 

@@ -238,16 +238,23 @@ def parse_kinds(spec: str, device: str = "cpu") -> tuple[str, ...]:
 def choose_uri(offered: str, preferred: Sequence[str]) -> str:
     """The URI to pull from: ``offered`` lists the serving worker's URIs (space-separated, as a
     ``KVHandle.data_plane_uri`` or a registry ``kv_uri`` carries them); the first kind of ``preferred``
-    (the pulling worker's order) that it offers wins."""
+    (the pulling worker's order) that it offers wins. What only a handshake shows (a cma:// server in another
+    PID namespace) is ``kv_transfer/pairs.py``'s: it tries ``uris_in_order`` one after another."""
+    return uris_in_order(offered, preferred)[0]
+
+
+def uris_in_order(offered: str, preferred: Sequence[str]) -> list[str]:
+    """The URIs of ``offered`` (one per kind) that ``preferred`` names, in its order, less those the URI alone
+    shows cannot work from here; raises KVTransferError when none is left."""
     by_kind: dict[str, str] = {}
     for uri in offered.split():
         if _reachable(uri):
             by_kind.setdefault(urlsplit(uri).scheme, uri)
-    for kind in preferred:
-        if kind in by_kind:
-            return by_kind[kind]
-    raise KVTransferError(f"no KV transport in common: the peer serves {sorted(by_kind) or 'nothing'}, "
-                          f"this worker pulls with {list(preferred)}")
+    uris = [by_kind[kind] for kind in preferred if kind in by_kind]
+    if not uris:
+        raise KVTransferError(f"no KV transport in common: the peer serves {sorted(by_kind) or 'nothing'}, "
+                              f"this worker pulls with {list(preferred)}")
+    return uris
 
 
 def _reachable(uri: str) -> bool:

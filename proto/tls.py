@@ -31,6 +31,33 @@ import grpc
 
 ENV_CERT, ENV_KEY, ENV_CA, ENV_SERVER_NAME = "BATON_TLS_CERT", "BATON_TLS_KEY", "BATON_TLS_CA", "BATON_TLS_SERVER_NAME"
 ChannelOptions = Sequence[tuple[str, Any]]
+# Channels between Baton's own processes (router -> worker, decode worker -> KV holder): one connection attempt
+# gives up after PEER_CONNECT_TIMEOUT_S (gRPC's own default waits 20 s on an address that never answers, e.g.
+# one a worker advertises that this host cannot reach), and an RPC waiting on it fails UNAVAILABLE then. A
+# connection whose peer vanished without a word (its link down, its host gone: no FIN, no RST) is found by HTTP/2
+# keepalive pings: while calls are open the caller pings after PEER_KEEPALIVE_S without news and gives up
+# PEER_KEEPALIVE_TIMEOUT_S later (its calls fail UNAVAILABLE) instead of waiting for the request's deadline (a
+# streaming Decode sends nothing after its request: pings without data must not be capped). Workers accept pings
+# that often (PEER_SERVER_OPTIONS; gRPC's default answers a ping more often than every 5 minutes with GOAWAY) and
+# ping their callers in turn, so a call whose caller vanished is cancelled and frees its blocks.
+PEER_CONNECT_TIMEOUT_S = 2.0
+PEER_KEEPALIVE_S = 5.0
+PEER_KEEPALIVE_TIMEOUT_S = 5.0
+PEER_CHANNEL_OPTIONS: ChannelOptions = (
+    ("grpc.min_reconnect_backoff_ms", int(PEER_CONNECT_TIMEOUT_S * 1000)),
+    # a channel that failed to connect fails its calls at once until its next attempt: a worker restarted at the
+    # same address is tried again within 5 s (gRPC's backoff grows to 120 s)
+    ("grpc.max_reconnect_backoff_ms", 5000),
+    ("grpc.keepalive_time_ms", int(PEER_KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(PEER_KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+PEER_SERVER_OPTIONS: ChannelOptions = (
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(PEER_KEEPALIVE_S * 1000) // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_time_ms", int(2 * PEER_KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(PEER_KEEPALIVE_TIMEOUT_S * 1000)),
+)
 
 
 class TlsConfigError(ValueError):

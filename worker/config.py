@@ -16,7 +16,8 @@ class WorkerConfig:
     engine: EngineConfig
     redis_url: str
     namespace: str = "baton"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # what gRPC and the KV data plane bind
+    advertise_host: str | None = None  # what peers dial (None: host; a wildcard host: the address toward Redis)
     grpc_port: int = 0
     kv_transport: str = "tcp"  # --kv-transport: "auto" or kinds in order of preference, e.g. "ucx,tcp"
     kv_port: int = 0

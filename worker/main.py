@@ -123,7 +123,11 @@ def parser(role: str) -> argparse.ArgumentParser:
                    "for TLS (default: $BATON_REDIS_URL, where a password is safer than on the command line)")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--namespace", default="baton", help="Redis key namespace")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve gRPC and the KV data plane on")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to serve gRPC and the KV data plane on, and to register for peers; 0.0.0.0: every "
+                   "interface, registering the address that routes to Redis (default: %(default)s, this host only)")
+    p.add_argument("--advertise-host", default=None,
+                   help="the address to register for routers and peers when it is not --host (e.g. behind NAT)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--kv-port", type=int, default=0, help="KV data-plane port (0: any free port)")
     p.add_argument("--kv-advertise-uri", default=None,
@@ -176,7 +180,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
     )
     return WorkerConfig(
         role=role, engine=engine, redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
-        namespace=args.namespace, host=args.host,
+        namespace=args.namespace, host=args.host, advertise_host=args.advertise_host,
         grpc_port=args.port, kv_transport=args.kv_transport, kv_port=args.kv_port, worker_id=args.worker_id,
         kv_advertise_uri=args.kv_advertise_uri, kv_checksum=args.kv_checksum, kv_io_timeout_s=args.kv_io_timeout_s,
         kv_secret=load_secret(args.kv_secret_file),

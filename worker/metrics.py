@@ -41,6 +41,10 @@ class WorkerMetrics:
         self._fallbacks = Counter("baton:kv_pull_fallbacks_total",
                                   "Requests handed KV (or a prefix) to import that this worker prefilled itself instead, "
                                   "by why", ["worker_id", "reason"], registry=r)
+        self._fallthroughs = Counter("baton:kv_transport_fallthroughs_total",
+                                     "Worker pairs whose preferred KV transport could not work, seen at their "
+                                     "first handshake (counted once per pair; its pulls use the next transport), "
+                                     "by transport and why", ["worker_id", "transport", "reason"], registry=r)
         self._errors = Counter("baton:request_errors_total", "Worker calls that ended in an error status",
                                ["worker_id", "code"], registry=r)
         self._spec_drafts = Counter("baton:spec_decode_num_drafts", "Speculative steps that drafted (request, step)",
@@ -91,6 +95,9 @@ class WorkerMetrics:
         """A silent fallback: the output is the same, only slower, so it is counted (``PULL_FALLBACKS``)."""
         self.pull_fallbacks_total += 1
         self._fallbacks.labels(worker_id=self.worker_id, reason=reason).inc()
+
+    def kv_transport_fallthrough(self, transport: str, reason: str) -> None:
+        self._fallthroughs.labels(worker_id=self.worker_id, transport=transport, reason=reason).inc()
 
     def request_error(self, code: str) -> None:
         self._errors.labels(worker_id=self.worker_id, code=code).inc()

@@ -32,7 +32,8 @@ from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from proto.malformed import MalformedRequestInterceptor
 from proto.metrics_http import serve_metrics
-from proto.tls import add_port, describe
+from proto.tls import PEER_SERVER_OPTIONS, add_port, describe
+from worker.addresses import advertised_host, host_port, loopback_warning
 from worker.config import WorkerConfig, transport_config
 from worker.drain import DrainGate, InFlightCounter
 from worker.kv_plane import KVPlane
@@ -82,8 +83,11 @@ class WorkerNode:
         self.transport_config = transport_config(self.config)
         self._kv_clients: dict[str, KVClient] = {}
         self.kv_servers = [self.kv_plane.server(kind, self.transport_config) for kind in self.kv_kinds]
-        served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0)
-                  for i, server in enumerate(self.kv_servers)]
+        self.advertise_host = self.config.advertise_host or advertised_host(self.config.host, self.config.redis_url)
+        if (warning := loopback_warning(self.advertise_host, self.config.redis_url)) is not None:
+            logger.warning("%s", warning)
+        served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0,
+                                     advertise_host=self.advertise_host) for i, server in enumerate(self.kv_servers)]
         if self.config.fault_nixl_lose_notifications:
             _lose_nixl_notifications(self.kv_servers)
         self.kv_uri = self.config.kv_advertise_uri or " ".join(served)
@@ -123,7 +127,8 @@ class WorkerNode:
         await self.redis.aclose()
 
     async def _start_grpc(self) -> str:
-        self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+        options = [("grpc.max_receive_message_length", 64 << 20), *PEER_SERVER_OPTIONS]
+        self.grpc_server = grpc.aio.server(options=options,
                                            interceptors=[MalformedRequestInterceptor(), self.in_flight])
         pb_grpc.add_WorkerServicer_to_server(self.servicer(), self.grpc_server)
         health_servicer = health.aio.HealthServicer()
@@ -134,7 +139,7 @@ class WorkerNode:
         await self.grpc_server.start()
         logger.info("gRPC on %s:%d is %s", self.config.host, self.grpc_port, describe(self.config.tls))
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        return f"{self.config.host}:{self.grpc_port}"
+        return host_port(self.advertise_host, self.grpc_port)
 
     async def pull_kv(self, uri: str, layout: KVLayout, lease_id: str, src: Sequence[int],
                       dst: Sequence[int]) -> TransferStats:

@@ -22,7 +22,7 @@ from kv_transfer.index_schema import TieredLookup
 from kv_transfer.registry import Registry
 from kv_transfer.workers import WorkerInfo, WorkerLoad
 from proto import baton_pb2_grpc as pb_grpc
-from proto.tls import TlsConfig, aio_channel
+from proto.tls import PEER_CHANNEL_OPTIONS, TlsConfig, aio_channel
 from router.errors import WorkerUnavailable
 from router.routing.mirror_sync import MirrorSync
 from router.routing.policy import Candidate
@@ -120,6 +120,7 @@ class WorkerDirectory:
         ttl_s: float = 0.5,
         channel_idle_s: float = 900.0,
         redis_retry_s: float = 1.0,
+        redis_wait_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         mirror: MirrorSync | None = None,
         tls: TlsConfig | None = None,
@@ -128,6 +129,11 @@ class WorkerDirectory:
         than any request may last, so a worker that misses a heartbeat never loses its streams).
         ``redis_retry_s``: after a Redis failure, requests use the stale listing and skip index lookups
         for this long instead of each waiting on Redis's timeout.
+        ``redis_wait_s``: the longest a request waits on Redis (a listing, a lookup; each takes a millisecond or
+        so): requests wait for a listing only in its first ``redis_wait_s`` (it goes on in the background after),
+        and a listing or lookup that fails or takes longer stops lookups (load-only routing) until a listing
+        succeeds. A Redis that does not answer (a partition: no error, only silence) costs a request at most
+        this much, not the client's timeouts and retries (seconds each, twice).
         ``mirror``: an in-memory mirror of the KV index answers lookups with no round trip while in sync.
         ``tls``: call the workers over TLS (presenting its certificate for mTLS); None: plaintext."""
         self._registry = registry
@@ -135,6 +141,10 @@ class WorkerDirectory:
         self._ttl_s = ttl_s
         self._channel_idle_s = channel_idle_s
         self._redis_retry_s = redis_retry_s
+        self._redis_wait_s = redis_wait_s
+        self._refreshing: asyncio.Task | None = None
+        self._refresh_started_s = 0.0  # loop time
+        self._redis_silent = False  # the last listing failed or timed out: lookups are skipped
         self._clock = clock
         self._snapshot: Snapshot | None = None
         self._last_nonempty_s = float("-inf")  # when a listing last held any worker
@@ -147,14 +157,32 @@ class WorkerDirectory:
         self._mismatch_warned: set[str] = set()
 
     async def snapshot(self) -> Snapshot:
-        """The registry as of at most ``ttl_s`` ago; one refresh at a time however many requests wait."""
+        """The registry as of at most ``ttl_s`` ago; one refresh at a time however many requests wait. Requests
+        wait for a refresh only in its first ``redis_wait_s``: after that they use the last listing."""
         if self._fresh():
             return self._snapshot  # type: ignore[return-value]
+        loop = asyncio.get_running_loop()
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing, self._refresh_started_s = asyncio.ensure_future(self._refresh_once()), loop.time()
+        if self._snapshot is None:
+            await asyncio.shield(self._refreshing)  # nothing to route by yet: wait (WorkerUnavailable if it fails)
+        elif (left_s := self._refresh_started_s + self._redis_wait_s - loop.time()) > 0:  # a refresh's first second
+            done, _ = await asyncio.wait({self._refreshing}, timeout=left_s)
+            if not done:
+                self._mark_silent(f"the worker listing took longer than {self._redis_wait_s:g} s")
+        assert self._snapshot is not None
+        return self._snapshot
+
+    def _mark_silent(self, why: str) -> None:
+        """Redis did not answer (in time): requests route by load only (no lookups) until a listing succeeds."""
+        if not self._redis_silent:
+            log.warning("Redis is not answering (%s): routing with the last listing and by load only", why)
+        self._redis_silent = True
+
+    async def _refresh_once(self) -> None:
         async with self._refresh_lock:
             if not self._fresh():
                 await self._refresh()
-        assert self._snapshot is not None
-        return self._snapshot
 
     async def lookup(self, hashes: list[bytes]) -> dict[str, int]:
         """Leading blocks per worker held in its KV pool (the index's ``gpu`` tier: what a worker serves a
@@ -166,11 +194,11 @@ class WorkerDirectory:
         when Redis cannot answer. From the mirror while it is in sync, else one round trip to Redis."""
         if self.mirror is not None and (mirrored := self.mirror.lookup_tiers(hashes)) is not None:
             return mirrored
-        if self._clock() < self._lookups_paused_until_s:
+        if self._redis_silent or self._clock() < self._lookups_paused_until_s:
             return TieredLookup()
         try:
-            return await self._registry.index.lookup_tiers(hashes)
-        except Exception as exc:  # noqa: BLE001 - any Redis failure degrades routing, never fails it
+            return await asyncio.wait_for(self._registry.index.lookup_tiers(hashes), self._redis_wait_s)
+        except Exception as exc:  # noqa: BLE001 - any Redis failure (or silence) degrades routing, never fails it
             log.warning("KV index lookup failed, routing by load only for %.1f s: %r", self._redis_retry_s, exc)
             self._lookups_paused_until_s = self._clock() + self._redis_retry_s
             return TieredLookup()
@@ -178,12 +206,14 @@ class WorkerDirectory:
     def stub(self, info: WorkerInfo) -> pb_grpc.WorkerStub:
         channel = self._channels.get(info.grpc_address)
         if channel is None:
-            channel = aio_channel(info.grpc_address, self._tls)
+            channel = aio_channel(info.grpc_address, self._tls, PEER_CHANNEL_OPTIONS)
             self._channels[info.grpc_address] = channel
             self._last_listed_s.setdefault(info.grpc_address, self._clock())
         return pb_grpc.WorkerStub(channel)
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
 
@@ -200,7 +230,11 @@ class WorkerDirectory:
             log.warning("worker listing failed, using the one from %.1f s ago: %r",
                         self._clock() - self._snapshot.taken_at_s, exc)
             self._next_refresh_s = self._clock() + self._redis_retry_s
+            self._mark_silent(repr(exc))
             return
+        if self._redis_silent:
+            log.warning("Redis answers again: routing by the KV index")
+        self._redis_silent = False
         now = self._clock()
         if workers:
             self._last_nonempty_s = now

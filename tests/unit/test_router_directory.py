@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -102,3 +104,26 @@ def test_no_listing_and_no_redis_is_unavailable(redis_server):
         await redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_silent_redis_costs_a_request_at_most_redis_wait_s(redis_server):
+    """Redis frozen (SIGSTOP: connections open, nothing answers, as behind a partition): with a client that would
+    wait 60 s, the listing and the lookup give up after redis_wait_s and routing goes on with the last listing."""
+    async def scenario() -> None:
+        redis = connect(redis_server.url, timeout_s=60.0)
+        registry, clock = Registry(redis, "dir", ttl_s=60), Clock()
+        directory = WorkerDirectory(registry, ttl_s=0.5, redis_retry_s=1.0, redis_wait_s=0.2, clock=clock)
+        await registry.register(info("d0"))
+        first = await directory.snapshot()
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            clock.now_s += 1.0
+            assert await directory.snapshot() is first  # the refresh goes on in the background
+            assert await directory.lookup([b"x" * 16]) == {}  # load only
+            assert await directory.snapshot() is first  # the same refresh: past its first redis_wait_s, no wait
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        await directory.close()
+        await redis.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 20.0))  # without the bound: a 60 s wait, then this fails

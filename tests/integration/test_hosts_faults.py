@@ -1,0 +1,140 @@
+"""Faults across links (issue 21, item 4), each once, on hosts of tests/hosts.py (1 Gbit/s links): a prefill host's
+link taken down mid-pull, a decode host's link taken down mid-stream, a host's processes all SIGKILLed, the router
+cut off from Redis. Each request completes (recomputed, retried) or ends with a clear UNAVAILABLE within its
+deadline — none hangs — and every pool is full again afterwards: no block, no lease left behind.
+
+Hosts: redis, router, b (p0), c (d0), e (p1), f (d1: every step 20 ms slower, for long streams), client. Workers
+run `--lease-ttl-s 5 --kv-io-timeout-s 3` (ordinary flags) so what a partition strands is freed within seconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from tests.hosts import Network, unavailable_reason
+from tests.hosts_cluster import HostsCluster
+from tests.integration.test_e2e import model_dir  # noqa: F401
+from tests.integration.test_hosts import offline
+
+WHY_NOT = unavailable_reason()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+WORKER = ("--kv-transport", "tcp", "--calibrate-tokens", "0", "--lease-ttl-s", "5", "--kv-io-timeout-s", "3")
+PROMPTS = [[(13 * i + 7 * j) % 2900 + 40 for j in range(150 + i)] for i in range(12)]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):  # noqa: F811
+    log_dir = tmp_path_factory.mktemp("hosts-faults-logs")
+    with Network.create(["redis", "router", "b", "c", "e", "f", "client"], rate="1gbit") as net:
+        cluster = HostsCluster(net, model_dir, log_dir, client="client")
+        try:
+            cluster.start_redis("redis")
+            for worker_id, host, role in (("p0", "b", "prefill"), ("d0", "c", "decode"), ("p1", "e", "prefill")):
+                cluster.start_worker(role, worker_id, host=host, extra=WORKER)
+            cluster.start_worker("decode", "d1", host="f", extra=(*WORKER, "--fault-step-delay-s", "0.02"))
+            cluster.wait_for_workers({"p0", "d0", "p1", "d1"})
+            cluster.start_router("router", "--disagg-threshold-tokens", "8", "--policy", "least_loaded")
+            yield cluster
+        finally:
+            cluster.close()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):  # noqa: F811
+    return offline(model_dir, PROMPTS, MAX_TOKENS)
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def kv_bytes_in_flight(net: Network, sender: str, receiver: str) -> bool:
+    """``sender`` has bytes queued on a TCP connection to ``receiver`` (``ss`` on its host): a pull is under way."""
+    lines = net[sender].run("ss", "-tnH", "state", "established").stdout.splitlines()
+    return any(int(f[1]) > 0 and f[3].startswith(f"{net[receiver].address}:") for f in map(str.split, lines))
+
+
+def test_a_prefill_hosts_link_down_mid_pull_recomputes_on_d(cluster, expected) -> None:
+    net = cluster.net
+    cluster.only("p0", "d0")
+    assert cluster.generate(PROMPTS[0], MAX_TOKENS)[1].timings.transfer_bytes > 0  # the pair knows its transport
+    net.shape("b", "1gbit", per_peer={"c": "1mbit"})  # p0 -> d0 slow: a pull lasts ~0.7 s
+    result: list = []
+    request = threading.Thread(target=lambda: result.append(cluster.generate(PROMPTS[1], MAX_TOKENS, timeout_s=30)))
+    try:
+        request.start()
+        wait_for(lambda: kv_bytes_in_flight(net, "b", "c"))  # p0 is sending d0 the KV
+        net["b"].set_link(up=False)
+        request.join(30)
+    finally:
+        net["b"].set_link(up=True)
+        net.shape("b", "1gbit")
+    tokens, last = result[0]
+    assert tokens == expected[1] and last.timings.local_fallback, last.timings  # d0 recomputed: same tokens
+    assert "KV pull failed" in last.timings.route_reason, last.timings
+    cluster.assert_pools_full(timeout_s=15)  # p0's lease: released, or expired (5 s) while nobody could reach it
+
+
+def test_a_decode_hosts_link_down_mid_stream_ends_with_a_clear_error(cluster, expected) -> None:
+    net = cluster.net
+    cluster.only("p1", "d1")
+    call = cluster.stream(PROMPTS[2], 400, timeout_s=60)  # ~8 s of tokens from the slowed d1
+    started = time.monotonic()
+    try:
+        assert len(next(call).token_ids) >= 1
+        next(call)  # d1 streams
+        net["f"].set_link(up=False)
+        with pytest.raises(grpc.RpcError) as failure:
+            for _ in call:
+                pass
+    finally:
+        net["f"].set_link(up=True)
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value
+    assert "decode worker d1 failed after" in failure.value.details(), failure.value.details()
+    assert time.monotonic() - started < 30  # found by keepalive pings, not by the 60 s deadline
+    cluster.assert_pools_full(timeout_s=20)  # d1 finishes (or is cancelled) once it is reachable again
+    cluster.wait_for_workers({"d1"})  # its registration expired while its link was down: back with a heartbeat
+
+
+def test_hosts_whose_processes_are_all_killed_end_streams_clearly_and_are_routed_around(cluster, expected) -> None:
+    net = cluster.net
+    cluster.only("p0", "d1")
+    call = cluster.stream(PROMPTS[3], 400, timeout_s=60)
+    next(call), next(call)  # d1 streams
+    cluster.only("p0", "p1", "d0", "d1")
+    net["f"].kill_all()  # d1's host: every process SIGKILLed at once
+    with pytest.raises(grpc.RpcError) as failure:
+        for _ in call:
+            pass
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value
+    assert "decode worker d1 failed after" in failure.value.details(), failure.value.details()
+    net["b"].kill_all()  # p0's host too, the prefill worker the router prefers: both listed until their TTL
+    for i in range(4, 9):  # prefilled on p1 (retried there) or on d0
+        tokens, last = cluster.generate(PROMPTS[i], MAX_TOKENS, timeout_s=30)
+        assert tokens == expected[i] and last.timings.decode_worker == "d0", last.timings
+    for host, worker_id in (("f", "d1"), ("b", "p0")):
+        net[host].reboot()
+        cluster.restart_worker(worker_id)
+    cluster.wait_for_workers({"p0", "d1"})
+    cluster.assert_pools_full()
+
+
+def test_the_router_cut_off_from_redis_keeps_serving(cluster, expected) -> None:
+    net, redis = cluster.net, cluster.net["redis"].address
+    cluster.only("p0", "p1", "d0", "d1")
+    cluster.generate(PROMPTS[9], MAX_TOKENS)  # the router has a listing
+    net["router"].blackhole(redis)  # Redis silent to the router only: the workers keep heartbeating
+    try:
+        for i in (10, 11):
+            tokens, last = cluster.generate(PROMPTS[i], MAX_TOKENS, timeout_s=5)  # 12 s each before the fix
+            assert tokens == expected[i], last.timings
+    finally:
+        net["router"].unblackhole(redis)
+    cluster.assert_pools_full()
