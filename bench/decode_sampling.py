@@ -40,9 +40,9 @@ class _TimedSampling:
         self.step_s = 0.0
         runner.sampling, runner.sampler = self, self
 
-    def build(self, requests):
+    def build_rows(self, rows):
         started = time.perf_counter()
-        batch = self._builder.build(requests)
+        batch = self._builder.build_rows(rows)
         self.step_s += time.perf_counter() - started
         return batch
 
