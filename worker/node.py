@@ -40,6 +40,7 @@ from worker.leases import WorkerLeases
 from worker.metrics import WorkerMetrics
 from worker.publisher import IndexPublisher
 from worker.servicer import WorkerServicer
+from worker.store_tier import StoreTier
 
 logger = logging.getLogger(__name__)
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -97,6 +98,9 @@ class WorkerNode:
         self.redis = connect(self.config.redis_url)
         self.registry = Registry(self.redis, self.config.namespace, self.config.heartbeat_ttl_s)
         self.publisher = IndexPublisher(self)
+        self.store_tier = StoreTier(self, self.config.kv_store) if self.config.kv_store is not None else None
+        if self.store_tier is not None:
+            self.store_tier.start()  # connects in the background; until then requests compute as without it
         self.heartbeat = HeartbeatTask(self.registry, self._info(), lambda: self.load,
                                        interval_s=self.config.heartbeat_interval_s,
                                        on_reregistered=self.publisher.republish_all)
@@ -119,6 +123,8 @@ class WorkerNode:
         for client in self._kv_clients.values():
             if callable(close := getattr(client, "close", None)):
                 close()  # pooled connections (nccl channels)
+        if self.store_tier is not None:
+            await self.store_tier.stop()
         self.async_engine.stop()
         await self.redis.aclose()
 
@@ -142,6 +148,13 @@ class WorkerNode:
         staging when this worker stages the URI's kind)."""
         kind = uri_kind(uri)
         return await self.kv_plane.pull(self.kv_client(kind), kind, uri, layout, lease_id, src, dst)
+
+    async def admit_from_store(self, rid: str, prompt: list[int], outputs: list[int], params, **kwargs):
+        """(how to start the request, why) when the store tier fetched part of its prefix into a reservation
+        (``worker.store_tier.StoreTier.admit``); None: queue it as usual."""
+        if self.store_tier is None:
+            return None
+        return await self.store_tier.admit(rid, prompt, outputs, params, **kwargs)
 
     @property
     def staging(self) -> StagingPool | None:
