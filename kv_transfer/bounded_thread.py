@@ -75,6 +75,8 @@ class BoundedThread:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except asyncio.TimeoutError:
             abandoned.set()
+            future.add_done_callback(_retrieve)  # nobody awaits its outcome now: an unretrieved exception would
+            # be logged from the future's finalizer, at any allocation (in 3.11, inside ast.parse: a SystemError)
             if self._running_since is not None:
                 self._overran = True
             raise CallTimeout(f"no answer within {timeout_s:.1f} s") from None
@@ -95,6 +97,11 @@ class BoundedThread:
                 job()
             finally:
                 self._running_since, self._overran = None, False
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None,
