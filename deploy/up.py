@@ -131,8 +131,8 @@ def main(argv: list[str]) -> int:
     finally:
         workers = pools.children() if pools is not None else []
         redis = [c for c in children if c.name == "redis"]
-        # stops the router, then the workers, then the store, then redis
-        stop_all(redis + store + workers + [c for c in children if c.name != "redis"])
+        stop_all(workers + [c for c in children if c.name != "redis"])  # the router and the workers first,
+        stop_all(redis + store)  # then what they use: the store (a worker closing its client still reaches it)
 
 
 def start_redis(log_dir: Path, children: list[Child]) -> str:
