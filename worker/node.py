@@ -98,9 +98,7 @@ class WorkerNode:
         self.redis = connect(self.config.redis_url)
         self.registry = Registry(self.redis, self.config.namespace, self.config.heartbeat_ttl_s)
         self.publisher = IndexPublisher(self)
-        self.store_tier = StoreTier(self, self.config.kv_store) if self.config.kv_store is not None else None
-        if self.store_tier is not None:
-            self.store_tier.start()  # connects in the background; until then requests compute as without it
+        self.store_tier = self._start_store_tier()
         self.heartbeat = HeartbeatTask(self.registry, self._info(), lambda: self.load,
                                        interval_s=self.config.heartbeat_interval_s,
                                        on_reregistered=self.publisher.republish_all)
@@ -110,6 +108,18 @@ class WorkerNode:
         logger.info("worker %s (%s) serving gRPC on %s, KV on %s", self.worker_id, self.config.role,
                     self.grpc_address, self.kv_uri)
         return self.grpc_address
+
+    def _start_store_tier(self) -> StoreTier | None:
+        """The shared store tier (``--kv-store``), connecting in the background: until it is connected, requests
+        compute as without it."""
+        if self.config.kv_store is None:
+            return None
+        if self.engine.store is None:
+            logger.warning("--kv-store ignored: the store tier needs prefix caching (blocks are named by their hashes)")
+            return None
+        tier = StoreTier(self, self.config.kv_store)
+        tier.start()
+        return tier
 
     async def stop(self, grace_s: float = 5.0) -> None:
         for task in self._tasks:

@@ -58,6 +58,7 @@ class StoreTier:
         self._tasks = [asyncio.create_task(self._run(), name="store-tier")]
 
     async def stop(self) -> None:
+        self.engine_store.on_ready = None  # the loop may close before the engine thread ends
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
