@@ -306,6 +306,8 @@ class Engine:
         sampled = self.runner.execute(output, on_layer)  # returns host token ids: the step's device work is done
         self.step_rates.observe(output, time.perf_counter() - started)
         deltas = self.scheduler.update(output, sampled)
+        if self.store is not None:
+            self.store.copy()  # blocks committed under write-through go out now, not at the next step (if any)
         self.runner.forget([d.request_id for d in deltas if d.finished])  # their sampling state
         return deltas
 

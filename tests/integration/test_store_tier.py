@@ -1,10 +1,11 @@
 """The store tier with real processes: Redis, a Mooncake Store on loopback (metadata server, ``mooncake_master``
-and a standalone ``mooncake_client`` holding the memory, started as ``baton up --kv-store`` starts them) and two
-decode workers driven by hand (``Worker/Decode``, local prefill): ``wa`` (a small pool and host tier, writing
-what leaves them to the store) and ``wb``.
+and a standalone ``mooncake_client`` holding the memory, started as ``baton up --kv-store`` starts them) and
+workers driven by hand: decode workers ``wa`` (a small pool and host tier, writing what leaves them to the store)
+and ``wb`` (``Worker/Decode``, local prefill), and a prefill worker ``pc`` (``Worker/Prefill``, write-through).
 
 A prompt whose blocks left ``wa``'s pool and host tier is served to ``wb`` from the store, greedy-exact against
-recompute, and the index lists the store's prefix. Then the failures, each recomputing what it could not fetch,
+recompute, and the index lists the store's prefix; ``pc`` writes what it computes at once and fetches what the
+store holds before computing. Then the failures, each recomputing what it could not fetch,
 counted by reason, with every pool full afterwards and nothing waiting past the store's deadline: a value
 corrupted on purpose (removed from the store and the index), the standalone client stopped mid-read (the read
 times out), the master hung, the master killed (last: the module's store is gone after it).
@@ -84,9 +85,10 @@ def cluster(model_dir, store, tmp_path_factory):  # noqa: F811
                              num_blocks=24, block_size=BLOCK, worker_id="wa"),
         cluster.start_worker("decode", *common, "--metrics-port", str(cluster.metrics["wb"]), num_blocks=64,
                              block_size=BLOCK, worker_id="wb"),
+        cluster.start_worker("prefill", *common, num_blocks=64, block_size=BLOCK, worker_id="pc"),
     ]
     try:
-        cluster.wait_for_workers({"wa", "wb"})
+        cluster.wait_for_workers({"wa", "wb", "pc"})
         _wait_connected(cluster)
         yield cluster
     finally:
@@ -101,11 +103,24 @@ def _wait_connected(cluster, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def decode(cluster, worker_id: str, tokens: list[int], salt: str) -> list[pb.DecodeResponse]:
+def stub(cluster, worker_id: str) -> pb_grpc.WorkerStub:
     (proc,) = [w for w in cluster.workers if w.name == worker_id]
+    return pb_grpc.WorkerStub(grpc.insecure_channel(proc.address))
+
+
+def decode(cluster, worker_id: str, tokens: list[int], salt: str) -> list[pb.DecodeResponse]:
     request = pb.DecodeRequest(request_id=f"r-{time.monotonic_ns()}", token_ids=tokens, sampling=GREEDY,
                                prompt_len=len(tokens), cache_salt=salt)
-    return list(pb_grpc.WorkerStub(grpc.insecure_channel(proc.address)).Decode(request, timeout=60))
+    return list(stub(cluster, worker_id).Decode(request, timeout=60))
+
+
+def prefill(cluster, tokens: list[int], salt: str) -> pb.PrefillResponse:
+    """pc's first token for ``tokens``; its lease released at once."""
+    pc = stub(cluster, "pc")
+    reply = pc.Prefill(pb.PrefillRequest(request_id=f"p-{time.monotonic_ns()}", token_ids=tokens, sampling=GREEDY,
+                                         cache_salt=salt), timeout=60)
+    assert pc.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=reply.handle.lease_id), timeout=10).found
+    return reply
 
 
 def tokens_of(responses: list[pb.DecodeResponse]) -> list[int]:
@@ -177,6 +192,20 @@ def test_a_prefix_that_left_one_worker_is_served_from_the_store_to_another(clust
     assert "fetched 48 prefix tokens from the store" in responses[0].timings.route_reason
     assert metric(cluster, "wb", "baton:kv_store_blocks_fetched_total") - fetched == 12
     assert metric(cluster, "wa", "baton:kv_store_blocks_written_total") >= 12
+    assert_pools_full(cluster)
+
+
+def test_a_prefill_worker_writes_through_and_fetches_what_the_store_holds(cluster, expected):  # noqa: F811
+    salt = fresh_salt()
+    other = PROMPTS[FILLERS[0]]
+    assert prefill(cluster, other, salt).first_token == expected[FILLERS[0]][0]
+    other_hashes = hashes_of(cluster, other, salt)  # still in pc's pool: written through, not evicted
+    wait_for(lambda: store_prefix(cluster, other_hashes) == len(other_hashes), "pc's blocks in the store")
+    prompt, hashes = PROMPTS[PROMPT], hashes_of(cluster, PROMPTS[PROMPT], salt)
+    push_out_of_wa(cluster, expected, salt)
+    wait_for(lambda: store_prefix(cluster, hashes) == 12, "the store's blocks in the index")
+    reply = prefill(cluster, prompt, salt)
+    assert reply.first_token == expected[PROMPT][0] and reply.num_cached_tokens == 48
     assert_pools_full(cluster)
 
 

@@ -176,6 +176,19 @@ def test_blocks_written_by_one_engine_decode_exactly_on_another(tiny_checkpoints
     writer.kv_cache_manager.store.check_invariants()
 
 
+def test_write_through_copies_a_requests_blocks_out_in_the_step_that_computes_them(tiny_checkpoints):
+    """A prefill (one token) that ends the engine's work: its blocks go out with its step, not with a next one."""
+    checkpoint = tiny_checkpoints["llama"]
+    engine = LLM(str(checkpoint.path), num_blocks=20, block_size=4, kv_store_buffer_blocks=16,
+                 kv_store_write="through").engine
+    prompt = _prompts(checkpoint.vocab_size, 1, 41, seed=6)[0]  # 10 full blocks
+    engine.add_request("p", prompt, Params(temperature=0, max_tokens=1))
+    engine.step()
+    assert not engine.has_unfinished()
+    ready = engine.store.take_writes()
+    assert [h for h, _ in ready] == engine.kv_cache_manager.prompt_hashes(prompt, "")
+
+
 def test_a_prefill_reservation_can_hold_its_blocks(tiny_checkpoints):
     engine = LLM(str(tiny_checkpoints["llama"].path), num_blocks=20, block_size=4, kv_store_buffer_blocks=4).engine
     prompt = list(range(10, 30))
