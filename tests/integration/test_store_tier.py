@@ -96,7 +96,7 @@ def cluster(model_dir, store, tmp_path_factory):  # noqa: F811
         redis.stop()
 
 
-def _wait_connected(cluster, timeout_s: float = 30.0) -> None:
+def _wait_connected(cluster, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not all("store tier: connected" in w.log_path.read_text(errors="replace") for w in cluster.workers):
         assert time.monotonic() < deadline, [w.log() for w in cluster.workers]
