@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -174,6 +175,9 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
     if args.kv_store_buffer_blocks < 1:
         raise ValueError(f"--kv-store-buffer-blocks must be at least 1, got {args.kv_store_buffer_blocks}")
     store = parse_store_uri(args.kv_store) if args.kv_store else None
+    if store is not None and importlib.util.find_spec("mooncake") is None:
+        raise ValueError("--kv-store needs Mooncake: pip install 'mooncake-transfer-engine-non-cuda==0.3.13.post1' "
+                         "(the store extra; make install does it) and Debian's libibverbs1")
     if args.kv_transport.strip() != "auto":
         parse_kinds(args.kv_transport)  # names a transport that cannot run here: refused before loading
     engine = EngineConfig(

@@ -74,6 +74,10 @@ class StoreTier:
                 logger.warning("store tier: %s unreachable (%s); retrying in %.0f s", self.config.uri, exc,
                                RECONNECT_S)
                 await asyncio.sleep(RECONNECT_S)
+            except (ImportError, OSError) as exc:  # not installed, or libibverbs1 missing: it will not get better
+                logger.error("store tier off: Mooncake does not load (%s); install the store extra and Debian's "
+                             "libibverbs1 (make install; docs/operations.md)", exc)
+                return
         self._tasks.append(asyncio.create_task(self._audit(), name="store-audit"))
         await self._write_forever()
 
@@ -85,11 +89,15 @@ class StoreTier:
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
-            writes = await self.node.async_engine.call(lambda e: e.store.take_writes())
-            self.node.metrics.kv_store_dropped(self.engine_store.books.num_dropped)
-            if writes:
-                await self.write(writes)
-            await self._publish()
+            try:
+                writes = await self.node.async_engine.call(lambda e: e.store.take_writes())
+                self.node.metrics.kv_store_dropped(self.engine_store.books.num_dropped)
+                if writes:
+                    await self.write(writes)
+                await self._publish()
+            except Exception:  # noqa: BLE001 - the writer must outlive any one round (the engine stopping, a bug)
+                logger.exception("store tier: a write round failed")
+                await asyncio.sleep(WRITE_POLL_S)
 
     async def write(self, writes: Sequence[tuple[bytes, int]]) -> None:
         """Put the copied blocks; their slots go back to the engine once the put has ended, whatever happened."""
