@@ -47,7 +47,8 @@ class StoreBuffer:
             src = self.kv_cache.index_select(1, ids).transpose(0, 1)
             self._put([c.slot for c in pool], src)  # src: [n, L, 2, bs, kvh, d]
         if host:
-            self._put([c.slot for c in host], self.host.blocks.index_select(0, torch.tensor([c.block_id for c in host])))
+            host_ids = torch.tensor([c.block_id for c in host])
+            self._put([c.slot for c in host], self.host.blocks.index_select(0, host_ids))  # [n, L, 2, bs, kvh, d]
 
     def fill(self, slots: list[int], block_ids: list[int]) -> None:
         """Copy read slots into pool blocks (reserved for a request, so nothing else writes them meanwhile)."""

@@ -27,7 +27,7 @@ from deploy.kv_store import start_store, store_env
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.kv_store import CHECKSUM_BYTES, parse_store_uri
 from kv_transfer.layout import KVLayout
-from kv_transfer.redis_index import STORE, KVIndex
+from kv_transfer.redis_index import KVIndex
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc

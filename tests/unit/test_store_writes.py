@@ -163,7 +163,8 @@ def test_blocks_written_by_one_engine_decode_exactly_on_another(tiny_checkpoints
     assert num_local == 0 and len(hashes) == 14 and set(hashes) <= set(store)  # prompt 0 left the writer
     slots = list(reader.store.read_slots)[: len(hashes)]
     for block_hash, slot in zip(hashes, slots):
-        reader.store.buffer.raw[slot, : len(store[block_hash])] = torch.frombuffer(bytearray(store[block_hash]), dtype=torch.uint8)
+        value = torch.frombuffer(bytearray(store[block_hash]), dtype=torch.uint8)
+        reader.store.buffer.raw[slot, : len(value)] = value
     reservation = reader.add_prefix_request("s", prompts[0], [], GREEDY)
     assert reservation.num_local_blocks == 0 and list(reservation.block_hashes[:14]) == hashes
     reader.store.fill(slots, list(reservation.block_ids[:14]), hashes)
