@@ -65,6 +65,7 @@ class BoundedThread:
                 result = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiter
                 error = exc
+            self._running_since, self._overran = None, False  # idle before ``ended`` runs: it may look
             try:
                 loop.call_soon_threadsafe(_settle, future, result, error, ended)
             except RuntimeError:  # the loop closed meanwhile: nobody is left to tell

@@ -13,9 +13,11 @@ of the buffer) followed by a little-endian u64 xxh3-64 over the block hash and t
 tokens, not bytes, so every read is verified: a value that is short, long, or fails its checksum (flipped bytes,
 another key's bytes) is not used.
 
-Every call runs on one thread of its own (``BoundedThread``) and is awaited at most ``timeout_s``: a master
-that is down or hung, or a store client that stopped answering, costs a caller one deadline at most, and while
-a call is stuck past its deadline the next ones are refused at once. The buffer is registered once, at start.
+Every call runs on a thread of the client's own (``BoundedThread``) and is awaited at most ``timeout_s``: a
+master that is down or hung, or a store client that stopped answering, costs a caller one deadline at most, and
+while a call is stuck past its deadline the next ones on its thread are refused at once. Two threads: reads (a
+request's admission waits for them) and the rest (writes, the index audit's lookups, removes, setup and close),
+so a slow write never holds an admission back. The buffer is registered once, at start.
 
 Mooncake's data calls release the GIL while they wait; ``setup`` and ``close`` do not (measured: a setup against
 an absent master held the whole process for 90 s, 20 attempts; a close with the master stopped, 9 s). So
@@ -124,7 +126,8 @@ class BlockStore:
         self.buffer = buffer
         self.block_bytes = block_bytes
         self.value_bytes = block_bytes + CHECKSUM_BYTES
-        self._thread = BoundedThread("kv-store")
+        self._reads = BoundedThread("kv-store-read")  # what a request's admission waits for
+        self._writes = BoundedThread("kv-store-write")  # the rest: writes, audits, removes, setup, close
         self._store = None  # the Mooncake client, once started
         self._healthy = True  # the last call succeeded (close only a healthy client: close holds the GIL)
 
@@ -133,7 +136,7 @@ class BlockStore:
         the metadata server and the master); KVTransferError when the store cannot be reached."""
         _native_defaults(self.config)
         await probe(self.config)
-        self._store = await self._call(self._connect, 2 * self.config.timeout_s)
+        self._store = await self._call(self._writes, self._connect, 2 * self.config.timeout_s)
 
     def _connect(self):
         from mooncake.store import MooncakeDistributedStore  # the native library, loaded on the store thread
@@ -161,7 +164,7 @@ class BlockStore:
                                                   [self.value_bytes] * len(slots))
             return [code == 0 for code in codes]
 
-        return await self._call(run, self.config.timeout_s, ended=ended)
+        return await self._call(self._writes, run, self.config.timeout_s, ended=ended)
 
     async def get(self, hashes: Sequence[bytes], slots: Sequence[int], *,
                   ended: Callable[[], None] | None = None) -> list[str]:
@@ -171,7 +174,7 @@ class BlockStore:
                                                   [self.buffer.shape[1]] * len(slots))
             return [self._verdict(h, s, code) for h, s, code in zip(hashes, slots, codes, strict=True)]
 
-        return await self._call(run, self.config.timeout_s, ended=ended)
+        return await self._call(self._reads, run, self.config.timeout_s, ended=ended)
 
     def _verdict(self, block_hash: bytes, slot: int, code: int) -> str:
         if code == _MISSING_CODE:
@@ -182,9 +185,11 @@ class BlockStore:
             return CORRUPT
         return FETCHED
 
-    async def exists(self, hashes: Sequence[bytes]) -> list[bool]:
-        """Per hash, whether the store holds it (an error answer counts as not)."""
-        codes = await self._call(lambda: self._native().batch_is_exist([key_of(h) for h in hashes]),
+    async def exists(self, hashes: Sequence[bytes], *, background: bool = False) -> list[bool]:
+        """Per hash, whether the store holds it (an error answer counts as not); ``background`` (the index audit):
+        on the writes' thread, out of the admissions' way."""
+        codes = await self._call(self._writes if background else self._reads,
+                                 lambda: self._native().batch_is_exist([key_of(h) for h in hashes]),
                                  self.config.timeout_s)
         return [code == 1 for code in codes]
 
@@ -192,8 +197,14 @@ class BlockStore:
         """Drop values that failed their checksum (``force``: a reader's lease on them must not keep them);
         how many went."""
         codes = await self._call(
-            lambda: self._native().batch_remove([key_of(h) for h in hashes], True), self.config.timeout_s)
+            self._writes, lambda: self._native().batch_remove([key_of(h) for h in hashes], True),
+            self.config.timeout_s)
         return sum(code == 0 for code in codes)
+
+    @property
+    def num_stuck(self) -> int:
+        """How many of the client's threads are running a call past its deadline (0 or 1 each)."""
+        return sum(1 for thread in (self._reads, self._writes) if thread.stuck_s)
 
     async def close(self) -> None:
         """Close the client, if it is healthy (bounded; a hung store leaves the daemon thread behind)."""
@@ -203,14 +214,16 @@ class BlockStore:
                 logger.warning("store client left open: its last call failed, and a close would hold the process")
             else:
                 try:
-                    await self._thread.call(store.close, 4 * self.config.timeout_s)
+                    await self._writes.call(store.close, 4 * self.config.timeout_s)
                 except KVTransferError as exc:
                     logger.warning("closing the store client: %s", exc)
-        self._thread.close()
+        self._reads.close()
+        self._writes.close()
 
-    async def _call(self, fn, timeout_s: float, *, ended: Callable[[], None] | None = None):
+    async def _call(self, thread: BoundedThread, fn, timeout_s: float, *,
+                    ended: Callable[[], None] | None = None):
         try:
-            result = await self._thread.call(fn, timeout_s, ended=ended)
+            result = await thread.call(fn, timeout_s, ended=ended)
         except KVTransferError:
             self._healthy = False
             raise

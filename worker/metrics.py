@@ -65,6 +65,9 @@ class WorkerMetrics:
         self._store_fetch_failures = Counter(
             "baton:kv_store_fetch_failures_total", "Prefix blocks the store listed that were recomputed instead, by "
             "why: missing, corrupt, failed, timeout, no_free_blocks", ["worker_id", "reason"], registry=r)
+        self._store_stuck = Gauge("baton:kv_store_stuck_calls", "Store client threads (reads; the rest) running a "
+                                  "call past its deadline: new calls on them are refused until it returns", w,
+                                  registry=r)
         self.store_dropped_total = 0
         for series in (self._running, self._waiting, self._kv_usage, self._hit_rate, self._queries, self._hits,
                        self._preemptions, self._transfer_bytes, self._transfer_s):
@@ -115,6 +118,9 @@ class WorkerMetrics:
         """The engine's count of dropped writes since start."""
         self._store_dropped.labels(self.worker_id).inc(max(total - self.store_dropped_total, 0))
         self.store_dropped_total = total
+
+    def kv_store_stuck(self, num_threads: int) -> None:
+        self._store_stuck.labels(self.worker_id).set(num_threads)
 
     def kv_store_fetched(self, num_blocks: int) -> None:
         self._store_fetched.labels(self.worker_id).inc(num_blocks)

@@ -92,6 +92,7 @@ class StoreTier:
             try:
                 writes = await self.node.async_engine.call(lambda e: e.store.take_writes())
                 self.node.metrics.kv_store_dropped(self.engine_store.books.num_dropped)
+                self.node.metrics.kv_store_stuck(self.client.num_stuck)
                 if writes:
                     await self.write(writes)
                 await self._publish()
@@ -139,7 +140,7 @@ class StoreTier:
             try:
                 cursor, listed = await self.node.registry.index.scan_store(cursor, AUDIT_CHUNK)
                 if listed:
-                    present = await self.client.exists(listed)
+                    present = await self.client.exists(listed, background=True)
                     self._lost([h for h, here in zip(listed, present) if not here])
             except Exception as exc:  # noqa: BLE001 - Redis or the store away: next period
                 logger.debug("store tier: audit failed: %r", exc)
@@ -198,14 +199,21 @@ class StoreTier:
 
     async def _read(self, want: list[bytes], lease: _ReadSlots) -> list[str]:
         """Per block FETCHED, MISSING, CORRUPT, or for all of them why the call failed (``timeout``, ``failed``)."""
+        def ended() -> None:
+            lease.call_ended()
+            self.node.metrics.kv_store_stuck(self.client.num_stuck)
+
         lease.busy = True  # until the call has really ended: it may write into the slots after a timeout
         try:
-            return await self.client.get(want, lease.slots[:len(want)], ended=lease.call_ended)
+            return await self.client.get(want, lease.slots[:len(want)], ended=ended)
         except KVTransferError as exc:
+            self.node.metrics.kv_store_stuck(self.client.num_stuck)
             return [_failure(exc)] * len(want)
 
     async def _after_read(self, rid: str, hashes: list[bytes], verdicts: list[str]) -> None:
-        bad = {v: [h for h, v2 in zip(hashes, verdicts) if v2 == v] for v in set(verdicts)}
+        """``hashes`` from the first block not fetched on: count and log why (blocks fetched after it are not
+        used: the prefix broke before them)."""
+        bad = {v: [h for h, v2 in zip(hashes, verdicts) if v2 == v] for v in set(verdicts) - {FETCHED}}
         for verdict, some in bad.items():
             self.node.metrics.kv_store_fetch_failed(verdict, len(some))
             logger.warning("request_id=%s worker_id=%s %d store blocks %s; recomputing", rid, self.node.worker_id,

@@ -8,7 +8,8 @@ recompute, and the index lists the store's prefix; ``pc`` writes what it compute
 store holds before computing. Then the failures, each recomputing what it could not fetch,
 counted by reason, with every pool full afterwards and nothing waiting past the store's deadline: a value
 corrupted on purpose (removed from the store and the index), the standalone client stopped mid-read (the read
-times out), the master hung, the master killed (last: the module's store is gone after it).
+times out), then killed (the reads fail), the master hung, the master killed (the last ones: the module's store
+is gone after them).
 """
 
 from __future__ import annotations
@@ -260,6 +261,24 @@ def test_a_read_that_hangs_times_out_and_recomputes(cluster, store, expected):  
     assert tokens_of(responses) == expected[PROMPT] and responses[-1].num_cached_tokens == 0
     assert took_s < 10 * TIMEOUT_S, took_s  # one store deadline, not a transfer engine's 30 s
     assert metric(cluster, "wb", "baton:kv_store_fetch_failures_total", reason="timeout") - timeouts == 12
+    # the read that timed out ends by itself once the holder answers (until then wb refuses new reads at once)
+    wait_for(lambda: metric(cluster, "wb", "baton:kv_store_stuck_calls") == 0, "wb's stuck store read to end")
+    assert_pools_full(cluster)
+
+
+def test_a_read_from_a_dead_holder_fails_and_recomputes(cluster, store, expected):  # noqa: F811
+    """The standalone client holding the bytes is killed: the master still lists the blocks, their reads fail."""
+    salt, prompt = fresh_salt(), PROMPTS[PROMPT]
+    hashes = hashes_of(cluster, prompt, salt)
+    push_out_of_wa(cluster, expected, salt)
+    wait_for(lambda: store_prefix(cluster, hashes) == 12, "the store's blocks in the index")
+    failed = metric(cluster, "wb", "baton:kv_store_fetch_failures_total", reason="failed")
+    holder = store[1]["store-client"]
+    holder.kill()
+    holder.wait(10)
+    responses = decode(cluster, "wb", prompt, salt)
+    assert tokens_of(responses) == expected[PROMPT] and responses[-1].num_cached_tokens == 0
+    assert metric(cluster, "wb", "baton:kv_store_fetch_failures_total", reason="failed") - failed == 12
     assert_pools_full(cluster)
 
 
