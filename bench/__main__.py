@@ -28,6 +28,7 @@ _BENCHMARKS = {
     "kv-quant": "bench.kv_quant",
     "preemption": "bench.preemption",
     "step-prep": "bench.step_prep",
+    "kv-store": "bench.kv_store",
 }
 
 

@@ -80,6 +80,8 @@ class DecodeServicer(WorkerServicer):
             start = await self._import_kv(request, prompt, outputs, params, kwargs, timings, marks, context) or start
         elif request.first_token_pending:
             raise InvalidRequest("first_token_pending needs a KV handle")
+        elif fetched := await node.admit_from_store(rid, prompt, outputs, params, **kwargs):
+            start, timings.route_reason = fetched  # part of the prefix came from the store tier
         marks.timings, marks.started_s = timings, time.perf_counter()
         first = True
         async for delta in node.async_engine.stream(rid, start):

@@ -1,5 +1,6 @@
 """``baton up``: the whole platform on this machine — a private redis-server (unless --redis-url),
-the router, N prefill and M decode workers. Prints the endpoints; Ctrl-C stops every process."""
+the router, N prefill and M decode workers, and with ``--kv-store`` (no URI) a Mooncake Store on loopback for the
+store tier (``deploy/kv_store.py``). Prints the endpoints; Ctrl-C stops every process."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from deploy.kv_store import StoreStartError, start_store, store_env
 from deploy.passthrough import add_passthrough, argv_of
 from deploy.pools import PoolManager
 from engine.errors import ModelLoadError
@@ -24,6 +26,7 @@ from kv_transfer.redis_index import RedisKeys
 from kv_transfer.registry import redact_url, with_ca
 from proto import tls
 
+LOCAL_STORE = "local"  # `baton up --kv-store` with no URI: start one
 _REDIS_HINT = ("no redis-server binary found: install Debian's `redis-server` (apt-get install redis-server), "
                "run `make install` as root, or pass --redis-url of a running Redis")
 
@@ -53,6 +56,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp folder)")
     p.add_argument("--namespace", default="baton", help="Redis key namespace")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP front (0: off)")
+    p.add_argument("--kv-store-memory", default="1 GB",
+                   help="with --kv-store and no URI: the memory the store's standalone client holds, as Mooncake "
+                   "spells it (default: %(default)s)")
     tls.add_arguments(p)  # passed to the router and every worker: all gRPC hops use the same CA
     from worker.main import add_worker_options
     from router.main import add_routing_options
@@ -60,6 +66,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.set_defaults(worker_options=add_passthrough(p, "every worker's engine and KV options (as `baton prefill`)",
                                                   add_worker_options),
                    router_options=add_passthrough(p, "the router's options (as `baton router`)", add_routing_options))
+    store = next(a for a in p._actions if a.dest == "kv_store")  # noqa: SLF001 - the worker's own option
+    store.nargs, store.const = "?", LOCAL_STORE
+    store.help += f"; given without a URI, `baton up` starts a Mooncake Store on loopback ({LOCAL_STORE})"
     args = p.parse_args(argv)
     try:
         config = tls.from_args(args)
@@ -92,9 +101,13 @@ def main(argv: list[str]) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
+    store: list[Child] = []  # the store's processes: stopped after the workers, never stop the platform
     pools = None
     try:
         redis_url = args.redis_url or start_redis(log_dir, children)
+        if getattr(args, "kv_store", None) == LOCAL_STORE:
+            args.kv_store = start_store(log_dir, lambda name, argv, log: _start(name, argv, log, store),
+                                        memory=args.kv_store_memory)
         common = ["--redis-url", redis_url, "--model", model, "--namespace", args.namespace, *_tls_flags(args)]
         worker_flags = argv_of(args, args.worker_options)
         router_flags = argv_of(args, args.router_options) + _max_model_len(args)  # the router's limit follows
@@ -112,10 +125,14 @@ def main(argv: list[str]) -> int:
     except FileNotFoundError:
         print(f"baton up: {_REDIS_HINT}", file=sys.stderr)
         return 2
+    except StoreStartError as exc:
+        print(f"baton up: the KV store did not start: {exc}", file=sys.stderr)
+        return 2
     finally:
         workers = pools.children() if pools is not None else []
-        redis_first = sorted(children, key=lambda c: c.name != "redis")
-        stop_all(redis_first[:1] + workers + redis_first[1:])  # stops the router, then workers, then redis
+        redis = [c for c in children if c.name == "redis"]
+        stop_all(workers + [c for c in children if c.name != "redis"])  # the router and the workers first,
+        stop_all(redis + store)  # then what they use: the store (a worker closing its client still reaches it)
 
 
 def start_redis(log_dir: Path, children: list[Child]) -> str:
@@ -128,6 +145,14 @@ def start_redis(log_dir: Path, children: list[Child]) -> str:
     with (log_dir / "redis.log").open("wb") as log:
         children.append(Child("redis", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
     return f"redis://127.0.0.1:{port}"
+
+
+def _start(name: str, argv: list[str], log_path: Path, children: list[Child]) -> subprocess.Popen:
+    """A store process (not one of ours: its own binary, the store's environment)."""
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=store_env())
+    children.append(Child(name, popen))
+    return popen
 
 
 def spawn(name: str, args: list[str], log_dir: Path, children: list[Child]) -> None:
@@ -148,6 +173,8 @@ def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
     print(f"  metrics  {scheme}://127.0.0.1:{args.metrics_port}/metrics (router), "
           f"{args.metrics_port + 1}-{args.metrics_port + args.prefill + args.decode} (workers)")
     print(f"  redis    {redact_url(redis_url)}")
+    if getattr(args, "kv_store", None):
+        print(f"  kv store {args.kv_store}")
     print(f"  logs     {log_dir}")
     baton = shutil.which("baton") or str(Path(sys.executable).parent / "baton")
     client_tls = " ".join(_tls_flags(args))  # for mTLS give a client certificate of the same CA instead

@@ -18,6 +18,8 @@ class CacheConfig:
     num_blocks: int
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0  # the host tier below the pool (0: none)
+    num_store_slots: int = 0  # the store tier's write slots (0: no store tier)
+    store_write_through: bool = False  # every committed block goes to the store (else: what leaves the worker)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +58,9 @@ class EngineConfig:
     max_num_waiting: int | None = None  # admission control: more queued requests are refused (None: unbounded)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     kv_host_blocks: int = 0  # host-memory tier below the KV pool, in blocks (pinned on CUDA); 0: none
+    # the shared store tier's host slots, for writes and as many for reads (0: no store tier; the shell connects)
+    kv_store_buffer_blocks: int = 0
+    kv_store_write: str = "evict"  # evict: blocks leaving the worker go to the store; through: every committed one
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8: 8-bit values + a scale per row
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (n-gram drafts); None: off
     preemption_mode: str = "recompute"  # recompute | swap (needs kv_host_blocks: the swap space)
@@ -71,6 +76,10 @@ class EngineConfig:
             raise InvalidRequest(f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and not self.kv_host_blocks:
             raise InvalidRequest("preemption_mode=swap swaps into the host tier: give it kv_host_blocks")
+        if self.kv_store_buffer_blocks < 0:
+            raise InvalidRequest(f"kv_store_buffer_blocks must be >= 0, got {self.kv_store_buffer_blocks}")
+        if self.kv_store_write not in ("evict", "through"):
+            raise InvalidRequest(f"kv_store_write must be evict|through, got {self.kv_store_write!r}")
         if self.kv_host_blocks < 0:
             raise InvalidRequest(f"kv_host_blocks must be >= 0, got {self.kv_host_blocks}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -28,6 +28,8 @@ from engine.model_source import resolve_model
 from engine.runner import LayerHook, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.step_rates import StepRates
+from engine.store_buffer import StoreBuffer
+from engine.store_side import EngineStore
 from kv_transfer.hashing import model_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class Engine:
         self.cache_config = CacheConfig(
             block_size=config.block_size, num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=config.kv_host_blocks if config.enable_prefix_caching else 0,
+            num_store_slots=config.kv_store_buffer_blocks if config.enable_prefix_caching else 0,
+            store_write_through=config.kv_store_write == "through",
         )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -78,6 +82,9 @@ class Engine:
             self.runner.draft = self._load_draft(config.speculative_config.model, num_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:  # never run here (no GPU)
             self.runner.use_decode_graphs(graph_sizes(config.cuda_graph_sizes, config.max_num_seqs), capture=True)
+        slots = self.cache_config.num_store_slots  # as many write slots as read slots
+        self.store = None if self.kv_cache_manager.store is None else EngineStore(  # the store tier's engine side
+            self.kv_cache_manager, StoreBuffer(self.runner.kv_cache, self.runner.host, slots, slots))
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.max_num_waiting = config.max_num_waiting
         self.step_rates = StepRates()  # this engine's measured prefill rate and decode step time
@@ -175,12 +182,14 @@ class Engine:
         priority: int = 0,
         cache_salt: str = "",
         eos_token_ids: frozenset[int] | None = None,
+        hold_blocks: bool = False,
     ) -> PrefixReservation | None:
-        """Reserve blocks for a request whose cached prefix another worker holds (reusing what is cached
-        here), or None when the pool is full right now. The caller pulls the prefix blocks not cached here
+        """Reserve blocks for a request whose cached prefix another worker (or the store) holds, reusing what is
+        cached here, or None when the pool is full right now. The caller pulls the prefix blocks not cached here
         into the reserved ids, then ``activate_prefix``; or ``fallback_remote`` to recompute everything."""
         request = self._new_request(request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,
                                     output_token_ids)
+        request.hold_blocks = hold_blocks
         reserved = self.scheduler.add_remote(request, request.num_tokens)
         self._copy_host_blocks(wait=True)
         if reserved is None:
@@ -314,6 +323,8 @@ class Engine:
         sampled = self.runner.execute(output, on_layer)  # returns host token ids: the step's device work is done
         self.step_rates.observe(output, time.perf_counter() - started)
         deltas = self.scheduler.update(output, sampled)
+        if self.store is not None:
+            self.store.copy()  # blocks committed under write-through go out now, not at the next step (if any)
         self.runner.forget([d.request_id for d in deltas if d.finished])  # their sampling state
         return deltas
 
@@ -333,11 +344,14 @@ class Engine:
         return host.hashes() if host is not None else []
 
     def _copy_host_blocks(self, wait: bool = False) -> None:
+        """The tiers' queued copies: blocks into the store's write slots first (they read host and pool blocks the
+        host copies may overwrite), then the host tier's saves and loads."""
+        spilled = self.store is not None and self.store.copy()
         copies = self.kv_cache_manager.take_host_copies()
         if copies:
             self.runner.host.copy(copies)
-            if wait:
-                self.runner.host.sync()
+        if wait and (copies or spilled):
+            (self.runner.host or self.store.buffer).sync()
 
 
 def _pick_device(device: str) -> torch.device:

@@ -93,8 +93,13 @@ class KVIndex:
 
     async def publish_store(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> int | None:
         """The shared store gained (``stored``) or lost (``removed``) blocks: its field ``store`` in
-        ``{ns}:kv:{hash}``, its own stream and sequence. (Nothing calls this yet: the store tier comes later.)"""
+        ``{ns}:kv:{hash}``, its own stream and sequence (any worker writes them: ``worker/store_tier.py``)."""
         return await self._write(STORE, [(TIER_STORE, stored)] if stored else [], removed, False)
+
+    async def scan_store(self, cursor: int, count: int) -> tuple[int, list[bytes]]:
+        """One HSCAN step over the hashes the index says the store holds: (next cursor, 0 when done; hashes)."""
+        cursor, found = await self._redis.hscan(self.keys.kv_of(STORE), cursor, count=count)
+        return int(cursor), [bytes.fromhex(text(h)) for h in found]
 
     async def _write(self, holder: str, stored: list[tuple[str, Sequence[bytes]]], removed: Sequence[bytes],
                      registered_only: bool) -> int | None:

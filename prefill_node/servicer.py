@@ -46,6 +46,10 @@ class PrefillServicer(WorkerServicer):
         add = lambda e: e.add_request(  # noqa: E731
             rid, list(request.token_ids), first_params, priority=request.priority,
             cache_salt=request.cache_salt, hold_blocks=True)
+        fetched = await node.admit_from_store(rid, list(request.token_ids), [], first_params, hold_blocks=True,
+                                              priority=request.priority, cache_salt=request.cache_salt)
+        if fetched is not None:
+            add = fetched[0]  # part of the prefix came from the store tier: the request starts with it cached
         deltas = [d async for d in node.async_engine.stream(rid, add)]
         prefill_ms, ended_unix_ms = (time.perf_counter() - started) * 1e3, time.time() * 1e3
         last = deltas[-1]

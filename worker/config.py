@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from kv_transfer.kv_store import StoreConfig
 from kv_transfer.transport import TransportConfig
 from proto.tls import TlsConfig
 
@@ -36,6 +37,7 @@ class WorkerConfig:
     tls: TlsConfig | None = None  # serve gRPC over TLS (mTLS when it has a CA); None: plaintext
     kv_staging: str = "auto"  # auto: a device-resident cache goes through host staging; always: any cache does
     kv_staging_blocks: int | None = None  # host staging blocks (None: half the cache, room for the longest prompt)
+    kv_store: StoreConfig | None = None  # the shared store tier (--kv-store); its slots are engine.kv_store_*
     fault_step_delay_s: float = 0.0  # fault injection (tests, drills): every engine step first sleeps this long
     fault_layer_delay_s: float = 0.0  # fault injection: each decoder layer of a step takes this much longer
     fault_nixl_lose_notifications: bool = False  # fault injection: nixl READ notifications never arrive

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from engine.core.speculation import SpeculativeConfig
 from engine.errors import InvalidRequest
 from engine.model_source import MODEL_HELP
 from kv_transfer.auth import load_secret
+from kv_transfer.kv_store import parse_store_uri
 from kv_transfer.transport import parse_kinds
 from kv_transfer.registry import RedisCredentialsError, check_credentials, connect, redact_url, with_ca
 from proto import tls
@@ -60,6 +62,17 @@ def add_worker_options(group) -> None:
                        help="a host-memory tier below the KV cache, in blocks (pinned on a GPU): cached blocks the "
                        "cache evicts are copied down, and a prefix found there is copied back up instead of "
                        "recomputed (default: %(default)s, none)")
+    group.add_argument("--kv-store", default=None, metavar="URI",
+                       help="a shared KV store tier below the host tier: mooncake://MASTER_HOST:RPC_PORT?metadata="
+                       "HOST:PORT (a mooncake_master and its HTTP metadata server; `baton up --kv-store` starts them). "
+                       "Blocks leaving this worker are written there, and a prompt's prefix found there is fetched "
+                       "(verified) instead of recomputed (default: none)")
+    group.add_argument("--kv-store-write", default="auto", choices=["auto", "evict", "through"],
+                       help="what goes to the store: evict (blocks leaving this worker's tiers), through (also every "
+                       "block as it is computed; a block is written once either way); auto: through on prefill "
+                       "workers, evict on decode workers (default: %(default)s)")
+    group.add_argument("--kv-store-buffer-blocks", type=int, default=64,
+                       help="host slots for the store tier, as many again for reads (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-seqs", type=int, default=64)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -167,6 +180,12 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         raise ValueError(f"--kv-host-blocks must be at least 0, got {args.kv_host_blocks}")
     if args.kv_staging_blocks is not None and args.kv_staging_blocks < 1:
         raise ValueError(f"--kv-staging-blocks must be at least 1, got {args.kv_staging_blocks}")
+    if args.kv_store_buffer_blocks < 1:
+        raise ValueError(f"--kv-store-buffer-blocks must be at least 1, got {args.kv_store_buffer_blocks}")
+    store = parse_store_uri(args.kv_store) if args.kv_store else None
+    if store is not None and importlib.util.find_spec("mooncake") is None:
+        raise ValueError("--kv-store needs Mooncake: pip install 'mooncake-transfer-engine-non-cuda==0.3.13.post1' "
+                         "(the store extra; make install does it) and Debian's libibverbs1")
     if args.kv_transport.strip() != "auto":
         parse_kinds(args.kv_transport)  # names a transport that cannot run here: refused before loading
     engine = EngineConfig(
@@ -177,6 +196,8 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         attention_backend=args.attention_backend, cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
         enforce_eager=args.enforce_eager, kv_host_blocks=args.kv_host_blocks, kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=_speculative(args.speculative_config), preemption_mode=args.preemption_mode,
+        kv_store_buffer_blocks=args.kv_store_buffer_blocks if store else 0,
+        kv_store_write=store_write_policy(args.kv_store_write, role),
     )
     return WorkerConfig(
         role=role, engine=engine, redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
@@ -189,8 +210,16 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         on_drain=args.on_drain, drain_settle_s=args.drain_settle_s, tls=tls_config,
         kv_staging=args.kv_staging, kv_staging_blocks=args.kv_staging_blocks,
         fault_step_delay_s=args.fault_step_delay_s, fault_layer_delay_s=args.fault_layer_delay_s,
-        fault_nixl_lose_notifications=args.fault_nixl_lose_notifications,
+        fault_nixl_lose_notifications=args.fault_nixl_lose_notifications, kv_store=store,
     )
+
+
+def store_write_policy(choice: str, role: str) -> str:
+    """``--kv-store-write auto``: write-through on a prefill worker (what it computes is what others will ask
+    for), eviction on a decode worker (its blocks are written as they leave it)."""
+    if choice != "auto":
+        return choice
+    return "through" if role == "prefill" else "evict"
 
 
 async def serve(role: str, config: WorkerConfig, make_node: NodeFactory) -> None:

@@ -58,6 +58,21 @@ class WorkerMetrics:
                                    registry=r)
         self._host_loaded = Counter("baton:kv_host_tier_loaded", "Prefix blocks copied back up from the host tier "
                                     "instead of recomputed", w, registry=r)
+        self._store_written = Counter("baton:kv_store_blocks_written_total", "Blocks this worker wrote to the shared "
+                                      "store", w, registry=r)
+        self._store_write_failures = Counter("baton:kv_store_write_failures_total", "Blocks this worker could not "
+                                             "write to the store (refused, failed or timed out)", w, registry=r)
+        self._store_dropped = Counter("baton:kv_store_writes_dropped_total", "Blocks leaving this worker that were "
+                                      "not written to the store: every write slot was busy", w, registry=r)
+        self._store_fetched = Counter("baton:kv_store_blocks_fetched_total", "Prefix blocks read from the store "
+                                      "(verified) instead of recomputed", w, registry=r)
+        self._store_fetch_failures = Counter(
+            "baton:kv_store_fetch_failures_total", "Prefix blocks the store listed that were recomputed instead, by "
+            "why: missing, corrupt, failed, timeout, no_free_blocks", ["worker_id", "reason"], registry=r)
+        self._store_stuck = Gauge("baton:kv_store_stuck_calls", "Store client threads (reads; the rest) running a "
+                                  "call past its deadline: new calls on them are refused until it returns", w,
+                                  registry=r)
+        self.store_dropped_total = 0
         for series in (self._running, self._waiting, self._kv_usage, self._hit_rate, self._queries, self._hits,
                        self._preemptions, self._transfer_bytes, self._transfer_s):
             series.labels(worker_id)  # exported at zero from the start, not from the first event
@@ -98,6 +113,27 @@ class WorkerMetrics:
 
     def kv_transport_fallthrough(self, transport: str, reason: str) -> None:
         self._fallthroughs.labels(worker_id=self.worker_id, transport=transport, reason=reason).inc()
+
+    def kv_store_written(self, num_stored: int, num_refused: int) -> None:
+        self._store_written.labels(self.worker_id).inc(num_stored)
+        self._store_write_failures.labels(self.worker_id).inc(num_refused)
+
+    def kv_store_write_failed(self, num_blocks: int) -> None:
+        self._store_write_failures.labels(self.worker_id).inc(num_blocks)
+
+    def kv_store_dropped(self, total: int) -> None:
+        """The engine's count of dropped writes since start."""
+        self._store_dropped.labels(self.worker_id).inc(max(total - self.store_dropped_total, 0))
+        self.store_dropped_total = total
+
+    def kv_store_stuck(self, num_threads: int) -> None:
+        self._store_stuck.labels(self.worker_id).set(num_threads)
+
+    def kv_store_fetched(self, num_blocks: int) -> None:
+        self._store_fetched.labels(self.worker_id).inc(num_blocks)
+
+    def kv_store_fetch_failed(self, reason: str, num_blocks: int) -> None:
+        self._store_fetch_failures.labels(worker_id=self.worker_id, reason=reason).inc(num_blocks)
 
     def request_error(self, code: str) -> None:
         self._errors.labels(worker_id=self.worker_id, code=code).inc()

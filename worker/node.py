@@ -41,6 +41,7 @@ from worker.leases import WorkerLeases
 from worker.metrics import WorkerMetrics
 from worker.publisher import IndexPublisher
 from worker.servicer import WorkerServicer
+from worker.store_tier import StoreTier
 
 logger = logging.getLogger(__name__)
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -101,6 +102,7 @@ class WorkerNode:
         self.redis = connect(self.config.redis_url)
         self.registry = Registry(self.redis, self.config.namespace, self.config.heartbeat_ttl_s)
         self.publisher = IndexPublisher(self)
+        self.store_tier = self._start_store_tier()
         self.heartbeat = HeartbeatTask(self.registry, self._info(), lambda: self.load,
                                        interval_s=self.config.heartbeat_interval_s,
                                        on_reregistered=self.publisher.republish_all)
@@ -110,6 +112,18 @@ class WorkerNode:
         logger.info("worker %s (%s) serving gRPC on %s, KV on %s", self.worker_id, self.config.role,
                     self.grpc_address, self.kv_uri)
         return self.grpc_address
+
+    def _start_store_tier(self) -> StoreTier | None:
+        """The shared store tier (``--kv-store``), connecting in the background: until it is connected, requests
+        compute as without it."""
+        if self.config.kv_store is None:
+            return None
+        if self.engine.store is None:
+            logger.warning("--kv-store ignored: the store tier needs prefix caching (blocks are named by their hashes)")
+            return None
+        tier = StoreTier(self, self.config.kv_store)
+        tier.start()
+        return tier
 
     async def stop(self, grace_s: float = 5.0) -> None:
         for task in self._tasks:
@@ -123,6 +137,8 @@ class WorkerNode:
         for client in self._kv_clients.values():
             if callable(close := getattr(client, "close", None)):
                 close()  # pooled connections (nccl channels)
+        if self.store_tier is not None:
+            await self.store_tier.stop()
         self.async_engine.stop()
         await self.redis.aclose()
 
@@ -147,6 +163,13 @@ class WorkerNode:
         staging when this worker stages the URI's kind)."""
         kind = uri_kind(uri)
         return await self.kv_plane.pull(self.kv_client(kind), kind, uri, layout, lease_id, src, dst)
+
+    async def admit_from_store(self, rid: str, prompt: list[int], outputs: list[int], params, **kwargs):
+        """(how to start the request, why) when the store tier fetched part of its prefix into a reservation
+        (``worker.store_tier.StoreTier.admit``); None: queue it as usual."""
+        if self.store_tier is None:
+            return None
+        return await self.store_tier.admit(rid, prompt, outputs, params, **kwargs)
 
     @property
     def staging(self) -> StagingPool | None:

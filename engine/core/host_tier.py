@@ -53,6 +53,7 @@ class HostTier:
         self._events: list[BlockEvent] = []
         self._swapped: dict[str, list[int]] = {}  # request id -> the host blocks holding its KV, in order
         self._released: list[int] = []  # host blocks free once this batch's copies are made
+        self._dropped: list[tuple[BlockHash, int]] = []  # (hash, host block) the LRU dropped, until taken
         self.worth_loading = True  # copying a block up beats recomputing it (the engine measures both)
         self.num_saved = self.num_loaded = self.num_dropped = 0  # blocks, since start
         self.num_swapped_out = self.num_swapped_in = 0  # requests, since start
@@ -76,21 +77,23 @@ class HostTier:
             found.append(host_id)
         return found
 
-    def save(self, block_hash: BlockHash, block_id: int) -> None:
+    def save(self, block_hash: BlockHash, block_id: int) -> bool:
         """The pool evicts ``block_id`` holding ``block_hash``: keep a copy (unless held already, or every host
-        block is pinned by this batch's copies: then the block is dropped, as without a host tier)."""
+        block is pinned by this batch's copies: then the block is dropped, as without a host tier, and this
+        returns False)."""
         if block_hash in self._lru:
             self._lru.move_to_end(block_hash)
-            return
+            return True
         host_id = self._take()
         if host_id is None:
-            return
+            return False
         self._lru[block_hash] = host_id
         self._hash_of[host_id] = block_hash
         self._pinned[host_id] += 1
         self._saves.append((block_id, host_id))
         self._events.append(BlockEvent(BlockEventKind.STORED, block_hash, host_id, TIER_HOST))
         self.num_saved += 1
+        return True
 
     def pin(self, host_ids: Sequence[int]) -> None:
         """Hold ``host_ids`` (a ``prefix`` about to be loaded) while the pool makes room for them: the saves of
@@ -155,6 +158,12 @@ class HostTier:
         events, self._events = self._events, []
         return events
 
+    def take_dropped(self) -> list[tuple[BlockHash, int]]:
+        """(hash, host block) of each block the LRU dropped since the last call: its bytes are still there until
+        the save that took the block is copied (the store tier copies them out first)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
     def _take(self) -> int | None:
         if self._free:
             return self._free.popleft()
@@ -164,6 +173,7 @@ class HostTier:
         host_id = self._lru.pop(victim)
         del self._hash_of[host_id]
         self._events.append(BlockEvent(BlockEventKind.REMOVED, victim, host_id, TIER_HOST))
+        self._dropped.append((victim, host_id))
         self.num_dropped += 1
         return host_id
 

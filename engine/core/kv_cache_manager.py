@@ -1,14 +1,18 @@
 """KVCacheManager: maps requests to block lists on top of the BlockPool (vLLM v1's layering), and keeps the
-host tier's books (``engine.core.host_tier``) below the pool: every block the pool evicts is offered to it."""
+books of the tiers below the pool: the host tier's (``engine.core.host_tier``), to which every block the pool
+evicts is offered, and the store tier's writes (``engine.core.store_writes``), to which every block leaving
+this worker for good is offered (the host tier's LRU drops it, or the pool evicts it with no host tier to take
+it), and every block the pool commits under write-through."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from engine.config import CacheConfig
-from engine.core.block_pool import BlockEvent, BlockPool
+from engine.core.block_pool import TIER_HOST, TIER_POOL, BlockEvent, BlockPool
 from engine.core.host_tier import HostCopies, HostTier
 from engine.core.request import Request
+from engine.core.store_writes import StoreCopy, StoreWrites
 from kv_transfer.hashing import BlockHash, hash_blocks, root_hash
 
 
@@ -18,6 +22,8 @@ class KVCacheManager:
         self.enable_caching = config.enable_prefix_caching
         self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
         self.host = HostTier(config.num_host_blocks) if config.num_host_blocks and self.enable_caching else None
+        self.store = (StoreWrites(config.num_store_slots, write_through=config.store_write_through)
+                      if config.num_store_slots and self.enable_caching else None)
         self._fingerprint = model_fingerprint
         self._roots: dict[str, BlockHash] = {}
         self._blocks: dict[str, list[int]] = {}
@@ -57,6 +63,11 @@ class KVCacheManager:
         self.host.pin(host_ids)
         return host_ids
 
+    def num_local_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``hashes`` this worker holds, in its pool and then its host tier (nothing pinned)."""
+        num_pool = len(self.pool.longest_cached_prefix(hashes))
+        return num_pool + (len(self.host.prefix(hashes[num_pool:])) if self.host is not None else 0)
+
     def unpin_host(self, host_ids: Sequence[int]) -> None:
         if host_ids:
             self.host.unpin(host_ids)
@@ -72,6 +83,10 @@ class KVCacheManager:
         self._offer_evicted()
         return block_ids
 
+    def take_store_copies(self) -> tuple[StoreCopy, ...]:
+        """The store-tier copies queued since the last call; the caller makes them before the host copies."""
+        return self.store.take_copies() if self.store is not None else ()
+
     def take_host_copies(self) -> HostCopies:
         """The host-tier copies queued since the last call; the caller makes them before anything else writes
         into the pool blocks they name."""
@@ -84,8 +99,13 @@ class KVCacheManager:
 
     def _offer_evicted(self) -> None:
         for block_hash, block_id in self.pool.take_evicted():
-            if self.host is not None:
-                self.host.save(block_hash, block_id)
+            kept = self.host is not None and self.host.save(block_hash, block_id)
+            if not kept and self.store is not None:
+                self.store.offer(block_hash, TIER_POOL, block_id)
+        if self.host is not None:
+            for block_hash, host_id in self.host.take_dropped():
+                if self.store is not None:
+                    self.store.offer(block_hash, TIER_HOST, host_id)
 
     def prompt_hashes(self, token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
         """The full blocks' hashes of ``token_ids``, as a request with ``cache_salt`` computes them."""
@@ -137,8 +157,10 @@ class KVCacheManager:
         blocks = self._blocks[request.request_id]
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         start = self._num_committed.get(request.request_id, 0)
+        through = self.store is not None and self.store.write_through
         for i in range(start, num_full):
-            self.pool.commit(blocks[i], request.block_hashes[i])
+            if self.pool.commit(blocks[i], request.block_hashes[i]) and through:
+                self.store.offer(request.block_hashes[i], TIER_POOL, blocks[i])
         self._num_committed[request.request_id] = max(start, num_full)
 
     def free_outside_window(self, request: Request, window: int) -> None:

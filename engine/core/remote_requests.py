@@ -22,15 +22,24 @@ class RemoteRequests:
         """Reserve blocks for a prompt whose KV will be pulled; reuse locally cached prefix blocks.
 
         Returns (number of leading blocks already cached here, the request's block ids), or None
-        when the pool cannot hold the prompt now (the caller falls back to local prefill).
+        when the pool cannot hold the prompt now (the caller falls back to local prefill). Cached here means in
+        the pool or, past it, in the host tier: those blocks are copied up into fresh blocks (the caller makes
+        the copies before anything writes into the reservation).
         """
         self._check_new(request)  # before any block is allocated: a refused id must not leak them
-        computed = self.kv_cache.get_computed_blocks(request)
-        num_hit = min(len(computed), num_prompt_tokens // self.kv_cache.block_size)
-        computed = computed[:num_hit]
-        num_new = num_prompt_tokens - num_hit * self.kv_cache.block_size
-        if self.kv_cache.allocate_slots(request, num_new, computed) is None:
+        size, limit = self.kv_cache.block_size, num_prompt_tokens // self.kv_cache.block_size
+        computed = self.kv_cache.get_computed_blocks(request)[:limit]
+        hosted = self.kv_cache.host_prefix(request, len(computed))
+        self.kv_cache.unpin_host(hosted[limit - len(computed):])
+        hosted = hosted[: limit - len(computed)]
+        num_hit = len(computed) + len(hosted)
+        num_new = num_prompt_tokens - num_hit * size
+        fresh = self.kv_cache.allocate_slots(request, len(hosted) * size + num_new, computed)
+        if fresh is None:
+            self.kv_cache.unpin_host(hosted)
             return None
+        if hosted:
+            self.kv_cache.load_from_host(hosted, fresh[: len(hosted)])
         self.add_request(request)
         self.waiting.remove(request)
         request.num_cached_tokens = num_hit * self.kv_cache.block_size

@@ -77,3 +77,17 @@ def test_engine_flags_reach_the_engine_config_and_bad_graph_sizes_are_refused():
     for bad in ("0,2", "a,b", ""):
         with pytest.raises(ValueError, match="cuda-graph-sizes"):
             config("decode", "--cuda-graph-sizes", bad)
+
+
+def test_store_flags_reach_the_config_with_a_write_policy_per_role():
+    assert config("decode").kv_store is None and config("decode").engine.kv_store_buffer_blocks == 0
+    uri = "mooncake://127.0.0.1:7000?metadata=127.0.0.1:7001"
+    prefill, decode = config("prefill", "--kv-store", uri), config("decode", "--kv-store", uri)
+    assert prefill.kv_store.master_address == "127.0.0.1:7000" and prefill.engine.kv_store_buffer_blocks == 64
+    assert (prefill.engine.kv_store_write, decode.engine.kv_store_write) == ("through", "evict")  # auto, per role
+    chosen = config("prefill", "--kv-store", uri, "--kv-store-write", "evict", "--kv-store-buffer-blocks", "8")
+    assert (chosen.engine.kv_store_write, chosen.engine.kv_store_buffer_blocks) == ("evict", 8)
+    with pytest.raises(ValueError, match="metadata="):
+        config("decode", "--kv-store", "mooncake://127.0.0.1:7000")
+    with pytest.raises(ValueError, match="kv-store-buffer-blocks"):
+        config("decode", "--kv-store", uri, "--kv-store-buffer-blocks", "0")

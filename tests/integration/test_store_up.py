@@ -1,0 +1,129 @@
+"""``baton up --kv-store`` (no URI): it starts a Mooncake Store on loopback beside Redis, the router and the workers;
+the workers (``--kv-store-write through``) write what they compute to the store (the index lists the store's
+blocks); the store's processes and the workers listen on loopback only, but for the Mooncake transfer engines'
+own two listeners per process, which Mooncake 0.3.13 binds to all interfaces whatever it is told (they advertise
+127.0.0.1: no byte leaves loopback); Ctrl-C stops every process, the store's too. (The router's own listeners
+follow its ``--host``, 0.0.0.0 by default: not the store's business.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from engine.tiny import build_model
+from tests.integration.cluster import ROOT, free_port, interrupt
+from tests.integration.test_scaling import _alive, decode_workers, generate, prefill_workers, wait_for
+from tests.redis_server import require_redis_server
+
+pytest.importorskip("mooncake", reason="the store tier needs mooncake-transfer-engine-non-cuda")
+LOOPBACK = ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]")
+TRANSFER_ENGINE_LISTENERS = 2  # a Mooncake client's handshake and data ports, bound to all interfaces
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process below ``pid``: pid -> its command's first words."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            try:
+                out[child] = (Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")[:200]).decode()
+            except OSError:
+                continue
+            todo.append(child)
+    return out
+
+
+def _listeners(pids: set[int]) -> dict[int, list[str]]:
+    """pid -> the local addresses its TCP sockets listen on (``ss -ltnpH``)."""
+    out: dict[int, list[str]] = {}
+    for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines():
+        local = line.split()[3]
+        for pid in map(int, re.findall(r"pid=(\d+)", line)):
+            if pid in pids:
+                out.setdefault(pid, []).append(local)
+    return out
+
+
+def _serving(address: str) -> bool:
+    try:
+        return prefill_workers(address) == ["prefill-0"] and decode_workers(address) == ["decode-0"]
+    except grpc.RpcError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory):
+    require_redis_server()
+    model_dir = build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    port, log_dir = free_port(), tmp_path_factory.mktemp("up")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "deploy.cli", "up", "--model", str(model_dir), "--port", str(port),
+           "--metrics-port", str(free_port()), "--http-port", "0", "--log-dir", str(log_dir), "--kv-store",
+           "--kv-store-memory", "64 MB", "--kv-store-write", "through", "--calibrate-tokens", "0", "--block-size", "4"]
+    with (log_dir / "up.out").open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _serving(address), 90, proc, log_dir)
+        yield address, proc, log_dir
+    finally:
+        interrupt(proc)
+
+
+def test_up_starts_a_store_the_workers_write_through_to(platform):
+    address, proc, log_dir = platform
+    said = (log_dir / "up.out").read_text()
+    assert re.search(r"kv store +mooncake://127\.0\.0\.1:\d+\?metadata=127\.0\.0\.1:\d+", said), said
+    redis_url = re.search(r"redis +(redis://\S+)", said).group(1)
+    for i in range(3):
+        generate(address, [(5 + 7 * i + j) % 300 + 3 for j in range(40)])  # whichever worker computes it writes
+    client = redis.Redis.from_url(redis_url)
+    wait_for(lambda: client.hlen("baton:kv-of:store") >= 27, 30, proc, log_dir)  # 3 x 9 blocks of 4 tokens
+    assert (log_dir / "store-client.log").exists() and (log_dir / "store-master.log").exists()
+
+
+def _store_processes(processes: dict[int, str]) -> list[int]:
+    return [pid for pid, cmd in processes.items() if "mooncake_" in cmd or "mooncake.http_metadata_server" in cmd]
+
+
+def test_the_store_and_the_workers_listen_on_loopback_but_the_transfer_engines_own(platform):
+    _, proc, _ = platform
+    processes = _descendants(proc.pid)
+    workers = [pid for pid, cmd in processes.items() if "deploy.cli prefill" in cmd or "deploy.cli decode" in cmd]
+    listeners = _listeners(set(_store_processes(processes) + workers))
+    assert any("mooncake_master" in processes[pid] for pid in listeners)
+    assert any("http_metadata_server" in processes[pid] for pid in listeners)
+    for pid, addrs in listeners.items():
+        wildcard = [a for a in addrs if not a.startswith(LOOPBACK)]
+        engine = "mooncake_client" in processes[pid] or pid in workers  # a Mooncake client: a transfer engine
+        assert len(wildcard) <= (TRANSFER_ENGINE_LISTENERS if engine else 0), f"{processes[pid]}: {addrs}"
+        assert len(addrs) > len(wildcard), f"{processes[pid]} serves nothing on loopback: {addrs}"
+
+
+def test_ctrl_c_stops_the_store_too(tmp_path_factory, platform):
+    _, proc, _ = platform
+    processes = _descendants(proc.pid)
+    store = _store_processes(processes)
+    assert len(store) == 3, processes
+    interrupt(proc)
+    assert proc.returncode == 0
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in store) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in store if _alive(pid)]
