@@ -226,7 +226,7 @@ class _Flow:
                                                                                    self._relay.routing.rates),
                                             pending.lookup(hashes), tiers.gpu_or_cpu)
         self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size,
-                                           max_tokens=self._job.params.max_tokens)
+                                           max_tokens=self._job.params.max_tokens, store_blocks=tiers.store)
         decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id

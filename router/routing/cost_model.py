@@ -80,6 +80,9 @@ class CostConfig:
     # Host tier (--kv-host-blocks): a prefix held in a worker's host memory is copied up into its KV pool before
     # it computes the rest, at about this rate (memcpy on a CPU host; pinned host-to-device copies are faster).
     host_copy_gb_per_s: float = 8.0
+    # Store tier (--kv-store): a prefix the shared store holds past a worker's own tiers is fetched before it
+    # computes the rest, at about this rate (Mooncake Store over TCP measured 0.4-1.2 GB/s here)
+    store_gb_per_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.itl_target_s > 0 or not self.ttft_target_s > 0 or self.prefill_chunk_tokens < 1 or self.kv_bytes_per_token <= 0:
@@ -106,12 +109,15 @@ class PrefillPlan:
     stall_s: float = 0.0  # local: D's running sequences' delay x interference_weight (not in this ttft)
     host_tokens: int = 0  # prompt tokens the computing worker copies up from its host tier instead (host_s)
     host_s: float = 0.0
+    store_tokens: int = 0  # ... and fetches from the shared store instead (store_s)
+    store_s: float = 0.0
     import_from: str | None = None  # local: the worker whose cached prefix D pulls first (transfer_s)
     import_tokens: int = 0
 
     @property
     def ttft_s(self) -> float:
-        return self.overhead_s + self.queue_s + self.compute_s + self.host_s + self.transfer_s + self.interference_s
+        return (self.overhead_s + self.queue_s + self.compute_s + self.host_s + self.store_s + self.transfer_s
+                + self.interference_s)
 
     @property
     def cost_s(self) -> float:
@@ -122,6 +128,8 @@ class PrefillPlan:
         terms = f"overhead {self.overhead_s:.4f} + queue {self.queue_s:.4f} + prefill {self.compute_s:.4f}"
         if self.host_tokens:
             terms += f" + host copy {self.host_s:.4f} ({self.host_tokens} tokens from host memory)"
+        if self.store_tokens:
+            terms += f" + store fetch {self.store_s:.4f} ({self.store_tokens} tokens from the store)"
         if self.kind == "remote":
             terms += f" + transfer {self.transfer_s:.4f}"
             return f"remote on {self.prefill_id} {self.ttft_s:.4f} s = {terms}"
@@ -143,10 +151,12 @@ class PrefillQuote:
     kv_uri: str = ""
     host_tokens: int = 0
     host_s: float = 0.0
+    store_tokens: int = 0
+    store_s: float = 0.0
 
     @property
     def base_s(self) -> float:
-        return self.queue_s + self.compute_s + self.host_s
+        return self.queue_s + self.compute_s + self.host_s + self.store_s
 
 
 @dataclass(slots=True, kw_only=True)  # not frozen: built for every decode worker of every request
@@ -199,10 +209,20 @@ def host_load(request: RouteRequest, worker: Candidate, rate: float, rates: Rate
               config: CostConfig) -> tuple[int, float]:
     """(tokens, seconds) of copying the worker's host-tier prefix up, or (0, 0) when none, or when computing
     those tokens at ``rate`` would be no slower (the worker's engine then recomputes them too)."""
-    tokens = request.host_tokens(worker)
+    return _tier_load(request.host_tokens(worker), worker, rate, rates, config, config.host_copy_gb_per_s)
+
+
+def store_load(request: RouteRequest, worker: Candidate, rate: float, rates: Rates,
+               config: CostConfig) -> tuple[int, float]:
+    """(tokens, seconds) of fetching the store's prefix past the worker's own tiers, or (0, 0)."""
+    return _tier_load(request.store_tokens(worker), worker, rate, rates, config, config.store_gb_per_s)
+
+
+def _tier_load(tokens: int, worker: Candidate, rate: float, rates: Rates, config: CostConfig,
+               gb_per_s: float) -> tuple[int, float]:
     if not tokens:
         return 0, 0.0
-    seconds = tokens * kv_bytes_per_token(worker, rates, config) / (config.host_copy_gb_per_s * 1e9)
+    seconds = tokens * kv_bytes_per_token(worker, rates, config) / (gb_per_s * 1e9)
     return (tokens, seconds) if seconds < tokens / rate else (0, 0.0)
 
 
@@ -214,9 +234,10 @@ def quote_prefills(request: RouteRequest, prefills: Sequence[Candidate], rates: 
     for prefill in prefills:
         rate = rates.prefill_tokens_per_s(prefill.worker_id, prefill.load)
         hosted, host_s = host_load(request, prefill, rate, rates, config)
-        computed = request.uncached_tokens(prefill) - hosted
+        stored, store_s = store_load(request, prefill, rate, rates, config)
+        computed = request.uncached_tokens(prefill) - hosted - stored
         quotes.append(PrefillQuote(prefill, prefill.queued_prefill_tokens / rate, computed / rate, computed,
-                                   prefill.info.worker_id, prefill.info.kv_uri, hosted, host_s))
+                                   prefill.info.worker_id, prefill.info.kv_uri, hosted, host_s, stored, store_s))
     quotes.sort(key=lambda q: (q.base_s, q.prefill_id))  # remote_plan stops at the first that cannot win
     return quotes
 
@@ -243,7 +264,7 @@ def remote_plan(
     return PrefillPlan(
         kind="remote", prefill_id=quote.prefill_id, uncached_tokens=quote.uncached_tokens,
         queue_s=quote.queue_s, compute_s=quote.compute_s, transfer_s=transfer_s, overhead_s=rates.overhead_s("remote"),
-        host_tokens=quote.host_tokens, host_s=quote.host_s,
+        host_tokens=quote.host_tokens, host_s=quote.host_s, store_tokens=quote.store_tokens, store_s=quote.store_s,
     )
 
 
@@ -255,13 +276,16 @@ def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: C
     rate = rates.prefill_tokens_per_s(decode.worker_id, decode.load, on_decode=True)
     uncached = request.uncached_tokens(decode)
     hosted, host_s = host_load(request, decode, rate, rates, config)
+    stored, store_s = store_load(request, decode, rate, rates, config)
     imported, import_s = _prefix_import(request, decode, source, rate, rates, config)
     if imported and hosted:  # both cover the tokens after D's pool prefix: the cheaper way over the longer span
         if host_s + max(imported - hosted, 0) / rate <= import_s + max(hosted - imported, 0) / rate:
             imported, import_s = 0, 0.0
         else:
             hosted, host_s = 0, 0.0  # an imported prefix lands in D's pool: its host tier is not read
-    uncached -= imported + hosted
+    if imported:
+        stored, store_s = 0, 0.0  # the worker's store fetch is for plain requests (not an import)
+    uncached -= imported + hosted + stored
     running = decode.num_active
     interference_s = itl_s = 0.0
     if running:
@@ -273,6 +297,7 @@ def local_plan(request: RouteRequest, decode: Candidate, rates: Rates, config: C
         compute_s=uncached / rate, interference_s=interference_s, itl_s=itl_s, overhead_s=rates.overhead_s("local"),
         stall_s=config.interference_weight * running * uncached / rate, transfer_s=import_s,
         import_from=source.worker_id if imported else None, import_tokens=imported, host_tokens=hosted, host_s=host_s,
+        store_tokens=stored, store_s=store_s,
     )
 
 

@@ -92,6 +92,7 @@ class RouteRequest:
     num_prompt_tokens: int
     block_size: int
     max_tokens: int | None = None  # the request's output limit; None: unknown (the cost model prices its default)
+    store_blocks: int = 0  # leading blocks of the prompt the shared store holds (the index's ``store`` holder)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -111,6 +112,11 @@ class RouteRequest:
         """Prompt tokens past the worker's KV-pool prefix that its host tier holds (copied up, not computed)."""
         tiered = min(candidate.tiered_blocks * self.block_size, self.num_prompt_tokens - 1)  # the last: computed
         return max(tiered - self.cached_tokens(candidate), 0)
+
+    def store_tokens(self, candidate: Candidate) -> int:
+        """Prompt tokens past the worker's own tiers that the shared store holds (fetched, not computed)."""
+        stored = min(self.store_blocks * self.block_size, self.num_prompt_tokens - 1)
+        return max(stored - self.cached_tokens(candidate) - self.host_tokens(candidate), 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

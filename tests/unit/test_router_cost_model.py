@@ -651,3 +651,20 @@ def test_own_host_memory_beats_importing_the_same_prefix_from_another_worker():
     fast_host = dataclasses.replace(importing.cost, host_copy_gb_per_s=20.0)  # 0.0105 s: its own memory
     plan = local_plan(req(2000), cands[0], Rates(BASE), fast_host, source=cands[1])
     assert (plan.host_tokens, plan.import_tokens, plan.import_from) == (1600, 0, None)
+
+
+def test_a_prefix_in_the_store_is_priced_as_a_fetch_past_the_workers_own_tiers():
+    # the store holds 100 blocks (1,600 tokens) at 2 GB/s; d0 holds 40 of them in its pool: it fetches 60 blocks
+    # (960 tokens x 131,072 B = 0.0629 s) and computes 400 (0.08 s); d1 fetches 1,600 tokens (0.1049 s) and
+    # computes 400: d0 wins. At 0.05 GB/s a fetch is slower than computing: d0 computes its 1,360 (0.272 s).
+    cands = [worker("d0", cached=40, total=300, free=300), worker("d1", total=300, free=300)]
+    local_only = dataclasses.replace(COST, disagg_threshold_tokens=100_000,
+                                     cost=dataclasses.replace(COST.cost, store_gb_per_s=2.0))
+    request = dataclasses.replace(req(2000), store_blocks=100)
+    decision = route(request, cands, local_only, state=state())
+    assert decision.decode_id == "d0"
+    assert decision.predicted_ttft_s == pytest.approx(960 * 131072 / 2e9 + 400 / 5000)
+    assert "store fetch 0.0629 (960 tokens from the store)" in decision.reason
+    slow = dataclasses.replace(local_only, cost=dataclasses.replace(COST.cost, store_gb_per_s=0.05))
+    computed = route(request, cands, slow, state=state())
+    assert computed.predicted_ttft_s == pytest.approx(1360 / 5000) and "store fetch" not in computed.reason
