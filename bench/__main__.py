@@ -1,4 +1,4 @@
-"""``baton bench <name>``: run one benchmark (throughput, kv-transfer, ..., compare, faults, soak, sampler)."""
+"""``baton bench <name>``: run one benchmark (throughput, kv-transfer, ..., compare, faults, soak, sampler, trace)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ _BENCHMARKS = {
     "preemption": "bench.preemption",
     "step-prep": "bench.step_prep",
     "kv-store": "bench.kv_store",
+    "trace": "bench.trace_replay",
 }
 
 
