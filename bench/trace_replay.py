@@ -482,7 +482,8 @@ def aiperf_outcomes(records: list[dict]) -> tuple[list[Outcome], float]:
         error = rec.get("error")
         if error or "time_to_first_token" not in metrics:
             code = (error or {}).get("code", "") if isinstance(error, dict) else ""
-            outcomes.append(Outcome(index=i, ok=False, prompt_tokens=int(value("input_sequence_length")),
+            prompt = value("error_isl") or value("input_sequence_length")  # what aiperf meant to send
+            outcomes.append(Outcome(index=i, ok=False, prompt_tokens=int(prompt),
                                     error=f"HTTP {code}" if code else "error"))
             continue
         outcomes.append(Outcome(index=i, ok=True, prompt_tokens=int(value("usage_prompt_tokens")),
