@@ -7,7 +7,7 @@ BATON  := $(VENV)/bin/baton
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench aiperf clean
 
 install: $(STAMP)
 
@@ -32,6 +32,16 @@ test: install
 
 bench: install
 	$(PY) -m bench.throughput
+
+# NVIDIA's aiperf, the other client of `python -m bench trace --client aiperf`, in a venv of its own: about 1 GB,
+# and its pins (huggingface-hub 1.x, pillow 12, prometheus-client 0.23, rich 14) would downgrade Baton's. Never
+# part of `make install`; no torch.
+AIPERF_VENV := .venv-aiperf
+aiperf: $(AIPERF_VENV)/bin/aiperf
+
+$(AIPERF_VENV)/bin/aiperf:
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
 
 clean:
 	rm -rf $(VENV) build *.egg-info
