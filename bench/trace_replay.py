@@ -163,10 +163,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
+def summarize(outcomes: list[Outcome], duration_s: float, reusable: set[int] | None = None) -> dict:
     """Hit rate over the requests that completed (cached / prompt tokens, as the workers reported them), TTFT
-    p50/p90 and throughput over the run (first send to last finish)."""
+    p50/p90 and throughput over the run (first send to last finish). ``reusable``: the indices of the requests
+    the trace lets a cache serve more than their first block (the same requests in every configuration); their
+    TTFT is reported apart, since the median request of a conversation trace reuses nothing past it."""
     done = [o for o in outcomes if o.ok]
+    some = [o.ttft_s * 1e3 for o in done if reusable is not None and o.index in reusable]
     prompt = sum(o.prompt_tokens for o in done)
     cached = sum(o.cached_tokens for o in done)
     ttfts = [o.ttft_s * 1e3 for o in done]
@@ -180,6 +183,7 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
         "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else math.nan,
         "ttft_ms": {"p50": percentile(ttfts, 50), "p90": percentile(ttfts, 90), "mean": sum(ttfts) / len(ttfts)
                     if ttfts else math.nan},
+        "ttft_reusable_ms": {"p50": percentile(some, 50), "p90": percentile(some, 90), "requests": len(some)},
         "duration_s": duration_s,
         "requests_per_s": len(done) / duration_s if duration_s > 0 else math.nan,
         "output_tokens_per_s": out_tokens / duration_s if duration_s > 0 else math.nan,
@@ -477,6 +481,7 @@ def aiperf_outcomes(records: list[dict]) -> tuple[list[Outcome], float]:
         def value(name: str, default=0):
             return (metrics.get(name) or {}).get("value", default)
 
+        i = meta.get("session_num", i)  # the line of the scaled trace (aiperf's session per request)
         starts.append(meta.get("request_start_ns", 0))
         ends.append(meta.get("request_end_ns", 0))
         error = rec.get("error")
@@ -495,7 +500,8 @@ def aiperf_outcomes(records: list[dict]) -> tuple[list[Outcome], float]:
 
 
 def replay_aiperf(binary: str, http_port: int, model_name: str, model_dir: Path, requests: list[ReplayRequest],
-                  scale: Scale, work: Path, *, request_timeout_s: float, max_run_s: float) -> tuple[list[Outcome], float]:
+                  scale: Scale, work: Path, *, request_timeout_s: float,
+                  max_run_s: float) -> tuple[list[Outcome], float]:
     work.mkdir(parents=True, exist_ok=True)
     trace_file = work / "scaled_trace.jsonl"
     trace_file.write_text("\n".join(scaled_trace_lines(requests, scale)) + "\n")
@@ -541,6 +547,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store-memory", default="1 GB", help="the store's memory (Mooncake's spelling)")
     p.add_argument("--store-buffer-blocks", type=int, default=256, help="--kv-store-buffer-blocks per worker")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ", ".join(CONFIGS))
+    p.add_argument("--passes", type=int, default=1, help="run the configurations this many times, every other pass "
+                   "in reverse order (ABBA: a machine whose load drifts favours no configuration)")
     p.add_argument("--client", choices=CLIENTS, default="grpc")
     p.add_argument("--aiperf", default=None, help="the aiperf binary (default: .venv-aiperf/bin/aiperf, PATH)")
     p.add_argument("--router", default=None, help="replay once against this running router's gRPC address "
@@ -587,6 +595,8 @@ def run(args: argparse.Namespace) -> dict:
         "lru_hit_rate_at_pool": (sum(reusable_blocks(requests, block_size, args.num_blocks)) * block_size
                                  / prompt_tokens) if ceiling else None,
     }
+    reusable = {r.index for r, hit in zip(requests, ceiling) if hit > 1}
+    slice_info["reusable_requests"] = len(reusable)
     oracle_blocks = oracle_pool_blocks(requests, block_size)
     print(f"slice: {len(requests)} requests over {slice_info['span_s']:.0f} s, {prompt_tokens} prompt tokens, "
           f"working set {slice_info['working_set_blocks']} blocks, ceiling hit rate "
@@ -596,7 +606,8 @@ def run(args: argparse.Namespace) -> dict:
               "num_blocks": args.num_blocks, "host_blocks": args.host_blocks, "store_memory": args.store_memory,
               "layout": {"prefill": args.prefill, "decode": args.decode}, "runs": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    for config in configs if args.router is None else ["running"]:
+    order = [(k, c) for k in range(args.passes) for c in (configs if k % 2 == 0 else configs[::-1])]
+    for pass_, config in order if args.router is None else [(0, "running")]:
         load_before = _loadavg()
         up = None
         try:
@@ -623,11 +634,13 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             if up is not None:
                 up.stop()
-        summary = summarize(outcomes, duration)
-        summary.update(config=config, counters=counters, loadavg_before=load_before, loadavg_after=_loadavg(),
+        summary = summarize(outcomes, duration, reusable)
+        summary.update(config=config, passes=args.passes, pass_=pass_ + 1, counters=counters,
+                       loadavg_before=load_before, loadavg_after=_loadavg(),
                        store_tokens_local=sum(o.store_tokens for o in outcomes))
         report["runs"].append(summary)
-        (args.out / f"outcomes-{args.client}-{config.replace('+', '-')}.jsonl").write_text(
+        suffix = f"-{pass_ + 1}" if args.passes > 1 else ""
+        (args.out / f"outcomes-{args.client}-{config.replace('+', '-')}{suffix}.jsonl").write_text(
             "\n".join(json.dumps(asdict(o)) for o in outcomes) + "\n")
         print(line_of(summary, block_size), flush=True)
     return report
@@ -644,7 +657,7 @@ def line_of(run_: dict, block_size: int = 16) -> str:
     c = run_.get("counters", {})
     host = sum(w.get("kv_host_tier_loaded", 0) for w in c.values() if isinstance(w, dict)) * block_size
     store = sum(w.get("kv_store_blocks_fetched", 0) for w in c.values() if isinstance(w, dict)) * block_size
-    return (f"[{run_['config']}] {run_['completed']}/{run_['requests']} ok, hit rate {run_['hit_rate']:.3f} "
+    return (f"[{label(run_)}] {run_['completed']}/{run_['requests']} ok, hit rate {run_['hit_rate']:.3f} "
             f"({run_['cached_tokens']}/{run_['prompt_tokens']} prompt tokens; host loads {host:.0f}, store fetches "
             f"{store:.0f} tokens), TTFT p50 {run_['ttft_ms']['p50']:.1f} ms p90 {run_['ttft_ms']['p90']:.1f} ms, "
             f"{run_['requests_per_s']:.2f} req/s, {run_['output_tokens_per_s']:.1f} out tok/s over "
@@ -652,19 +665,27 @@ def line_of(run_: dict, block_size: int = 16) -> str:
             + (f"; errors {run_['errors']}" if run_["errors"] else ""))
 
 
+def label(run_: dict) -> str:
+    return f"{run_['config']} #{run_['pass_']}" if run_.get("passes", 1) > 1 else run_["config"]
+
+
 def table(report: dict) -> str:
     """The runs as a markdown table, the oracle's hit rate and TTFT as the reference."""
-    runs = {r["config"]: r for r in report["runs"]}
-    base, oracle = runs.get("none"), runs.get("oracle")
-    rows = ["| configuration | hit rate | vs (a) | vs oracle | TTFT p50 ms | p90 ms | p50 vs oracle | req/s | "
-            "out tok/s | failed | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    runs = {(r["config"], r.get("pass_", 1)): r for r in report["runs"]}
+    rows = ["| configuration | hit rate | vs (a) | vs oracle | TTFT p50 ms | p90 ms | p50 vs oracle | reusable p50 ms "
+            "| vs oracle | req/s | out tok/s | failed | load avg |", "|---" * 13 + "|"]
+    def reuse(r):
+        return r.get("ttft_reusable_ms", {}).get("p50", math.nan)
+
     for r in report["runs"]:
         def ratio(a, b):
             return f"{a / b:.2f}x" if b and not math.isnan(b) and not math.isnan(a) else "-"
+        base, oracle = runs.get(("none", r.get("pass_", 1))), runs.get(("oracle", r.get("pass_", 1)))
         rows.append(
-            f"| {r['config']} | {r['hit_rate']:.1%} | {ratio(r['hit_rate'], base['hit_rate']) if base else '-'} | "
+            f"| {label(r)} | {r['hit_rate']:.1%} | {ratio(r['hit_rate'], base['hit_rate']) if base else '-'} | "
             f"{ratio(r['hit_rate'], oracle['hit_rate']) if oracle else '-'} | {r['ttft_ms']['p50']:.1f} | "
             f"{r['ttft_ms']['p90']:.1f} | {ratio(r['ttft_ms']['p50'], oracle['ttft_ms']['p50']) if oracle else '-'} | "
+            f"{reuse(r):.1f} | {ratio(reuse(r), reuse(oracle)) if oracle else '-'} | "
             f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['requests'] - r['completed']} | "
             f"{r['loadavg_before']} -> {r['loadavg_after']} |")
     return "\n".join(rows)
@@ -679,7 +700,7 @@ def plot(report: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     runs = report["runs"]
-    names = [r["config"] for r in runs]
+    names = [label(r) for r in runs]
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     a.bar(names, [r["hit_rate"] * 100 for r in runs], color="tab:blue")
     ceiling = report["slice"].get("ceiling_hit_rate")

@@ -72,14 +72,18 @@ def test_each_configuration_is_the_flags_baton_up_takes():
 
 def test_the_summary_counts_what_the_workers_reported_on_completed_requests():
     outcomes = [
-        tr.Outcome(index=0, ok=True, prompt_tokens=100, cached_tokens=0, output_tokens=4, ttft_s=0.010, route_kind="remote"),
-        tr.Outcome(index=1, ok=True, prompt_tokens=100, cached_tokens=64, output_tokens=4, ttft_s=0.020, route_kind="local"),
-        tr.Outcome(index=2, ok=True, prompt_tokens=200, cached_tokens=96, output_tokens=2, ttft_s=0.030, route_kind="local"),
+        tr.Outcome(index=0, ok=True, prompt_tokens=100, cached_tokens=0, output_tokens=4, ttft_s=0.010,
+                   route_kind="remote"),
+        tr.Outcome(index=1, ok=True, prompt_tokens=100, cached_tokens=64, output_tokens=4, ttft_s=0.020,
+                   route_kind="local"),
+        tr.Outcome(index=2, ok=True, prompt_tokens=200, cached_tokens=96, output_tokens=2, ttft_s=0.030,
+                   route_kind="local"),
         tr.Outcome(index=3, ok=False, prompt_tokens=500, error="run bound"),
         tr.Outcome(index=4, ok=False, prompt_tokens=500, error="run bound"),
     ]
-    s = tr.summarize(outcomes, duration_s=2.0)
+    s = tr.summarize(outcomes, duration_s=2.0, reusable={1, 2, 3})
     assert (s["requests"], s["completed"], s["errors"]) == (5, 3, {"run bound": 2})
+    assert s["ttft_reusable_ms"] == {"p50": pytest.approx(25.0), "p90": pytest.approx(29.0), "requests": 2}
     assert (s["prompt_tokens"], s["cached_tokens"]) == (400, 160) and s["hit_rate"] == 0.4
     assert s["ttft_ms"]["p50"] == pytest.approx(20.0) and s["ttft_ms"]["p90"] == pytest.approx(28.0)
     assert s["requests_per_s"] == 1.5 and s["output_tokens_per_s"] == 5.0 and s["prompt_tokens_per_s"] == 200.0
@@ -104,14 +108,21 @@ def test_store_tokens_and_tier_counters_are_read_from_what_workers_say():
 
 
 def test_the_table_compares_each_configuration_with_none_and_the_oracle():
-    def run(config, hit, p50):
+    def run(config, hit, p50, pass_=1, passes=1):
         return {"config": config, "hit_rate": hit, "ttft_ms": {"p50": p50, "p90": 2 * p50}, "requests": 10,
-                "completed": 10, "requests_per_s": 1.0, "output_tokens_per_s": 10.0, "loadavg_before": "1 1 1",
-                "loadavg_after": "2 2 2"}
+                "ttft_reusable_ms": {"p50": p50 / 2}, "completed": 10, "requests_per_s": 1.0,
+                "output_tokens_per_s": 10.0, "loadavg_before": "1 1 1", "loadavg_after": "2 2 2", "pass_": pass_,
+                "passes": passes}
     text = tr.table({"runs": [run("none", 0.05, 30.0), run("host+store", 0.18, 33.0), run("oracle", 0.2, 30.0)]})
     rows = text.splitlines()
-    assert rows[2].startswith("| none | 5.0% | 1.00x | 0.25x | 30.0 | 60.0 | 1.00x |")
-    assert rows[3].startswith("| host+store | 18.0% | 3.60x | 0.90x | 33.0 | 66.0 | 1.10x |")
+    assert rows[2].startswith("| none | 5.0% | 1.00x | 0.25x | 30.0 | 60.0 | 1.00x | 15.0 | 1.00x |")
+    assert rows[3].startswith("| host+store | 18.0% | 3.60x | 0.90x | 33.0 | 66.0 | 1.10x | 16.5 | 1.10x |")
+    # two passes (ABBA): each run is compared with (a) and the oracle of its own pass
+    runs = [run("none", 0.05, 30.0, 1, 2), run("oracle", 0.2, 30.0, 1, 2), run("oracle", 0.2, 60.0, 2, 2),
+            run("none", 0.04, 90.0, 2, 2)]
+    rows = tr.table({"runs": runs}).splitlines()
+    assert rows[4].startswith("| oracle #2 | 20.0% | 5.00x | 1.00x | 60.0 |")
+    assert rows[5].startswith("| none #2 | 4.0% | 1.00x | 0.20x | 90.0 | 180.0 | 1.50x |")
 
 
 # ---- the gRPC client against a fake router ------------------------------------------------------
@@ -195,7 +206,7 @@ def test_the_scaled_trace_for_aiperf_is_what_our_replay_sends():
 def test_a_cut_prompt_keeps_only_the_hash_ids_it_still_spans():
     trace = [_req(0, list(range(1, 9)))]  # 8 blocks, 128 tokens scaled
     requests = tr.scaled_requests(trace, SCALE, vocab_size=1000, max_model_len=100)
-    assert json.loads(tr.scaled_trace_lines(requests, SCALE)[0])["hash_ids"] == [1, 2, 3, 4, 5, 6, 7]  # 98 tokens: 6 full blocks and 2 tokens of the 7th
+    assert json.loads(tr.scaled_trace_lines(requests, SCALE)[0])["hash_ids"] == [1, 2, 3, 4, 5, 6, 7]  # 98 tokens: 6 blocks + 2
 
 
 def test_aiperf_records_become_outcomes():
