@@ -438,12 +438,20 @@ class _Progress:
 def scaled_trace_lines(requests: list[ReplayRequest], scale: Scale) -> list[str]:
     """The scaled slice as a Mooncake-format trace for aiperf (one hash id per ``scale.block_tokens`` tokens, so
     ``--prompt-input-tokens-block-size`` is ``scale.block_tokens``): lengths as our replay sends them (cut ones
-    included), timestamps in ms from the first request."""
+    included), timestamps in ms from the first request. aiperf refuses a hash id met at two sizes (a partial last
+    block here, full or of another length there; scaling makes more of them), so each (id, size) of a partial last
+    block gets an id of its own past the trace's: no reuse is lost, since only full blocks are ever cached."""
+    top = max((i for r in requests for i in r.hash_ids), default=0)
+    partial_ids: dict[tuple[int, int], int] = {}
     lines = []
     for r in requests:
         blocks = -(-len(r.prompt) // scale.block_tokens)
+        ids = list(r.hash_ids[:blocks])
+        tail = len(r.prompt) % scale.block_tokens
+        if tail and ids:
+            ids[-1] = partial_ids.setdefault((ids[-1], tail), top + 1 + len(partial_ids))
         lines.append(json.dumps({"timestamp": round(r.arrival_s * 1e3), "input_length": len(r.prompt),
-                                 "output_length": r.max_tokens, "hash_ids": list(r.hash_ids[:blocks])}))
+                                 "output_length": r.max_tokens, "hash_ids": ids}))
     return lines
 
 

@@ -195,10 +195,14 @@ def test_the_grpc_client_records_what_the_router_reported_and_bounds_the_run():
 
 # ---- aiperf -------------------------------------------------------------------------------------
 def test_the_scaled_trace_for_aiperf_is_what_our_replay_sends():
-    requests = _replay([(1, 2, 3), (1, 2, 4, 5)], tails=[100, 0])
+    requests = _replay([(1, 2, 3), (1, 2, 4, 5), (1, 2, 3), (1, 2, 3, 9)], tails=[100, 0, 100, 0])
     lines = [json.loads(line) for line in tr.scaled_trace_lines(requests, SCALE)]
-    assert lines == [{"timestamp": 0, "input_length": 36, "output_length": 2, "hash_ids": [1, 2, 3]},
-                     {"timestamp": 1000, "input_length": 64, "output_length": 2, "hash_ids": [1, 2, 4, 5]}]
+    # a partial last block (4 tokens of block 3) gets an id of its own past the trace's (9), the same one wherever
+    # it is that size, never the id of the full block 3 of the last request (aiperf wants one size per id)
+    assert lines == [{"timestamp": 0, "input_length": 36, "output_length": 2, "hash_ids": [1, 2, 10]},
+                     {"timestamp": 1000, "input_length": 64, "output_length": 2, "hash_ids": [1, 2, 4, 5]},
+                     {"timestamp": 2000, "input_length": 36, "output_length": 2, "hash_ids": [1, 2, 10]},
+                     {"timestamp": 3000, "input_length": 64, "output_length": 2, "hash_ids": [1, 2, 3, 9]}]
     # one hash id per 16 tokens (aiperf's --prompt-input-tokens-block-size 16), the last one partial
     assert all(len(line["hash_ids"]) == -(-line["input_length"] // 16) for line in lines)
 
@@ -206,7 +210,8 @@ def test_the_scaled_trace_for_aiperf_is_what_our_replay_sends():
 def test_a_cut_prompt_keeps_only_the_hash_ids_it_still_spans():
     trace = [_req(0, list(range(1, 9)))]  # 8 blocks, 128 tokens scaled
     requests = tr.scaled_requests(trace, SCALE, vocab_size=1000, max_model_len=100)
-    assert json.loads(tr.scaled_trace_lines(requests, SCALE)[0])["hash_ids"] == [1, 2, 3, 4, 5, 6, 7]  # 98 tokens: 6 blocks + 2
+    line = json.loads(tr.scaled_trace_lines(requests, SCALE)[0])
+    assert line["input_length"] == 98 and line["hash_ids"] == [1, 2, 3, 4, 5, 6, 9]  # 6 blocks, then 2 tokens
 
 
 def test_aiperf_records_become_outcomes():
