@@ -1,8 +1,9 @@
 """``baton bench trace`` end to end (slow: four platforms, about 2 minutes here): a small conversation trace the test
-writes (turns that extend earlier turns, interleaved so a small KV pool evicts between them) replayed against a real
-``baton up`` per tier configuration. Every request completes in every configuration; each request's cached tokens,
-as its worker reported them, are whole blocks and never more than the trace lets a cache reuse; the tiers were used
-(host-tier saves, store writes); the report, its table and its plot are written; no process is left behind."""
+writes (turns that extend earlier turns, interleaved so that a small KV pool and a smaller host tier evict between
+them) replayed against a real ``baton up`` per tier configuration. Every request completes in every configuration;
+each request's cached tokens, as its worker reported them, are whole blocks and never more than the trace lets a
+cache reuse; the tiers were used (host-tier saves, store writes); the report, its table and its plot are written;
+no process is left behind."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_a_conversation_trace_replays_on_every_configuration(tmp_path):
     model = build_model("tiny", tmp_path / "tiny", train_steps=20, progress=lambda _: None)
     out = tmp_path / "out"
     argv = ["--trace", str(trace_file), "--limit", "24", "--model", str(model), "--num-blocks", "32",
-            "--host-blocks", "256", "--store-memory", "64 MB", "--store-buffer-blocks", "32",
+            "--host-blocks", "16", "--store-memory", "64 MB", "--store-buffer-blocks", "32",
             "--configs", ",".join(configs), "--request-timeout-s", "60", "--max-run-s", "120", "--out", str(out)]
     assert tr.main(argv) == 0
 
