@@ -700,6 +700,8 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> Path | None:
+    """Hit rate (with the trace's ceiling), TTFT p50/p90 (with the load average at each run's start and end: this
+    machine is shared) and output throughput, one bar per run."""
     try:
         import matplotlib
 
@@ -709,26 +711,31 @@ def plot(report: dict, path: Path) -> Path | None:
         return None
     runs = report["runs"]
     names = [label(r) for r in runs]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
-    a.bar(names, [r["hit_rate"] * 100 for r in runs], color="tab:blue")
+    x = list(range(len(runs)))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(max(15, 2.2 * len(runs)), 4.5))
+    a.bar(x, [r["hit_rate"] * 100 for r in runs], color="tab:blue")
     ceiling = report["slice"].get("ceiling_hit_rate")
     if ceiling:
         a.axhline(ceiling * 100, color="k", ls="--", lw=1, label="unbounded-cache ceiling (from the trace)")
         a.legend(loc="upper left", fontsize=8)
-    a.set(ylabel="prompt tokens served from cache (%)", title="cache hit rate (as the workers report)")
-    x = range(len(runs))
+    a.set(ylabel="prompt tokens served from cache (%)", title="cache hit rate (as the workers report it)")
     b.bar([i - 0.2 for i in x], [r["ttft_ms"]["p50"] for r in runs], 0.4, label="p50")
     b.bar([i + 0.2 for i in x], [r["ttft_ms"]["p90"] for r in runs], 0.4, label="p90")
-    b.set_xticks(list(x), names)
-    b.set(ylabel="TTFT (ms)", title="TTFT")
-    b.legend()
-    c.bar(names, [r["output_tokens_per_s"] for r in runs], color="tab:green")
-    c.set(ylabel="output tokens/s", title="throughput")
+    for i, r in enumerate(runs):
+        loads = f"{r['loadavg_before'].split()[0]}-{r['loadavg_after'].split()[0]}"
+        b.annotate(f"load\n{loads}", (i, r["ttft_ms"]["p90"]), ha="center", va="bottom", fontsize=7)
+    b.set(ylabel="TTFT (ms)", title="TTFT (1-min load average of the machine, start-end)")
+    b.set_ylim(0, 1.25 * max(r["ttft_ms"]["p90"] for r in runs))
+    b.legend(loc="upper left", fontsize=8)
+    c.bar(x, [r["output_tokens_per_s"] for r in runs], color="tab:green")
+    c.set(ylabel="output tokens/s", title="throughput (open loop: the offered load unless saturated)")
     s = report["slice"]
     fig.suptitle(f"{s['requests']} requests of {Path(s['trace']).name} from #{s['start']}, lengths / "
                  f"{s['length_scale']}, time x {s['time_scale']}; model {report['model']}, KV pool "
-                 f"{report['num_blocks']} blocks/worker, host tier {report['host_blocks']}", fontsize=9)
+                 f"{report['num_blocks']} blocks/worker, host tier {report['host_blocks']}; client "
+                 f"{report.get('client', 'grpc')}", fontsize=9)
     for ax in (a, b, c):
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
