@@ -1,9 +1,9 @@
 """``python -m bench trace`` (``baton bench trace``): replay a Mooncake-format trace against a real Baton platform,
 once per KV tier configuration, and report what the tiers reuse.
 
-    python -m bench trace --trace conversation_trace.jsonl --limit 1000 --length-scale 32 --time-scale 0.5 \\
+    python -m bench trace --trace conversation_trace.jsonl --limit 1000 --length-scale 32 --time-scale 0.25 \\
         [--model tiny] [--num-blocks 1024] [--host-blocks 4096] [--store-memory "1 GB"] \\
-        [--configs none,host,host+store,oracle] [--client grpc|aiperf] [--out DIR]
+        [--configs none,host,host+store,oracle] [--passes N] [--client grpc|aiperf] [--out DIR]
 
 The slice (``--start``, ``--limit``) is scaled to this machine with ``bench/trace.py``, the loader the simulator
 uses: every length divided by ``--length-scale`` (32 makes one 512-token trace block one 16-token KV block; a
@@ -28,7 +28,13 @@ the worker that computed the prompt did not compute (``Usage.cached_prompt_token
 front's ``usage.prompt_tokens_details.cached_tokens`` under aiperf), summed over the slice and divided by its
 prompt tokens. It counts tokens served from any tier (the KV pool, the host tier, the store, another worker's
 pool). The ceiling an unbounded cache can reach on the slice is computed beside it from the hash ids (leading
-full blocks seen before, at most ``(prompt - 1) // block`` blocks, as the engine caps a hit).
+full blocks seen before, at most ``(prompt - 1) // block`` blocks, as the engine caps a hit). TTFT p50/p90 are
+reported over every request and over the requests the trace lets reuse more than their first block (the same
+ones in every configuration: the median request of a conversation trace reuses little, so its TTFT is the
+machine's compute floor whatever the tiers do); throughput is completed requests and output tokens per second
+from the first send to the last token (open loop: the offered load, unless the platform falls behind).
+``--passes N`` runs the configurations N times, every other pass in reverse order; each run's row names the
+machine's load average at its start and end.
 
 Clients (``--client``): ``grpc`` (ours, the default) sends each prompt's exact token ids over Baton's gRPC
 ``Generate`` and reads each request's cached tokens and route from its final message; ``aiperf`` runs NVIDIA's
@@ -36,7 +42,9 @@ Clients (``--client``): ``grpc`` (ours, the default) sends each prompt's exact t
 writes already scaled (aiperf 0.13 has no length scale, and its ``--replay-speedup`` is for baseten traces only),
 with the served model's tokenizer; aiperf sends text it generates per hash id, which the router tokenizes again,
 so its prompts are close to, not exactly, the scaled lengths, and prompts past the context are refused (400)
-rather than cut. aiperf is not a dependency: ``make aiperf`` installs it into ``.venv-aiperf`` (it pulls ~1 GB,
+rather than cut. What aiperf does not do, and this module does: exact token ids, a platform started per tier
+configuration and an oracle pool sized from the slice, lengths scaled and over-long prompts cut, the workers' tier
+counters, the ceiling from the hash ids. aiperf is not a dependency: ``make aiperf`` installs it into ``.venv-aiperf`` (it pulls ~1 GB,
 and pins of its own that conflict with Baton's). ``--router`` replays once against a platform already running
 instead (whatever its configuration; no tier counters).
 
@@ -459,6 +467,8 @@ def hf_cache_for(model_dir: Path, cache: Path, repo: str = "baton/model") -> str
     """A private Hugging Face cache holding ``model_dir``'s tokenizer as repo ``repo``: aiperf 0.13 loads a
     tokenizer from a local folder only online, and its decoding worker processes force offline mode, where it
     looks a name up in the cache. Nothing is downloaded."""
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ValueError(f"--client aiperf needs a Hugging Face folder with tokenizer.json, not {model_dir}")
     snapshot = cache / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / "local"
     snapshot.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
@@ -575,10 +585,19 @@ def _model(model: str) -> tuple[Path, str]:
     return Path(source.path), source.name
 
 
-def _model_info(model_dir: Path) -> tuple[int, int, int]:
-    """(vocab size, max model length, KV block size) from the checkpoint folder, without torch."""
-    config = json.loads((model_dir / "config.json").read_text())
-    return int(config["vocab_size"]), int(config.get("max_position_embeddings", 2048)), 16
+def _model_info(model_dir: Path, extra: list[str]) -> tuple[int, int, int]:
+    """(vocab size, context, KV block size) as the platform will serve them: the checkpoint's (a folder's
+    config.json or a GGUF file's metadata; no torch), ``--max-model-len`` and ``--block-size`` when ``--extra``
+    sets them."""
+    from router.config import ModelCard
+
+    card = ModelCard.from_path(model_dir)
+
+    def flag(name: str, default: int) -> int:
+        return int(extra[extra.index(name) + 1]) if name in extra[:-1] else default
+
+    context = min(card.max_position_embeddings, flag("--max-model-len", card.max_position_embeddings))
+    return card.vocab_size, context, flag("--block-size", 16)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -589,7 +608,7 @@ def run(args: argparse.Namespace) -> dict:
     trace = load_trace(args.trace, limit=args.start + args.limit)[args.start:]
     scale = Scale(length_scale=args.length_scale, time_scale=args.time_scale)
     model_dir, model_name = _model(args.model)
-    vocab_size, max_model_len, block_size = _model_info(model_dir)
+    vocab_size, max_model_len, block_size = _model_info(model_dir, args.extra.split())
     requests = scaled_requests(trace, scale, vocab_size=vocab_size, max_model_len=max_model_len)
     ceiling = reusable_blocks(requests, block_size) if scale.block_tokens == block_size else []
     prompt_tokens = sum(len(r.prompt) for r in requests)
@@ -638,6 +657,8 @@ def run(args: argparse.Namespace) -> dict:
                     aiperf_binary(args.aiperf), http_port, model_name, model_dir, requests, scale,
                     args.out / f"aiperf-{config.replace('+', '-')}", request_timeout_s=args.request_timeout_s,
                     max_run_s=args.max_run_s)
+            if up is not None:
+                time.sleep(1.0)  # the workers refresh their counters every 0.25 s; writes still queued land
             counters = {wid: scrape(port) for wid, port in up.worker_metrics_ports().items()} if up else {}
         finally:
             if up is not None:

@@ -244,3 +244,22 @@ def test_the_tokenizer_is_put_where_aiperf_looks_for_it_offline(tmp_path):
     snapshot = tmp_path / "hf" / "hub" / "models--baton--model" / "snapshots" / "local"
     assert repo == "baton/model" and (snapshot / "tokenizer.json").read_text() == "{}"
     assert (tmp_path / "hf" / "hub" / "models--baton--model" / "refs" / "main").read_text() == "local"
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        tr.hf_cache_for(tmp_path / "model.gguf", tmp_path / "hf2")
+
+
+def test_the_served_shape_follows_the_checkpoint_and_the_extra_flags(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 4096,
+                                                      "max_position_embeddings": 2048}))
+    assert tr._model_info(tmp_path, []) == (4096, 2048, 16)
+    assert tr._model_info(tmp_path, ["--max-model-len", "1024", "--block-size", "32"]) == (4096, 1024, 32)
+    assert tr._model_info(tmp_path, ["--max-model-len", "9999"]) == (4096, 2048, 16)  # never past the model's
+
+
+def test_registered_as_a_bench_command():
+    from bench.__main__ import _BENCHMARKS
+
+    assert _BENCHMARKS["trace"] == "bench.trace_replay"
+    with pytest.raises(SystemExit) as done:
+        tr.main(["--help"])
+    assert done.value.code == 0
