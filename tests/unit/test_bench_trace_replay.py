@@ -177,7 +177,7 @@ def test_the_grpc_client_records_what_the_router_reported_and_bounds_the_run():
 
     async def go():
         async with _FakeRouter() as address:
-            return await tr.replay_grpc(address, requests, vocab_size=1000, request_timeout_s=30, max_run_s=1.5,
+            return await tr.replay_grpc(address, requests, vocab_size=1000, request_timeout_s=30, max_run_s=4.0,
                                         warmup=1, label="t")
 
     outcomes, duration = asyncio.run(go())
@@ -188,7 +188,7 @@ def test_the_grpc_client_records_what_the_router_reported_and_bounds_the_run():
     assert (short.cached_tokens, short.output_tokens, short.store_tokens) == (16, 1, 0)
     assert (failed.ok, failed.error, failed.prompt_tokens) == (False, "INVALID_ARGUMENT", 20)
     assert (hung.ok, hung.error) == (False, "run bound")
-    assert duration == pytest.approx(1.5, abs=0.5)  # a cancelled request ends the run at its bound
+    assert duration == pytest.approx(4.0)  # a request cancelled at the bound ends the run there (not measured)
     s = tr.summarize(outcomes, duration)
     assert s["hit_rate"] == (32 + 16) / (64 + 40)
 
