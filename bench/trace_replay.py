@@ -159,6 +159,9 @@ class Outcome:
     prefill_worker: str = ""
     decode_worker: str = ""
     store_tokens: int = 0  # fetched from the store, when the route reason says so (D's local admissions)
+    queue_ms: float = 0.0  # the router's timings: the engine queue before the prompt's first step
+    prefill_ms: float = 0.0  # the prefilling worker's queue + compute (P's includes its store fetch, D's does not)
+    transfer_ms: float = 0.0  # D's pull of the prompt's KV from P (remote prefills)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -407,7 +410,8 @@ async def replay_grpc(address: str, requests: list[ReplayRequest], *, vocab_size
                            cached_tokens=last.usage.cached_prompt_tokens, output_tokens=len(times),
                            ttft_s=times[0] - stream.sent_s, e2e_s=times[-1] - stream.sent_s,
                            route_kind=t.route_kind, prefill_worker=t.prefill_worker, decode_worker=t.decode_worker,
-                           store_tokens=store_tokens_of(t.route_reason)), times[-1]
+                           store_tokens=store_tokens_of(t.route_reason), queue_ms=t.queue_ms,
+                           prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms), times[-1]
 
         start = time.perf_counter()
         tasks = [asyncio.ensure_future(one(r, start)) for r in requests]

@@ -150,7 +150,8 @@ class _FakeRouter:
                 yield pb.GenerateResponse(
                     token_ids=[99], usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=n,
                                                    cached_prompt_tokens=len(ids) // 32 * 16),
-                    timings=pb.Timings(route_kind="local", route_reason=reason, decode_worker="decode-0"))
+                    timings=pb.Timings(route_kind="local", route_reason=reason, decode_worker="decode-0",
+                                       queue_ms=1.5, prefill_ms=4.0))
 
         self.servicer = Servicer()
 
@@ -185,6 +186,7 @@ def test_the_grpc_client_records_what_the_router_reported_and_bounds_the_run():
     assert [o.index for o in outcomes] == [10, 11, 5, 6]
     assert (ok.ok, ok.prompt_tokens, ok.cached_tokens, ok.output_tokens, ok.store_tokens) == (True, 64, 32, 3, 32)
     assert ok.route_kind == "local" and ok.decode_worker == "decode-0" and 0 < ok.ttft_s <= ok.e2e_s
+    assert (ok.queue_ms, ok.prefill_ms, ok.transfer_ms) == (1.5, 4.0, 0.0)
     assert (short.cached_tokens, short.output_tokens, short.store_tokens) == (16, 1, 0)
     assert (failed.ok, failed.error, failed.prompt_tokens) == (False, "INVALID_ARGUMENT", 20)
     assert (hung.ok, hung.error) == (False, "run bound")
