@@ -13,11 +13,29 @@ import pytest
 
 from kv_transfer.hashing import hash_blocks, root_hash
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
+from router.migration import Migrations, failure_text
 from router.server import start_router
 from tests.unit.test_router_relay import (  # noqa: F401 - fixtures
     BLOCK_SIZE, FINGERPRINT, LONG_PROMPT, SHORT_PROMPT, FakeWorker, cluster, fail_with, fresh_rates, loop, model_dir,
     redis_server, request, router_config, stub, tokenizer, tokens, wait_until,
 )
+
+
+def test_the_books_count_moves_and_sum_each_wait_from_a_failure_to_the_next_token():
+    books = Migrations(limit=3)
+    books.resumed(1.0)  # a token with no failure before it: no wait
+    books.moved(10.0)
+    books.resumed(10.5)
+    books.moved(20.0)
+    books.moved(25.0)  # that worker failed before its first token: the wait since 20 goes on
+    assert books.exhausted
+    books.resumed(26.0)
+    assert (books.count, books.stalled_s) == (3, 0.5 + 6.0)
+    with pytest.raises(AssertionError):
+        books.moved(30.0)
+    assert failure_text("d0", 3, grpc.StatusCode.UNAVAILABLE, "reset") == \
+        "decode worker d0 failed after 3 tokens were streamed: UNAVAILABLE: reset"
+    assert failure_text("d0", 0, grpc.StatusCode.INTERNAL, "boom") == "decode worker d0 failed: INTERNAL: boom"
 
 
 def migrations_counted(stub, code: str = "UNAVAILABLE") -> float:
