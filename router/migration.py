@@ -50,5 +50,5 @@ class Migrations:
 
 def failure_text(worker_id: str, num_tokens: int, code: grpc.StatusCode, details: str) -> str:
     """``decode worker d0 failed after 12 tokens were streamed: UNAVAILABLE: ...``, as the client reads it."""
-    after = f" after {num_tokens} tokens were streamed" if num_tokens else ""
+    after = {0: "", 1: " after 1 token was streamed"}.get(num_tokens, f" after {num_tokens} tokens were streamed")
     return f"decode worker {worker_id} failed{after}: {code.name}: {details}"

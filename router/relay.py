@@ -12,7 +12,8 @@ does in each stage (DESIGN.md "Request path" 6):
                                                           or the model picks local: DECODING with local prefill
                 P refuses the request (INVALID_ARGUMENT) or the deadline passes -> that status to the client
     DECODING    D fails before any token                -> Abort to D; once on another D (the lease handed on
-                                                          if still usable, else D prefills itself)
+                                                          if still usable, else D prefills itself); that one
+                                                          failing too after P's first token: MIGRATION
                 D fails after tokens were streamed      -> Abort to D; MIGRATION (``router.migration``): the cost
                                                           model re-run for prompt + tokens sent, local plans only,
                                                           without the failed Ds, picks another D (importing a
@@ -413,11 +414,12 @@ class _Flow:
                 if failure.code in _NEVER_RETRIED:
                     raise failure.to_error() from failure
                 excluded.append(worker.worker_id)
-                if failure.num_tokens or self._migrations.count:  # a decode worker streamed tokens: they stay
-                    worker = await self._migrate(failure, excluded)
-                elif retries < self._relay.decode_retries:
+                decoded = failure.num_tokens or self._migrations.count  # a decode worker streamed tokens
+                if not decoded and retries < self._relay.decode_retries:
                     retries += 1
                     worker = self._replacement(failure, excluded)
+                elif self._output_ids:  # the client has tokens (maybe only P's first): they stay, the stream goes on
+                    worker = await self._migrate(failure, excluded)
                 else:
                     raise failure.to_error() from failure
 

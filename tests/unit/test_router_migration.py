@@ -35,6 +35,7 @@ def test_the_books_count_moves_and_sum_each_wait_from_a_failure_to_the_next_toke
         books.moved(30.0)
     assert failure_text("d0", 3, grpc.StatusCode.UNAVAILABLE, "reset") == \
         "decode worker d0 failed after 3 tokens were streamed: UNAVAILABLE: reset"
+    assert failure_text("d0", 1, grpc.StatusCode.UNAVAILABLE, "reset").endswith("after 1 token was streamed: UNAVAILABLE: reset")
     assert failure_text("d0", 0, grpc.StatusCode.INTERNAL, "boom") == "decode worker d0 failed: INTERNAL: boom"
 
 
@@ -132,6 +133,23 @@ def test_a_migrated_request_imports_a_holders_prefix_of_prompt_and_outputs(stub,
     t = responses[-1].timings
     assert t.migrations == 1 and "resumed on d1 (cost" in t.route_reason and "tokens from p0)" in t.route_reason
     wait_until(lambda: p0.releases == ["prefix-1", "prefix-2"])  # each released once its reader answered
+
+
+def test_when_the_retry_fails_too_before_any_token_the_first_token_from_p_is_kept_and_the_request_moves(
+        stub, cluster, tokenizer, tokens):
+    d0, d1 = cluster.add("d0", "decode"), cluster.add("d1", "decode", running=1)
+    d2, p0 = cluster.add("d2", "decode", running=2), cluster.add("p0", "prefill")
+    d0.decode, d1.decode, d2.decode = failing_after(d0, 0), failing_after(d1, 0), resuming(d2)
+    responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
+    assert [t for r in responses for t in r.token_ids] == tokens[:6]  # P's first token, then d2's five
+    retry, moved = d1.decode_requests[0], d2.decode_requests[0]
+    assert retry.handle.lease_id == d0.decode_requests[0].handle.lease_id  # the retry: the same lease, once
+    assert list(moved.token_ids) == [*tokenizer.encode(LONG_PROMPT), tokens[0]] and moved.num_output_tokens_so_far == 1
+    t = responses[-1].timings
+    assert (t.migrations, t.decode_worker) == (1, "d2")
+    assert "migrated: decode worker d1 failed after 1 token was streamed" in t.route_reason, t.route_reason
+    assert moved.handle.lease_id == retry.handle.lease_id  # still unread: d2 may pull P's KV as a retry would
+    wait_until(lambda: p0.releases == [retry.handle.lease_id])  # released once, after d2 answered
 
 
 def test_a_stop_string_across_the_move_ends_the_stream(stub, cluster, tokenizer, tokens):
