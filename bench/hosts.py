@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"--study: routers to compare, of {sorted(STUDY_ROUTERS)} (default: %(default)s)")
     parser.add_argument("--background-streams", type=int, default=1,
                         help="--study: long local streams kept running on the decode worker (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="--study: requests per router before the first rate, not counted (default: %(default)s)")
     parser.add_argument("--plot", type=Path, default=None, help="--study: a PNG of choice and latency vs rate")
     parser.add_argument("--out", type=Path, default=Path("bench/results/hosts.json"), help="JSON of the rows")
     parser.add_argument("--log-dir", type=Path, default=None, help="process logs (default: a temp folder)")
@@ -180,6 +182,12 @@ def run_study(cluster: HostsCluster, routers: dict[str, HostProc], rates: list[s
               rng: random.Random) -> tuple[list[dict], list[Sample]]:
     """Per rate (as given: fastest first), ``--requests`` fresh prompts through each policy's router in turn."""
     rows, samples = [], []
+    for name in cluster.net.hosts:
+        cluster.net.shape(name, rates[0])
+    for router in reversed(routers.values()):  # not counted: P's and D's first prompts run cold (the baseline's first)
+        cluster.router = router
+        for _ in range(args.warmup):
+            timed(cluster, [rng.randrange(10, 3000) for _ in range(args.prompt_tokens)], args.max_tokens)
     print(f"{'link':>9} {'policy':>10} {'rem/loc':>8} {'TTFT p50':>9} {'p90':>8} {'D 1st p50':>9} {'p90':>8} "
           f"{'pull ms':>8} {'pred rem/loc+stall s':>21} {'agree':>6} {'|err|':>6}", flush=True)
     for rate in rates:
