@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="--study: long local streams kept running on the decode worker (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="--study: requests per router before the first rate, not counted (default: %(default)s)")
+    parser.add_argument("--pause-s", type=float, default=2.5,
+                        help="--study: pause before each request, longer than the workers' 2 s heartbeat, so the "
+                        "router prices the load the previous request left, not a report that still counts it "
+                        "(default: %(default)s)")
     parser.add_argument("--plot", type=Path, default=None, help="--study: a PNG of choice and latency vs rate")
     parser.add_argument("--out", type=Path, default=Path("bench/results/hosts.json"), help="JSON of the rows")
     parser.add_argument("--log-dir", type=Path, default=None, help="process logs (default: a temp folder)")
@@ -197,6 +201,7 @@ def run_study(cluster: HostsCluster, routers: dict[str, HostProc], rates: list[s
             cluster.router = router
             cell = []
             for _ in range(args.requests):
+                time.sleep(args.pause_s)  # the workers' next heartbeats report the previous request gone
                 prompt = [rng.randrange(10, 3000) for _ in range(args.prompt_tokens)]
                 cell.append(study_sample(rate, policy, *timed(cluster, prompt, args.max_tokens)))
             samples += cell
