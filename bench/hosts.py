@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.study:
         print(table(rows))
         if args.plot is not None:
-            plot(rows, samples, args.plot)
+            plot(rows, args.plot)
             print(f"wrote {args.plot}")
     return 0
 

@@ -97,12 +97,13 @@ def summarise(samples: list[Sample]) -> dict:
         "predicted_local_s": median([s.local_s + s.stall_s for s in samples
                                      if s.local_s is not None and s.stall_s is not None]),
         "pull_ms": median([s.transfer_ms for s in samples if s.transfer_ms]),
+        "predicted_pull_ms": median([s.transfer_s * 1e3 for s in samples if s.transfer_s is not None]),
     }
 
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table (docs/benchmarks.md)."""
-    head = ("| link | policy | remote / local | TTFT p50 | TTFT p90 | D's first token p50 | p90 | pull p50 | "
+    head = ("| link | policy | remote / local | TTFT p50 | TTFT p90 | D's first token p50 | p90 | pull p50 (predicted) | "
             "predicted remote / local+stall | chosen = cheaper predicted | median abs error |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -110,6 +111,8 @@ def table(rows: list[dict]) -> str:
         predicted = f"{pr:.2f} / {pl:.2f} s" if pr is not None and pl is not None else "-"
         error = f"{100 * r['median_abs_error']:.0f}%" if r["median_abs_error"] is not None else "-"
         pull = f"{r['pull_ms']:,.0f} ms" if r["pull_ms"] else "-"
+        if r.get("predicted_pull_ms") is not None:
+            pull += f" ({r['predicted_pull_ms']:,.0f} ms)"
         lines.append(f"| {_mbit(r['link_mbit'])} | {r['policy']} | {r['remote']} / {r['local']} | "
                      f"{r['ttft_p50_ms']:,.0f} | {r['ttft_p90_ms']:,.0f} | {r['d_first_p50_ms']:,.0f} | "
                      f"{r['d_first_p90_ms']:,.0f} | {pull} | {predicted} | {r['agrees']} | {error} |")
@@ -120,7 +123,7 @@ def _mbit(mbit: float) -> str:
     return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
 
 
-def plot(rows: list[dict], samples: list[Sample], path: Path) -> None:
+def plot(rows: list[dict], path: Path) -> None:
     """Top: per link rate, the cost policy's share of remote prefills and both plans' predicted costs (medians).
     Bottom: D's first token p50 per policy, and the cost policy's TTFT p50."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -141,7 +144,8 @@ def plot(rows: list[dict], samples: list[Sample], path: Path) -> None:
         twin.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
     twin.set_ylabel("predicted seconds (median)")
     lines = top.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    top.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center left")
+    top.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="best")
+    top.set_title("the cost router's choice and its predictions as the P -> D link slows (left to right)", fontsize=10)
     for policy in sorted({r["policy"] for r in rows}):
         cell = [r for r in rows if r["policy"] == policy]
         bottom.plot([r["link_mbit"] for r in cell], [r["d_first_p50_ms"] / 1e3 for r in cell], "o-",
@@ -149,6 +153,7 @@ def plot(rows: list[dict], samples: list[Sample], path: Path) -> None:
         bottom.plot([r["link_mbit"] for r in cell], [r["ttft_p50_ms"] / 1e3 for r in cell], "x:",
                     label=f"{policy}: TTFT p50")
     bottom.set_xscale("log")
+    bottom.invert_xaxis()  # fast on the left: the link slows as one reads
     bottom.set_xlabel("link rate (Mbit/s)")
     bottom.set_ylabel("seconds")
     bottom.legend(fontsize=8)

@@ -47,17 +47,20 @@ def test_a_cell_sums_up_routes_percentiles_agreement_and_the_predictions_error(t
         return Sample(rate="100mbit", link_mbit=100.0, policy="cost", kind=kind, ttft_ms=d_first_ms / 2,
                       d_first_ms=d_first_ms, e2e_ms=d_first_ms + 100, **extra)
 
-    cell = [sample("remote", 5000.0, predicted_ms=4500.0, remote_s=4.6, local_s=4.4, stall_s=4.3),  # cheaper: remote
-            sample("local", 4000.0, predicted_ms=5000.0, remote_s=9.0, local_s=4.4, stall_s=4.3),  # 9.0 > 8.7: local
-            sample("remote", 6000.0, predicted_ms=6000.0, remote_s=9.0, local_s=4.4, stall_s=4.3),  # not the cheaper
+    cell = [sample("remote", 5000.0, predicted_ms=4500.0, remote_s=4.6, transfer_s=0.28, local_s=4.4, stall_s=4.3),
+            sample("local", 4000.0, predicted_ms=5000.0, remote_s=9.0, transfer_s=0.28, local_s=4.4, stall_s=4.3),
+            sample("remote", 6000.0, predicted_ms=6000.0, remote_s=9.0, transfer_s=0.28, local_s=4.4, stall_s=4.3),
             sample("remote", 8000.0, transfer_ms=1340.0)]  # no prediction (a baseline's reason)
     row = summarise(cell)
+    # the first is the cheaper plan (4.6 < 8.7), the second too (9.0 > 8.7: local), the third not (remote at 9.0)
     assert (row["remote"], row["local"], row["agrees"]) == (3, 1, "2/3")
     assert (row["d_first_p50_ms"], row["d_first_p90_ms"]) == (5000.0, 8000.0)  # nearest rank of 4
     assert row["median_abs_error"] == pytest.approx(0.1)  # |-10%|, |+25%|, 0
     assert row["median_error"] == pytest.approx(0.0) and row["pull_ms"] == 1340.0
     assert row["predicted_remote_s"] == 9.0 and row["predicted_local_s"] == pytest.approx(8.7)
     text = table([row])
-    assert "| 100 Mbit/s | cost | 3 / 1 | 2,500 | 4,000 | 5,000 | 8,000 | 1,340 ms | 9.00 / 8.70 s | 2/3 | 10% |" in text
-    plot([row, {**row, "policy": "threshold"}], cell, tmp_path / "study.png")
+    assert row["predicted_pull_ms"] == pytest.approx(280.0)  # the remote plans' transfer term, 4.6 = ... + 0.28
+    assert "| 100 Mbit/s | cost | 3 / 1 | 2,500 | 4,000 | 5,000 | 8,000 | 1,340 ms (280 ms) | 9.00 / 8.70 s | 2/3 | 10% |" \
+        in text
+    plot([row, {**row, "policy": "threshold"}], tmp_path / "study.png")
     assert (tmp_path / "study.png").read_bytes()[:4] == b"\x89PNG"
