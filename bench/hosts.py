@@ -48,7 +48,8 @@ from tests.hosts_cluster import HostsCluster
 # --study: each policy's router flags. The cost router's ITL target is out of reach, so its choice is its cost
 # comparison alone (remote ttft vs local ttft + stall); the baseline prefills remotely above 512 uncached tokens.
 STUDY_ROUTERS = {"cost": "--policy cost --itl-target-ms 600000",
-                 "threshold": "--policy least_loaded --disagg-threshold-tokens 512"}
+                 "threshold": "--policy least_loaded --disagg-threshold-tokens 512",
+                 "local": "--policy least_loaded --disagg-threshold-tokens 1000000"}  # always local: the other side
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.hosts", description=__doc__.split("\n\n")[0])
@@ -66,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--router-args", default="--policy least_loaded --disagg-threshold-tokens 8",
                         help="extra router flags (default: %(default)r: every prompt prefilled remotely)")
     parser.add_argument("--study", action="store_true", help="the link study: a router per --policies, taking turns")
-    parser.add_argument("--policies", default="cost,threshold",
+    parser.add_argument("--policies", default="cost,threshold,local",
                         help=f"--study: routers to compare, of {sorted(STUDY_ROUTERS)} (default: %(default)s)")
     parser.add_argument("--background-streams", type=int, default=1,
                         help="--study: long local streams kept running on the decode worker (default: %(default)s)")
@@ -124,23 +125,26 @@ def run_rate(cluster: HostsCluster, rate: str, args: argparse.Namespace, rng: ra
     }
 
 
-def timed(cluster: HostsCluster, prompt: list[int], max_tokens: int) -> tuple[list[float], float, pb.GenerateResponse]:
-    """One request through ``cluster.router``: each token-bearing message's arrival (s after the call), the end."""
+def timed(cluster: HostsCluster, prompt: list[int],
+          max_tokens: int) -> tuple[float, list[float], float, pb.GenerateResponse]:
+    """One request through ``cluster.router``: its start (perf_counter), each token-bearing message's arrival (s
+    after it), the end (s after it), the last message."""
     started, stamps, last = time.perf_counter(), [], None
     for response in cluster.stream(prompt, max_tokens, timeout_s=900):
         if response.token_ids:
             stamps.append(time.perf_counter() - started)
         last = response
-    return stamps, time.perf_counter() - started, last
+    return started, stamps, time.perf_counter() - started, last
 
 
-def study_sample(rate: str, policy: str, stamps: list[float], e2e_s: float, last: pb.GenerateResponse) -> Sample:
+def study_sample(rate: str, policy: str, stamps: list[float], e2e_s: float, last: pb.GenerateResponse,
+                 stall_s: float) -> Sample:
     t = last.timings
     remote = t.route_kind == "remote" and len(stamps) > 1  # P's first token, then D's
     return Sample(rate=rate, link_mbit=rate_bits(rate) / 1e6, policy=policy, kind=t.route_kind,
                   ttft_ms=stamps[0] * 1e3, d_first_ms=stamps[1 if remote else 0] * 1e3, e2e_ms=e2e_s * 1e3,
-                  predicted_ms=t.predicted_ttft_ms, transfer_ms=t.transfer_ms, transfer_mib=t.transfer_bytes / 2**20,
-                  fallback=t.local_fallback, **plans(t.route_reason))
+                  stall_ms=stall_s * 1e3, predicted_ms=t.predicted_ttft_ms, transfer_ms=t.transfer_ms,
+                  transfer_mib=t.transfer_bytes / 2**20, fallback=t.local_fallback, **plans(t.route_reason))
 
 
 class Background:
@@ -150,6 +154,7 @@ class Background:
     def __init__(self, cluster: HostsCluster, router: HostProc, n: int, rng: random.Random) -> None:
         self._stub = pb_grpc.GenerationStub(cluster.channel(router.address))
         self._stop, self._calls = threading.Event(), [None] * n
+        self._arrivals: list[list[float]] = [[] for _ in range(n)]  # perf_counter of each message, per stream
         self._prompts = [[rng.randrange(10, 3000) for _ in range(16)] for _ in range(n)]
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(n)]
         for thread in self._threads:
@@ -162,9 +167,21 @@ class Background:
             self._calls[i] = call = self._stub.Generate(request, timeout=600)
             try:
                 for _ in call:
-                    pass
+                    self._arrivals[i].append(time.perf_counter())
             except grpc.RpcError:
                 pass
+
+    def stall_s(self, start_s: float, end_s: float) -> float:
+        """How much later than their usual pace the streams' tokens came in ``(start_s, end_s]``: per stream, each
+        gap ending then beyond the median gap before ``start_s``, summed (what the cost model's stall prices)."""
+        total = 0.0
+        for arrivals in self._arrivals:
+            times = list(arrivals)
+            gaps = [(b - a, b) for a, b in zip(times, times[1:])]
+            before = [g for g, at in gaps if at <= start_s]
+            base = statistics.median(before[-200:]) if before else 0.0
+            total += sum(max(g - base, 0.0) for g, at in gaps if start_s < at <= end_s)
+        return total
 
     def wait_streaming(self, cluster: HostsCluster, worker_id: str, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -182,8 +199,8 @@ class Background:
             thread.join(30)
 
 
-def run_study(cluster: HostsCluster, routers: dict[str, HostProc], rates: list[str], args: argparse.Namespace,
-              rng: random.Random) -> tuple[list[dict], list[Sample]]:
+def run_study(cluster: HostsCluster, routers: dict[str, HostProc], background: Background, rates: list[str],
+              args: argparse.Namespace, rng: random.Random) -> tuple[list[dict], list[Sample]]:
     """Per rate (as given: fastest first), ``--requests`` fresh prompts through each policy's router in turn."""
     rows, samples = [], []
     for name in cluster.net.hosts:
@@ -193,7 +210,8 @@ def run_study(cluster: HostsCluster, routers: dict[str, HostProc], rates: list[s
         for _ in range(args.warmup):
             timed(cluster, [rng.randrange(10, 3000) for _ in range(args.prompt_tokens)], args.max_tokens)
     print(f"{'link':>9} {'policy':>10} {'rem/loc':>8} {'TTFT p50':>9} {'p90':>8} {'D 1st p50':>9} {'p90':>8} "
-          f"{'pull ms':>8} {'pred rem/loc+stall s':>21} {'agree':>6} {'|err|':>6}", flush=True)
+          f"{'pull ms':>8} {'stall ms':>8} {'1st+stall':>9} {'pred rem/loc+stall s':>21} {'agree':>6} {'|err|':>6}",
+          flush=True)
     for rate in rates:
         for name in cluster.net.hosts:
             cluster.net.shape(name, rate)
@@ -203,7 +221,9 @@ def run_study(cluster: HostsCluster, routers: dict[str, HostProc], rates: list[s
             for _ in range(args.requests):
                 time.sleep(args.pause_s)  # the workers' next heartbeats report the previous request gone
                 prompt = [rng.randrange(10, 3000) for _ in range(args.prompt_tokens)]
-                cell.append(study_sample(rate, policy, *timed(cluster, prompt, args.max_tokens)))
+                started, stamps, e2e_s, last = timed(cluster, prompt, args.max_tokens)
+                stall_s = background.stall_s(started, started + stamps[-1])  # to its last token
+                cell.append(study_sample(rate, policy, stamps, e2e_s, last, stall_s))
             samples += cell
             rows.append(summarise(cell))
             print_study_row(rows[-1])
@@ -216,7 +236,8 @@ def print_study_row(r: dict) -> None:
     error = f"{100 * r['median_abs_error']:.0f}%" if r["median_abs_error"] is not None else "-"
     print(f"{r['rate']:>9} {r['policy']:>10} {r['remote']:>3}/{r['local']:<4} {r['ttft_p50_ms']:>9,.0f} "
           f"{r['ttft_p90_ms']:>8,.0f} {r['d_first_p50_ms']:>9,.0f} {r['d_first_p90_ms']:>8,.0f} "
-          f"{r['pull_ms'] or 0:>8,.0f} {predicted:>21} {r['agrees']:>6} {error:>6}", flush=True)
+          f"{r['pull_ms'] or 0:>8,.0f} {r['stall_p50_ms']:>8,.0f} {r['cost_p50_ms']:>9,.0f} {predicted:>21} "
+          f"{r['agrees']:>6} {error:>6}", flush=True)
 
 
 def print_row(row: dict) -> None:
@@ -288,7 +309,7 @@ def study(cluster: HostsCluster, routers: dict[str, HostProc], policies: list[st
     background = Background(cluster, next(iter(by_policy.values())), args.background_streams, rng)
     try:
         background.wait_streaming(cluster, "d0")
-        return run_study(cluster, by_policy, rates, args, rng)
+        return run_study(cluster, by_policy, background, rates, args, rng)
     finally:
         background.close()
 

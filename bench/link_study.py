@@ -33,6 +33,7 @@ class Sample:
     ttft_ms: float
     d_first_ms: float  # the first token from the decode worker (see the module docstring)
     e2e_ms: float
+    stall_ms: float = 0.0  # measured: how much later the background streams' tokens came while it ran
     predicted_ms: float = 0.0  # the chosen plan's ttft, as the router predicted it (Timings.predicted_ttft_ms)
     remote_s: float | None = None  # both plans' predicted terms, from the cost router's reason
     transfer_s: float | None = None
@@ -41,6 +42,11 @@ class Sample:
     transfer_ms: float = 0.0  # measured by D
     transfer_mib: float = 0.0
     fallback: bool = False
+
+    @property
+    def cost_ms(self) -> float:
+        """What the cost model prices, measured: the wait for D's first token plus the stall of D's other streams."""
+        return self.d_first_ms + self.stall_ms
 
     @property
     def agrees(self) -> bool | None:
@@ -91,6 +97,8 @@ def summarise(samples: list[Sample]) -> dict:
         "d_first_p50_ms": percentile([s.d_first_ms for s in samples], 0.5),
         "d_first_p90_ms": percentile([s.d_first_ms for s in samples], 0.9),
         "e2e_p50_ms": percentile([s.e2e_ms for s in samples], 0.5),
+        "stall_p50_ms": percentile([s.stall_ms for s in samples], 0.5),
+        "cost_p50_ms": percentile([s.cost_ms for s in samples], 0.5),
         "median_abs_error": median([abs(e) for e in errors]), "median_error": median(errors),
         "agrees": f"{sum(agreed)}/{len(agreed)}" if agreed else "-",
         "predicted_remote_s": median([s.remote_s for s in samples if s.remote_s is not None]),
@@ -104,7 +112,8 @@ def summarise(samples: list[Sample]) -> dict:
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table (docs/benchmarks.md)."""
     head = ("| link | policy | remote / local | TTFT p50 | TTFT p90 | D's first token p50 | p90 | pull p50 (predicted) | "
-            "predicted remote / local+stall | chosen = cheaper predicted | median abs error |")
+            "stall p50 | D's first + stall p50 | predicted remote / local+stall | chosen = cheaper predicted | "
+            "median abs error |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         pr, pl = r["predicted_remote_s"], r["predicted_local_s"]
@@ -115,7 +124,8 @@ def table(rows: list[dict]) -> str:
             pull += f" ({r['predicted_pull_ms']:,.0f} ms)"
         lines.append(f"| {_mbit(r['link_mbit'])} | {r['policy']} | {r['remote']} / {r['local']} | "
                      f"{r['ttft_p50_ms']:,.0f} | {r['ttft_p90_ms']:,.0f} | {r['d_first_p50_ms']:,.0f} | "
-                     f"{r['d_first_p90_ms']:,.0f} | {pull} | {predicted} | {r['agrees']} | {error} |")
+                     f"{r['d_first_p90_ms']:,.0f} | {pull} | {r['stall_p50_ms']:,.0f} | {r['cost_p50_ms']:,.0f} | "
+                     f"{predicted} | {r['agrees']} | {error} |")
     return "\n".join(lines)
 
 
@@ -125,7 +135,7 @@ def _mbit(mbit: float) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Top: per link rate, the cost policy's share of remote prefills and both plans' predicted costs (medians).
-    Bottom: D's first token p50 per policy, and the cost policy's TTFT p50."""
+    Bottom: per policy, the measured cost p50 (D's first token + the stall of D's other streams) and TTFT p50."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -148,8 +158,8 @@ def plot(rows: list[dict], path: Path) -> None:
     top.set_title("the cost router's choice and its predictions as the P -> D link slows (left to right)", fontsize=10)
     for policy in sorted({r["policy"] for r in rows}):
         cell = [r for r in rows if r["policy"] == policy]
-        bottom.plot([r["link_mbit"] for r in cell], [r["d_first_p50_ms"] / 1e3 for r in cell], "o-",
-                    label=f"{policy}: D's first token p50")
+        bottom.plot([r["link_mbit"] for r in cell], [r["cost_p50_ms"] / 1e3 for r in cell], "o-",
+                    label=f"{policy}: D's first token + stall p50")
         bottom.plot([r["link_mbit"] for r in cell], [r["ttft_p50_ms"] / 1e3 for r in cell], "x:",
                     label=f"{policy}: TTFT p50")
     bottom.set_xscale("log")

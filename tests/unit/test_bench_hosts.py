@@ -45,7 +45,8 @@ def test_a_cell_sums_up_routes_percentiles_agreement_and_the_predictions_error(t
 
     def sample(kind: str, d_first_ms: float, **extra) -> Sample:
         return Sample(rate="100mbit", link_mbit=100.0, policy="cost", kind=kind, ttft_ms=d_first_ms / 2,
-                      d_first_ms=d_first_ms, e2e_ms=d_first_ms + 100, **extra)
+                      d_first_ms=d_first_ms, e2e_ms=d_first_ms + 100, stall_ms=1000.0 if kind == "local" else 0.0,
+                      **extra)
 
     cell = [sample("remote", 5000.0, predicted_ms=4500.0, remote_s=4.6, transfer_s=0.28, local_s=4.4, stall_s=4.3),
             sample("local", 4000.0, predicted_ms=5000.0, remote_s=9.0, transfer_s=0.28, local_s=4.4, stall_s=4.3),
@@ -60,7 +61,8 @@ def test_a_cell_sums_up_routes_percentiles_agreement_and_the_predictions_error(t
     assert row["predicted_remote_s"] == 9.0 and row["predicted_local_s"] == pytest.approx(8.7)
     text = table([row])
     assert row["predicted_pull_ms"] == pytest.approx(280.0)  # the remote plans' transfer term, 4.6 = ... + 0.28
-    assert "| 100 Mbit/s | cost | 3 / 1 | 2,500 | 4,000 | 5,000 | 8,000 | 1,340 ms (280 ms) | 9.00 / 8.70 s | 2/3 | 10% |" \
-        in text
+    assert (row["stall_p50_ms"], row["cost_p50_ms"]) == (0.0, 5000.0)  # the local one: 4,000 + its 1,000 stall
+    assert ("| 100 Mbit/s | cost | 3 / 1 | 2,500 | 4,000 | 5,000 | 8,000 | 1,340 ms (280 ms) | 0 | 5,000 | 9.00 / 8.70 s "
+            "| 2/3 | 10% |") in text
     plot([row, {**row, "policy": "threshold"}], tmp_path / "study.png")
     assert (tmp_path / "study.png").read_bytes()[:4] == b"\x89PNG"
