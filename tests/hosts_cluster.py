@@ -169,10 +169,11 @@ class HostsCluster:
         responses = list(self.stream(prompt, max_tokens, timeout_s))
         return [t for r in responses for t in r.token_ids], responses[-1]
 
-    def stream(self, prompt: list[int], max_tokens: int, timeout_s: float = 60.0):
-        """Greedy ``prompt`` through the router: the call, to iterate response by response."""
+    def stream(self, prompt: list[int], max_tokens: int, timeout_s: float = 60.0, **sampling):
+        """``prompt`` through the router, greedy unless ``sampling`` says otherwise (temperature, seed, ...): the
+        call, to iterate response by response."""
         stub = pb_grpc.GenerationStub(self.channel(self.router.address))
-        params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = pb.SamplingParams(**{"temperature": 0.0, **sampling}, max_tokens=max_tokens, ignore_eos=True)
         return stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params), timeout=timeout_s)
 
     def stats(self, worker_id: str) -> pb.StatsResponse:
