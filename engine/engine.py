@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.select import pick_backend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.block_pool import BlockEvent
 from engine.core.host_tier import HostCopies
@@ -25,6 +25,8 @@ from engine.errors import CapacityExceeded, InvalidRequest
 from engine.model.config import ModelConfig, RopeConfig
 from engine.model.loader import load_model, open_gguf, read_model_config
 from engine.model_source import resolve_model
+from engine.parallel.launch import check_supported, launch
+from engine.parallel.shard import TensorParallel
 from engine.runner import LayerHook, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.step_rates import StepRates
@@ -48,7 +50,11 @@ class Engine:
         # a GGUF's metadata, read once (config, weights, and the offline API's tokenizer); None for a folder
         self.gguf = open_gguf(self.model_source) if self.model_source.is_gguf else None
         self.model_config = read_model_config(self.model_source, _pick_dtype(config.dtype, self.device), self.gguf)
-        model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf)
+        tp = None  # one rank: the whole model here
+        if config.tensor_parallel_size > 1:
+            check_supported(config, self.model_config, self.device)
+            tp = TensorParallel(0, config.tensor_parallel_size)  # rank 0: this process (its share of the model)
+        model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf, tp)
         self.kv_quant = kv_quant(config.kv_cache_dtype)  # None: the cache holds the model's dtype
         self.fingerprint = _fingerprint(self.model_config, weights_id, self.kv_quant)
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
@@ -56,6 +62,16 @@ class Engine:
                             self.model_config.max_position_embeddings)
         num_blocks = config.num_blocks or _default_num_blocks(config, self.model_config, max_model_len, self.device,
                                                               self.kv_quant)
+        self.tp, kv_ranks = (None, None) if tp is None else launch(
+            config, str(self.model_path), self.model_config, num_blocks, self.kv_quant, self.device, tp)
+        try:
+            self._build(config, model, num_blocks, max_model_len, kv_ranks)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int, max_model_len: int,
+               kv_ranks: torch.Tensor | None) -> None:
         self.cache_config = CacheConfig(
             block_size=config.block_size, num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=config.kv_host_blocks if config.enable_prefix_caching else 0,
@@ -69,9 +85,9 @@ class Engine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, speculator)
         self.runner = ModelRunner(
             model, self.model_config, num_blocks=num_blocks, block_size=config.block_size,
-            device=self.device, backend=_pick_backend(config.attention_backend, self.device, self.model_config,
+            device=self.device, backend=pick_backend(config.attention_backend, self.device, self.model_config,
                                                       self.kv_quant),
-            num_host_blocks=self.cache_config.num_host_blocks, quant=self.kv_quant,
+            num_host_blocks=self.cache_config.num_host_blocks, quant=self.kv_quant, tp=self.tp, kv_ranks=kv_ranks,
         )
         if config.speculative_config and config.speculative_config.method == "draft_model":
             self.runner.draft = self._load_draft(config.speculative_config.model, num_blocks)
@@ -97,6 +113,20 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.tp is None else self.tp.tp.size
+
+    def check_healthy(self) -> None:
+        """Raise TensorParallelError if a tensor-parallel rank has exited (a no-op on one rank)."""
+        if self.tp is not None:
+            self.tp.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op on one rank); the engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -353,28 +383,6 @@ def _pick_dtype(dtype: str, device: torch.device) -> str | None:
     return "bfloat16" if device.type == "cuda" else "float32"  # bf16 on a GPU, whatever the checkpoint holds
 
 
-def _pick_backend(name: str, device: torch.device, model: ModelConfig, quant: KVQuant | None) -> AttentionBackend:
-    if quant is not None:
-        if name == "flashinfer":
-            raise InvalidRequest(f"attention_backend=flashinfer does not read a {quant.name} KV cache (torch does)")
-        from engine.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(quant)
-    if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
-        from engine.attention.flashinfer_backend import FlashInferBackend, flashinfer_available, kernel_refusal
-
-        refusal = kernel_refusal(model.head_dim) or (
-            None if flashinfer_available() else "needs a CUDA GPU and the flashinfer-python package")
-        if refusal is None and (name == "flashinfer" or model.dtype != "float32"):  # auto: no fp32 kernels
-            return FlashInferBackend(device)
-        if name == "flashinfer":
-            raise InvalidRequest(f"attention_backend=flashinfer: {refusal}")
-        logger.info("attention: torch backend (flashinfer %s)", refusal or "has no float32 kernels")
-    from engine.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend()
-
-
 def _fingerprint(config: ModelConfig, weights_id: str, quant: KVQuant | None = None) -> bytes:
     """The model and its KV dtype (a quantized cache's blocks are not interchangeable with full-precision ones)."""
     dtype = config.dtype if quant is None else f"{config.dtype}+kv-{quant.name}"
@@ -394,7 +402,8 @@ def _default_num_blocks(config: EngineConfig, model: ModelConfig, max_model_len:
                         quant: KVQuant | None = None) -> int:
     row_bytes = (model.head_dim * torch.empty((), dtype=getattr(torch, model.dtype)).element_size() if quant is None
                  else model.head_dim + SCALE_BYTES)
-    bytes_per_block = 2 * model.num_layers * config.block_size * model.num_kv_heads * row_bytes
+    kv_heads = model.num_kv_heads // config.tensor_parallel_size  # one rank's (the budget is per rank, per device)
+    bytes_per_block = 2 * model.num_layers * config.block_size * kv_heads * row_bytes
     if config.kv_cache_memory_bytes:
         budget = config.kv_cache_memory_bytes
     elif device.type == "cuda":
