@@ -26,7 +26,7 @@ from decode_node.first_tokens import RECOMPUTE
 from engine.core.outputs import RequestDelta
 from engine.errors import InvalidRequest
 from kv_transfer.errors import KVTransferError
-from kv_transfer.transport import TransferStats, choose_uri, uri_kind
+from kv_transfer.transport import TransferStats
 from proto import baton_pb2 as pb
 from proto import tracing
 from worker.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
@@ -186,10 +186,7 @@ class DecodeServicer(WorkerServicer):
     async def _pull(self, handle: pb.KVHandle, src: list[int], dst: list[int]) -> tuple[TransferStats, str]:
         """Pull ``handle``'s leased blocks ``src`` into this worker's blocks ``dst`` over the pair's transport
         (the first of this worker's kinds the peer serves); the layouts are compared before any byte moves."""
-        node = self.node
-        uri = choose_uri(handle.data_plane_uri, node.kv_kinds)
-        stats = await node.pull_kv(uri, layout_from_pb(handle.layout), handle.lease_id, src, dst)
-        return stats, uri_kind(uri)
+        return await self.node.pull_kv(handle.data_plane_uri, layout_from_pb(handle.layout), handle.lease_id, src, dst)
 
     async def _first_token(self, request: pb.DecodeRequest, context) -> int:
         """Layer-wise: wait for P's first token (the router's FirstToken) while the call lives: the router

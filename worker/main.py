@@ -76,6 +76,10 @@ def add_worker_options(group) -> None:
                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt '
                        'lookup) or {"model": DRAFT, "num_speculative_tokens": 3} (a smaller checkpoint with the same '
                        "vocabulary); decode role. Outputs are the same token for token with it on or off")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model's attention heads and MLP across this many rank processes (children of "
+                       "this worker, in lockstep; the heads and MLP size must divide evenly); the KV layout names "
+                       "the degree, so workers of different degrees still hand KV to each other (default: %(default)s)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: every step runs eagerly (graphs are CUDA only in any case)")
     group.add_argument("--calibrate-tokens", type=int, default=256,
@@ -169,8 +173,11 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         max_num_waiting=args.max_num_waiting, num_threads=args.num_threads,
         attention_backend=args.attention_backend, cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
         enforce_eager=args.enforce_eager, kv_host_blocks=args.kv_host_blocks, kv_cache_dtype=args.kv_cache_dtype,
-        speculative_config=_speculative(args.speculative_config),
+        speculative_config=_speculative(args.speculative_config), tensor_parallel_size=args.tensor_parallel_size,
     )
+    if args.tensor_parallel_size > 1 and args.kv_staging == "always":
+        raise ValueError("--kv-staging always is not combined with --tensor-parallel-size: a tensor-parallel "
+                         "worker serves each rank's cache in place from shared host memory")
     return WorkerConfig(
         role=role, engine=engine, redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
         namespace=args.namespace, host=args.host,
@@ -186,7 +193,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
     )
 
 
-async def serve(role: str, config: WorkerConfig, make_node: NodeFactory) -> None:
+async def serve(role: str, config: WorkerConfig, make_node: NodeFactory) -> int:
     redis = connect(config.redis_url)
     try:
         await check_credentials(redis, config.redis_url)  # a refused password stops the worker before loading
@@ -199,13 +206,17 @@ async def serve(role: str, config: WorkerConfig, make_node: NodeFactory) -> None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(node.drained.wait())]
+    waits = [asyncio.create_task(event.wait()) for event in (stop, node.drained, node.failed)]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for task in waits:
         task.cancel()
-    await node.stop()
+    await node.stop()  # deregisters: the router stops routing here
     if node.drained.is_set():
         print(f"{role} worker {node.worker_id} drained: exiting", flush=True)
+    if node.failed.is_set():
+        print(f"{role} worker {node.worker_id}: its engine failed (the log says why): exiting", flush=True)
+        return 1
+    return 0
 
 
 def run(role: str, argv: list[str], make_node: NodeFactory) -> int:
@@ -225,9 +236,8 @@ def run(role: str, argv: list[str], make_node: NodeFactory) -> int:
         cli.error(str(exc))
     logging.getLogger(__name__).info("redis %s, gRPC %s", redact_url(config.redis_url), tls.describe(config.tls))
     try:
-        asyncio.run(serve(role, config, make_node))
+        return asyncio.run(serve(role, config, make_node))
     except RedisCredentialsError as exc:
         print(f"baton {role}: error: {exc}", file=sys.stderr)
         return 1
-    return 0
 

@@ -183,7 +183,7 @@ def _layout_bytes_per_token(layout_json: str) -> float | None:
         layout = KVLayout.from_json(layout_json)
     except KVTransferError:  # a layout without the model's dimensions (test doubles)
         return None
-    return layout.bytes_per_block / layout.block_size
+    return layout.model_bytes_per_block / layout.block_size  # every tensor-parallel rank's share
 
 
 def quote_prefills(request: RouteRequest, prefills: Sequence[Candidate], rates: Rates) -> list[PrefillQuote]:
