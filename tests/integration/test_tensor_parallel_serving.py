@@ -1,0 +1,139 @@
+"""Tensor-parallel workers, really started (``--tensor-parallel-size 2``: the worker and its rank process): KV
+handed between workers of different degrees through the real tcp data plane, token-exact against the offline
+engine, every rank's bytes moved; a worker whose rank dies exits, deregistered, and the router routes around it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from engine.tiny import build_model
+from kv_transfer.tp_plane import uri_rank
+from proto import baton_pb2 as pb
+from tests.integration.cluster import Cluster
+from tests.integration.test_e2e import _wait_serving, generate
+from tests.integration.test_workers import PROMPTS, greedy, stub
+from tests.redis_server import RedisServer, require_redis_server
+from worker.convert import layout_from_pb
+
+TP2 = ("--tensor-parallel-size", "2", "--calibrate-tokens", "0")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    require_redis_server()
+    redis = RedisServer.start()
+    c = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("logs"))
+    try:
+        c.workers = {
+            "p2": c.start_worker("prefill", "--tensor-parallel-size", "2", worker_id="p2"),  # calibrates: scoring too
+            "p1": c.start_worker("prefill", "--calibrate-tokens", "0", worker_id="p1"),
+            "d1": c.start_worker("decode", "--calibrate-tokens", "0", worker_id="d1"),
+            "d2": c.start_worker("decode", *TP2, worker_id="d2"),
+        }
+        c.wait_for_workers(set(c.workers), timeout_s=180)
+        yield c
+    finally:
+        c.stop_all()
+        redis.stop()
+
+
+PAIRS = ("p2-d1", "p1-d2", "p2-d2")
+
+
+def _prompts(pair: str) -> list[list[int]]:
+    """PROMPTS behind a token of the pair's own: no pair finds another's blocks cached on its decode worker."""
+    return [[200 + PAIRS.index(pair), *p] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """The offline engine's tokens by prompt."""
+    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
+    prompts = {tuple(p) for p in [*PROMPTS, *(q for pair in PAIRS for q in _prompts(pair))]}
+    out: dict[tuple[int, ...], list[int]] = {}
+    for prompt in prompts:
+        engine.add_request(str(len(out)), list(prompt), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        out[prompt] = []
+    by_id = list(out)
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[by_id[int(delta.request_id)]].extend(delta.new_token_ids)
+    return out
+
+
+def _handoff(p, d, rid: str, prompt: list[int]) -> tuple[list[int], pb.Timings, pb.KVHandle]:
+    pre = stub(p.address).Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=greedy()))
+    tokens, timings = [pre.first_token], None
+    for response in stub(d.address).Decode(pb.DecodeRequest(request_id=rid, token_ids=[*prompt, pre.first_token],
+                                                             sampling=greedy(), handle=pre.handle,
+                                                             prompt_len=len(prompt))):
+        timings = timings or response.timings
+        tokens.extend(response.token_ids)
+    return tokens, timings, pre.handle
+
+
+def _assert_pools_full(workers, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [stub(w.address).Stats(pb.StatsRequest()) for w in workers]
+        if all(s.num_free_blocks == s.num_total_blocks and s.num_open_leases == 0 and s.num_running == 0
+               for s in stats):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not back to full: {stats}")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_kv_moves_between_degrees_and_decodes_token_exact(cluster, expected, pair):
+    """P with TP=2 to D with TP=1 and back, and 2 to 2: every rank's bytes move (a block is the whole model's
+    KV), nothing falls back to a local prefill, and the tokens equal the offline engine's."""
+    p, d = (cluster.workers[name] for name in pair.split("-"))
+    for i, prompt in enumerate(_prompts(pair)):
+        tokens, timings, handle = _handoff(p, d, f"{pair}-{i}", prompt)
+        assert tokens == expected[tuple(prompt)], f"prompt {i}"
+        layout = layout_from_pb(handle.layout)
+        assert timings.transfer_blocks >= 1 and not timings.local_fallback, timings
+        assert timings.transfer_bytes == timings.transfer_blocks * layout.model_bytes_per_block
+    _assert_pools_full([p, d])
+
+
+def test_the_layout_names_the_degree_and_the_fingerprint_does_not(cluster):
+    handle = _handoff(cluster.workers["p2"], cluster.workers["d1"], "layout", PROMPTS[4])[2]
+    assert handle.layout.tp_size == 2 and handle.layout.tp_rank == 0
+    assert sorted(uri_rank(u) for u in handle.data_plane_uri.split()) == [0, 1]  # one tcp URI per rank
+    one_rank = _handoff(cluster.workers["p1"], cluster.workers["d1"], "layout1", PROMPTS[4])[2]
+    assert layout_from_pb(one_rank.layout).tp_size == 1 and len(one_rank.data_plane_uri.split()) == 1
+    assert handle.layout.model_fingerprint == one_rank.layout.model_fingerprint
+    _assert_pools_full(cluster.workers.values())
+
+
+def test_a_worker_whose_rank_dies_exits_and_the_router_routes_around_it(cluster, expected):
+    """Runs last: kills p2's rank 1. p2's engine loop notices between steps, p2 deregisters and exits 1; a
+    router then sends prefills to p1."""
+    p2 = cluster.workers["p2"]
+    rank_pid = int(re.search(r"started ranks 1\.\.1 \(pids (\d+)\)", p2.log_path.read_text()).group(1))
+    os.kill(rank_pid, signal.SIGKILL)
+    assert p2.popen.wait(60) == 1, p2.log()
+    assert "tensor-parallel rank 1" in p2.log() and "exited with code -9" in p2.log()
+    assert "p2" not in asyncio.run(cluster._registered())  # deregistered on its way out
+    router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "least_loaded")
+    _wait_serving(router.address)
+    tokens, last = generate(router.address, PROMPTS[5], max_tokens=12)
+    assert tokens == expected[tuple(PROMPTS[5])]
+    assert last.timings.route_kind == "remote" and last.timings.prefill_worker == "p1", last.timings
+    _assert_pools_full([cluster.workers[name] for name in ("p1", "d1", "d2")])
