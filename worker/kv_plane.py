@@ -35,11 +35,11 @@ logger = logging.getLogger(__name__)
 class KVPlane:
     """The region, the kinds served through staging (``staged``) and the pool they share (None: no kind is)."""
 
-    def __init__(self, regions: Sequence[KVRegion], kinds: Sequence[str], mode: str, leases: WorkerLeases,
-                 staging_blocks: int) -> None:
-        """``regions``: the cache of each tensor-parallel rank, in rank order (one without tensor parallelism)."""
-        region = regions[0]
-        self.region, self.regions, self.leases = region, list(regions), leases
+    def __init__(self, region: KVRegion, kinds: Sequence[str], mode: str, leases: WorkerLeases,
+                 staging_blocks: int, *, rank_regions: Sequence[KVRegion] = ()) -> None:
+        """``region``: the cache (rank 0's under tensor parallelism); ``rank_regions``: ranks 1..N-1's."""
+        regions = [region, *rank_regions]
+        self.region, self.regions, self.leases = region, regions, leases
         self.staged = staged_kinds(kinds, region, mode)
         if len(regions) > 1 and self.staged:
             raise ValueError(f"tensor parallelism serves each rank's cache in place; it is not combined with host "
@@ -75,17 +75,19 @@ class KVPlane:
         return make_server(kind, buffer=self.buffer(kind), resolve=self.leases.resolver(), config=config,
                            progress=self.leases.progress)
 
-    async def pull(self, client: KVClient, kind: str, uris: Sequence[str], layout: KVLayout, lease_id: str,
+    async def pull_ranks(self, client: KVClient, uris: Sequence[str], layout: KVLayout, lease_id: str,
+                         src: Sequence[int], dst: Sequence[int]) -> TransferStats:
+        """``pull`` from every rank of a tensor-parallel peer (``uris``: one per rank, ``layout``: rank 0's), or
+        into the ranks of this worker (``kv_transfer/tp_plane.py``)."""
+        async def pull_rank(uri, rank_layout, buffer, ids):
+            return await client.pull(uri, rank_layout, lease_id, src, buffer, ids)
+
+        return await pull_ranks(pull_rank, uris, layout, self.regions, self.rank_buffers, src, dst)
+
+    async def pull(self, client: KVClient, kind: str, uri: str, layout: KVLayout, lease_id: str,
                    src: Sequence[int], dst: Sequence[int]) -> TransferStats:
         """Pull a peer's leased blocks ``src`` into this worker's cache blocks ``dst`` over ``client`` (of
-        ``kind``; ``uris``: the peer's, one per rank): straight into the cache, or through staging blocks; from
-        every rank of a tensor-parallel peer, or into the ranks of this one."""
-        if layout.tp_size > 1 or self.tp_size > 1:
-            async def pull_rank(uri, rank_layout, buffer, ids):
-                return await client.pull(uri, rank_layout, lease_id, src, buffer, ids)
-
-            return await pull_ranks(pull_rank, uris, layout, self.regions, self.rank_buffers, src, dst)
-        uri = uris[0]
+        ``kind``): straight into the cache, or through staging blocks."""
         if kind in self.staged:
             return await pull_staged(client, self.pool, uri, layout, lease_id, src, dst)
         return await client.pull(uri, layout, lease_id, src, self.buffer(kind), dst)

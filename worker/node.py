@@ -79,8 +79,10 @@ class WorkerNode:
                            "one process have crashed it when a peer died (docs/operations.md); serve one of them")
         # each kind reads the cache in place (a host cache; a device cache GPU-direct for nixl/ucx/nccl) or
         # through pinned host staging (a device cache for tcp/cma; every kind with --kv-staging always)
-        self.kv_plane = KVPlane(_regions(self.engine, self.layout), self.kv_kinds, self.config.kv_staging,
-                                self.leases, self.config.kv_staging_blocks or default_staging_blocks(self.engine))
+        region, *rank_regions = _regions(self.engine, self.layout)
+        self.kv_plane = KVPlane(region, self.kv_kinds, self.config.kv_staging, self.leases,
+                                self.config.kv_staging_blocks or default_staging_blocks(self.engine),
+                                rank_regions=rank_regions)
         self.transport_config = transport_config(self.config)
         self._kv_clients: dict[str, KVClient] = {}
         served = await self._serve_kv()
@@ -152,9 +154,12 @@ class WorkerNode:
         """Pull a peer's leased blocks ``src`` into this worker's cache blocks ``dst`` over the first of this worker's
         kinds the peer ``offered`` (its URIs, space-separated; one per rank of a tensor-parallel peer): in place,
         or through host staging when this worker stages that kind. Returns the stats and the kind."""
-        kind = uri_kind(choose_uri(offered, self.kv_kinds))
+        uri = choose_uri(offered, self.kv_kinds)
+        kind, client = uri_kind(uri), self.kv_client(uri_kind(uri))
+        if layout.tp_size == 1 and self.kv_plane.tp_size == 1:
+            return await self.kv_plane.pull(client, kind, uri, layout, lease_id, src, dst), kind
         uris = rank_uris(offered, kind, layout.tp_size)
-        return await self.kv_plane.pull(self.kv_client(kind), kind, uris, layout, lease_id, src, dst), kind
+        return await self.kv_plane.pull_ranks(client, uris, layout, lease_id, src, dst), kind
 
     @property
     def staging(self) -> StagingPool | None:

@@ -9,6 +9,7 @@ import signal
 import threading
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDead
@@ -49,9 +50,13 @@ def test_greedy_output_with_two_ranks_equals_one_rank(tiny_checkpoints, name):
     norms (qwen3), tied embeddings in a sharded checkpoint (llama3)."""
     checkpoint = tiny_checkpoints[name]
     prompts = _prompts(checkpoint.vocab_size, seed=1)
-    expected = _generate(LLM(str(checkpoint.path), num_blocks=64, max_num_batched_tokens=64), prompts)
+    one_rank = LLM(str(checkpoint.path), num_blocks=64, max_num_batched_tokens=64)
+    expected = _generate(one_rank, prompts)
     with LLM(str(checkpoint.path), num_blocks=64, max_num_batched_tokens=64, tensor_parallel_size=2) as llm:
         assert _generate(llm, prompts) == expected
+        # scoring (and calibration) packs its own step for the other rank
+        torch.testing.assert_close(llm.engine.prompt_logits(prompts[1]), one_rank.engine.prompt_logits(prompts[1]),
+                                   rtol=1e-4, atol=1e-4)
         runner = llm.engine.runner
         assert runner.kv_cache.shape[4] == 1 and len(runner.kv_ranks) == 2  # each rank holds 1 of the 2 KV heads
         assert llm.engine.tensor_parallel_size == 2
