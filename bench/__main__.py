@@ -26,6 +26,7 @@ _BENCHMARKS = {
     "speculative": "bench.speculative",
     "kv-quant": "bench.kv_quant",
     "step-prep": "bench.step_prep",
+    "tensor-parallel": "bench.tensor_parallel",
 }
 
 

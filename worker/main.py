@@ -101,6 +101,14 @@ def _graph_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _num_threads(args: argparse.Namespace) -> int | None:
+    """``--num-threads``; with tensor parallelism and none given, each rank (this process too) takes its share of
+    the cores, so N ranks do not run N times as many threads as there are cores."""
+    if args.num_threads or args.tensor_parallel_size <= 1:
+        return args.num_threads
+    return max(1, (os.cpu_count() or 1) // args.tensor_parallel_size)
+
+
 def _speculative(text: str | None) -> SpeculativeConfig | None:
     if not text:
         return None
@@ -170,7 +178,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_num_waiting=args.max_num_waiting, num_threads=args.num_threads,
+        max_num_waiting=args.max_num_waiting, num_threads=_num_threads(args),
         attention_backend=args.attention_backend, cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
         enforce_eager=args.enforce_eager, kv_host_blocks=args.kv_host_blocks, kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=_speculative(args.speculative_config), tensor_parallel_size=args.tensor_parallel_size,

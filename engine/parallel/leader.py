@@ -110,7 +110,8 @@ class TPLeader:
                     raise TensorParallelError(f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                                               "before it was ready (its log is above)")
                 if time.monotonic() > deadline:
-                    raise TensorParallelError(f"tensor-parallel rank {rank} was not ready within {self.start_timeout_s} s")
+                    raise TensorParallelError(f"tensor-parallel rank {rank} was not ready within "
+                                              f"{self.start_timeout_s} s")
                 time.sleep(_POLL_S)
         self.cpu_group, self.tp.group = new_groups(self._store, self.tp, device, self.timeout_s)
         logger.info("tensor parallelism: %d ranks in lockstep", self.tp.size)

@@ -33,8 +33,8 @@ def _whole(seed: int) -> np.ndarray:
 def _regions(whole: np.ndarray, tp_size: int) -> list[KVRegion]:
     """Each rank's cache of a worker of ``tp_size`` ranks: its slice of the heads, contiguous."""
     layout, heads = dataclasses.replace(LAYOUT, tp_size=tp_size), LAYOUT.num_kv_heads // tp_size
-    return [KVRegion(layout.for_rank(r), torch.from_numpy(np.ascontiguousarray(whole[..., r * heads:(r + 1) * heads, :])))
-            for r in range(tp_size)]
+    slices = [np.ascontiguousarray(whole[..., r * heads : (r + 1) * heads, :]) for r in range(tp_size)]
+    return [KVRegion(layout.for_rank(r), torch.from_numpy(part)) for r, part in enumerate(slices)]
 
 
 def _reassembled(regions: list[KVRegion]) -> np.ndarray:
