@@ -10,6 +10,7 @@ import re
 import signal
 import time
 
+import grpc
 import pytest
 
 from engine.config import EngineConfig
@@ -18,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.tiny import build_model
 from kv_transfer.tp_plane import uri_rank
 from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.integration.test_e2e import _wait_serving, generate
 from tests.integration.test_workers import PROMPTS, greedy, stub
@@ -39,7 +41,9 @@ def cluster(model_dir, tmp_path_factory):
     c = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("logs"))
     try:
         c.workers = {
-            "p2": c.start_worker("prefill", "--tensor-parallel-size", "2", worker_id="p2"),  # calibrates: scoring too
+            # p2 calibrates (a scoring pass under TP); its layers are slowed a little, so streamed reads stream
+            "p2": c.start_worker("prefill", "--tensor-parallel-size", "2", "--fault-layer-delay-s", "0.3",
+                                 worker_id="p2"),
             "p1": c.start_worker("prefill", "--calibrate-tokens", "0", worker_id="p1"),
             "d1": c.start_worker("decode", "--calibrate-tokens", "0", worker_id="d1"),
             "d2": c.start_worker("decode", *TP2, worker_id="d2"),
@@ -63,7 +67,8 @@ def _prompts(pair: str) -> list[list[int]]:
 def expected(model_dir):
     """The offline engine's tokens by prompt."""
     engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
-    prompts = {tuple(p) for p in [*PROMPTS, *(q for pair in PAIRS for q in _prompts(pair))]}
+    layerwise = [[250 + i, *PROMPTS[-1]] for i in range(len(PAIRS))]
+    prompts = {tuple(p) for p in [*PROMPTS, *layerwise, *(q for pair in PAIRS for q in _prompts(pair))]}
     out: dict[tuple[int, ...], list[int]] = {}
     for prompt in prompts:
         engine.add_request(str(len(out)), list(prompt), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -109,6 +114,39 @@ def test_kv_moves_between_degrees_and_decodes_token_exact(cluster, expected, pai
         layout = layout_from_pb(handle.layout)
         assert timings.transfer_blocks >= 1 and not timings.local_fallback, timings
         assert timings.transfer_bytes == timings.transfer_blocks * layout.model_bytes_per_block
+    _assert_pools_full([p, d])
+
+
+async def _layerwise(p, d, rid: str, prompt: list[int]) -> tuple[list[int], pb.Timings, pb.PrefillResponse]:
+    """The router's layer-wise flow by hand: D starts on P's early handle (sent while the prompt computes) and
+    pulls at once; P's first token follows by FirstToken."""
+    params = greedy()
+    async with grpc.aio.insecure_channel(p.address) as pc, grpc.aio.insecure_channel(d.address) as dc:
+        prefill = pb_grpc.WorkerStub(pc).PrefillStream(
+            pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=params), timeout=30)
+        early = await prefill.read()
+        assert early.kv_pending
+        decode = pb_grpc.WorkerStub(dc).Decode(pb.DecodeRequest(
+            request_id=rid, token_ids=prompt, sampling=params, handle=early.handle, prompt_len=len(prompt),
+            first_token_pending=True), timeout=30)
+        first = await prefill.read()
+        await pb_grpc.WorkerStub(dc).FirstToken(pb.FirstTokenRequest(request_id=rid, token_id=first.first_token),
+                                                timeout=10)
+        responses = [r async for r in decode]
+    return [first.first_token, *(t for r in responses for t in r.token_ids)], responses[0].timings, first
+
+
+@pytest.mark.parametrize("pair", ["p2-d1", "p2-d2"])
+def test_layerwise_streaming_reads_every_rank_while_the_prompt_computes(cluster, expected, pair):
+    """p2's layers take 0.3 s each: D has layer 0 of every rank's blocks before p2's step ends (a margin of about
+    one layer), and the tokens are exact, so no rank's server sent a layer before it was computed."""
+    p, d = (cluster.workers[name] for name in pair.split("-"))
+    prompt = [250 + PAIRS.index(pair), *PROMPTS[-1]]  # fresh: cached nowhere
+    tokens, timings, first = asyncio.run(_layerwise(p, d, f"layerwise-{pair}", prompt))
+    assert tokens == expected[tuple(prompt)]
+    assert timings.kv_layerwise and not timings.local_fallback, timings
+    assert timings.transfer_bytes == timings.transfer_blocks * layout_from_pb(first.handle.layout).model_bytes_per_block
+    assert timings.kv_first_layer_unix_ms < first.timings.prefill_end_unix_ms, (timings, first.timings)
     _assert_pools_full([p, d])
 
 

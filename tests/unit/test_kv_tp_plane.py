@@ -125,3 +125,36 @@ def test_layout_json_names_the_degree_only_when_there_is_one():
         dataclasses.replace(LAYOUT, tp_size=3)
     with pytest.raises(ValueError, match="tp_rank must be below"):
         dataclasses.replace(LAYOUT, tp_size=2, tp_rank=2)
+
+
+def test_every_ranks_server_follows_a_layer_wise_lease_until_its_layers_are_computed():
+    """A worker's KV plane serves rank 1 as it serves rank 0: a lease still computing is streamed layer by
+    layer as rank 0's hooks complete them (every rank has written layer i by then), never sent early."""
+    from kv_transfer.progress import LayerProgress
+    from worker.kv_plane import KVPlane
+    from worker.leases import WorkerLeases
+
+    async def scenario():
+        prefill, decode = _regions(_whole(1), 2), _regions(np.full_like(_whole(2), SENTINEL), 2)
+        leases = WorkerLeases(30.0, lambda block_ids: None)
+        plane = KVPlane(prefill[0], ("tcp",), "auto", leases, 4, rank_regions=prefill[1:])
+        server = plane.server("tcp", CONFIG, rank=1)
+        uri = tag_uri(await server.start("127.0.0.1", 0), 1)
+        progress = LayerProgress(LAYOUT.num_layers)
+        lease = leases.pin_admitted("r", [3, 4], progress)
+        client = connect("tcp://", CONFIG)
+        try:
+            pull = asyncio.ensure_future(client.pull(uri, prefill[1].layout, lease.lease_id, [3, 4],
+                                                     decode[1].host_buffer(), [0, 1]))
+            with pytest.raises(asyncio.TimeoutError):  # no layer computed: nothing can arrive
+                await asyncio.wait_for(asyncio.shield(pull), 1.0)
+            for layer in range(LAYOUT.num_layers):
+                progress.complete(layer)
+            await pull
+        finally:
+            client.close()
+            await server.stop()
+        return prefill, decode
+
+    prefill, decode = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert np.array_equal(decode[1].kv.numpy()[:, :2], prefill[1].kv.numpy()[:, 3:5])
