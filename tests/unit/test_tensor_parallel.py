@@ -154,3 +154,16 @@ def test_an_idle_engine_loop_stops_when_a_rank_dies(tiny_checkpoints):
         async_engine.stop()
         llm.close()
     assert _stopped(llm)
+
+
+@pytest.mark.slow
+def test_the_real_model_with_three_ranks_equals_one_rank():
+    """SmolLM2-135M (9 heads, 3 KV heads: 3 ranks of 3 and 1; 2 is refused); about 2 minutes on 2 cores."""
+    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM("smollm2", num_blocks=64).generate(prompts, params)]
+    with pytest.raises(InvalidRequest, match=r"attention heads \(9\)"):
+        LLM("smollm2", tensor_parallel_size=2)
+    with LLM("smollm2", num_blocks=64, tensor_parallel_size=3) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        _assert_pool_full(llm)
