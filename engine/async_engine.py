@@ -151,7 +151,10 @@ class AsyncEngine:
             self._error = exc
             self._fail_all(EngineDead(f"engine loop failed: {exc!r}"))
             if self._on_dead is not None:
-                self._on_dead(exc)
+                try:
+                    self._on_dead(exc)
+                except Exception:  # noqa: BLE001 - e.g. the shell's event loop already closed
+                    logger.exception("on_dead failed")
 
     def _step(self) -> list[RequestDelta]:
         hooks = self._hooks

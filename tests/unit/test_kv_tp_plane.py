@@ -19,20 +19,21 @@ from kv_transfer.tp_plane import pull_ranks, rank_uris, tag_uri, uri_rank
 from kv_transfer.transport import TransportConfig, connect, make_server
 
 LAYOUT = KVLayout(model_fingerprint=b"tp", dtype="float32", block_size=4, num_layers=2, num_kv_heads=4, head_dim=3)
+INT8 = dataclasses.replace(LAYOUT, dtype="uint8", scale_bytes=4)  # a quantized cache: 3 values and a scale per row
 CONFIG = TransportConfig(connect_timeout_s=2.0, io_timeout_s=2.0)
 NUM_BLOCKS = 12
 SENTINEL = 0xAB
 
 
-def _whole(seed: int) -> np.ndarray:
+def _whole(seed: int, base: KVLayout = LAYOUT) -> np.ndarray:
     """A whole model's cache as bytes: [layers, blocks, 2, block_size, kv heads, row bytes]."""
-    shape = (LAYOUT.num_layers, NUM_BLOCKS, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.row_bytes)
+    shape = (base.num_layers, NUM_BLOCKS, 2, base.block_size, base.num_kv_heads, base.row_bytes)
     return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
 
 
-def _regions(whole: np.ndarray, tp_size: int) -> list[KVRegion]:
+def _regions(whole: np.ndarray, tp_size: int, base: KVLayout = LAYOUT) -> list[KVRegion]:
     """Each rank's cache of a worker of ``tp_size`` ranks: its slice of the heads, contiguous."""
-    layout, heads = dataclasses.replace(LAYOUT, tp_size=tp_size), LAYOUT.num_kv_heads // tp_size
+    layout, heads = dataclasses.replace(base, tp_size=tp_size), base.num_kv_heads // tp_size
     slices = [np.ascontiguousarray(whole[..., r * heads : (r + 1) * heads, :]) for r in range(tp_size)]
     return [KVRegion(layout.for_rank(r), torch.from_numpy(part)) for r, part in enumerate(slices)]
 
@@ -52,8 +53,9 @@ async def _serve(regions: list[KVRegion], table: LeaseTable) -> tuple[list, str]
     return servers, " ".join(tagged)
 
 
-async def _transfer(src_tp: int, dst_tp: int, src_ids, dst_ids, *, uris_of=None, dst_layout=LAYOUT):
-    prefill, decode = _regions(_whole(1), src_tp), _regions(np.full_like(_whole(2), SENTINEL), dst_tp)
+async def _transfer(src_tp: int, dst_tp: int, src_ids, dst_ids, *, uris_of=None, dst_layout=LAYOUT, base=LAYOUT):
+    prefill, decode = _regions(_whole(1, base), src_tp, base), _regions(np.full_like(_whole(2, base), SENTINEL),
+                                                                        dst_tp, base)
     if dst_layout is not LAYOUT:
         decode = [KVRegion(dataclasses.replace(dst_layout, tp_size=dst_tp, tp_rank=r), d.kv) for r, d in
                   enumerate(decode)]
@@ -76,15 +78,17 @@ async def _transfer(src_tp: int, dst_tp: int, src_ids, dst_ids, *, uris_of=None,
     return prefill, decode, stats
 
 
-@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (1, 2), (2, 2), (4, 2), (1, 4), (4, 1)])
-def test_blocks_land_whole_whatever_the_two_degrees(src_tp, dst_tp):
+@pytest.mark.parametrize("src_tp, dst_tp, base", [(2, 1, LAYOUT), (1, 2, LAYOUT), (2, 2, LAYOUT), (4, 2, LAYOUT),
+                                                  (1, 4, LAYOUT), (4, 1, LAYOUT), (2, 1, INT8), (1, 4, INT8)])
+def test_blocks_land_whole_whatever_the_two_degrees(src_tp, dst_tp, base):
     src_ids, dst_ids = [3, 4, 5, 9], [7, 0, 1, 2]
-    prefill, decode, stats = asyncio.run(asyncio.wait_for(_transfer(src_tp, dst_tp, src_ids, dst_ids), 20))
+    prefill, decode, stats = asyncio.run(asyncio.wait_for(_transfer(src_tp, dst_tp, src_ids, dst_ids, base=base),
+                                                          20))
     sent, landed = _reassembled(prefill), _reassembled(decode)
     assert np.array_equal(landed[:, dst_ids], sent[:, src_ids])  # every head of every block, in its place
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
     assert (landed[:, untouched] == SENTINEL).all()
-    assert stats.num_blocks == 4 and stats.num_bytes == 4 * LAYOUT.bytes_per_block  # the whole model's bytes once
+    assert stats.num_blocks == 4 and stats.num_bytes == 4 * base.bytes_per_block  # the whole model's bytes once
 
 
 def test_a_layout_of_another_model_is_refused_before_any_byte_moves():
