@@ -145,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  run {attempt + 1}: TP={size} threads={threads}: "
                   f"{runs[size, threads][-1].decode_tokens_per_s:.1f} decode tok/s", flush=True)
     rows = [sorted(r, key=lambda row: row.decode_tokens_per_s)[len(r) // 2] for r in runs.values()]
-    _report(rows, args)
+    _report(rows, [row for r in runs.values() for row in r], args)
     return 0
 
 
-def _report(rows: list[Row], args: argparse.Namespace) -> None:
+def _report(rows: list[Row], every_run: list[Row], args: argparse.Namespace) -> None:
     print(f"\n{'TP':>3}{'thr/rank':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode s':>10}{'steps':>7}"
           f"{'full s':>8}{'comm s':>8}{'comm %':>8}{'all-reduces':>12}")
     for r in rows:
@@ -159,7 +159,8 @@ def _report(rows: list[Row], args: argparse.Namespace) -> None:
               f"{r.all_reduces:>12}")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / "tensor_parallel.json"
-    path.write_text(json.dumps({"args": vars(args), "rows": [asdict(r) for r in rows]}, indent=2))
+    path.write_text(json.dumps({"args": vars(args), "load_average": os.getloadavg()[0],
+                                "rows": [asdict(r) for r in rows], "runs": [asdict(r) for r in every_run]}, indent=2))
     print(f"\nwrote {path}")
 
 
