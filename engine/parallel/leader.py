@@ -38,6 +38,7 @@ OP_STEP = 1
 HEADER = struct.Struct("<5q")  # op, tokens, logit rows, sequences, block-table width
 _POLL_S = 0.05
 _STOP_GRACE_S = 5.0
+_MEET_S = 60.0  # the longest forming the groups may take once every rank is ready
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,6 +114,9 @@ class TPLeader:
                     raise TensorParallelError(f"tensor-parallel rank {rank} was not ready within "
                                               f"{self.start_timeout_s} s")
                 time.sleep(_POLL_S)
+        # every rank is loaded and joining: forming the groups takes moments, so a rank that dies now is not
+        # waited for the whole start-up timeout
+        self._store.set_timeout(datetime.timedelta(seconds=min(self.start_timeout_s, _MEET_S)))
         self.cpu_group, self.tp.group = new_groups(self._store, self.tp, device, self.timeout_s)
         logger.info("tensor parallelism: %d ranks in lockstep", self.tp.size)
 

@@ -162,3 +162,12 @@ def test_every_ranks_server_follows_a_layer_wise_lease_until_its_layers_are_comp
 
     prefill, decode = asyncio.run(asyncio.wait_for(scenario(), 20))
     assert np.array_equal(decode[1].kv.numpy()[:, :2], prefill[1].kv.numpy()[:, 3:5])
+
+
+def test_a_tensor_parallel_plane_refuses_host_staging():
+    from worker.kv_plane import KVPlane
+    from worker.leases import WorkerLeases
+
+    regions = _regions(_whole(1), 2)
+    with pytest.raises(ValueError, match="not combined with host staging"):
+        KVPlane(regions[0], ("tcp",), "always", WorkerLeases(5.0, lambda ids: None), 4, rank_regions=regions[1:])
