@@ -116,7 +116,7 @@ class Engine:
 
     @property
     def tensor_parallel_size(self) -> int:
-        return 1 if self.tp is None else self.tp.tp.size
+        return 1 if self.tp is None else self.tp.size
 
     def check_healthy(self) -> None:
         """Raise TensorParallelError if a tensor-parallel rank has exited (a no-op on one rank)."""

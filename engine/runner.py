@@ -71,7 +71,7 @@ class ModelRunner:
         self.tp = tp
         self.max_blocks_per_seq = -(-config.max_position_embeddings // block_size)
         self.pad_block = num_blocks  # one block past the pool's (see the module docstring)
-        shape, dtype = cache_shape(config, num_blocks, block_size, quant, tp.tp.size if tp else 1)
+        shape, dtype = cache_shape(config, num_blocks, block_size, quant, tp.size if tp else 1)
         # this rank's paged cache (all of it without tensor parallelism)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device) if kv_ranks is None else kv_ranks[0]
         self.kv_ranks = [self.kv_cache] if kv_ranks is None else list(kv_ranks.unbind(0))  # the caches seen here

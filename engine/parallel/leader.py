@@ -99,6 +99,11 @@ class TPLeader:
         logger.info("tensor parallelism: started ranks 1..%d (pids %s)", spec.world_size - 1,
                     ", ".join(str(p.pid) for p in self.procs))
 
+    @property
+    def size(self) -> int:
+        """The ranks in the group, this one included."""
+        return self.tp.size
+
     def connect(self, device: torch.device) -> None:
         """Wait (at most ``start_timeout_s``) for every rank to load its share, then form the group with them."""
         deadline = time.monotonic() + self.start_timeout_s
