@@ -87,6 +87,8 @@ class ModelRunner:
     def use_decode_graphs(self, sizes: Sequence[int], *, capture: bool) -> None:
         """Decode steps of up to ``max(sizes)`` sequences run in fixed shapes: captured as CUDA graphs
         (``capture``, CUDA only) or, without a graph, eagerly in the same shapes (tests on CPU)."""
+        if self.tp is not None:  # the other ranks would not run the graph's forward: its all-reduces would hang
+            raise ValueError("decode graphs are not built for tensor parallelism")
         self.graphs = DecodeGraphs(self.model, self.kv_layers, sizes=sizes, max_blocks=self.max_blocks_per_seq,
                                    block_size=self.block_size, pad_block=self.pad_block, device=self.device,
                                    capture=capture, quant=self.quant)
