@@ -56,6 +56,7 @@ def cluster(model_dir, tmp_path_factory):
 
 
 PAIRS = ("p2-d1", "p1-d2", "p2-d2")
+IMPORTED = [260, *PROMPTS[-1]]  # a prompt whose first 40 tokens p2 holds, imported by d1
 
 
 def _prompts(pair: str) -> list[list[int]]:
@@ -68,7 +69,7 @@ def expected(model_dir):
     """The offline engine's tokens by prompt."""
     engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
     layerwise = [[250 + i, *PROMPTS[-1]] for i in range(len(PAIRS))]
-    prompts = {tuple(p) for p in [*PROMPTS, *layerwise, *(q for pair in PAIRS for q in _prompts(pair))]}
+    prompts = {tuple(p) for p in [*PROMPTS, *layerwise, IMPORTED, *(q for pair in PAIRS for q in _prompts(pair))]}
     out: dict[tuple[int, ...], list[int]] = {}
     for prompt in prompts:
         engine.add_request(str(len(out)), list(prompt), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -148,6 +149,24 @@ def test_layerwise_streaming_reads_every_rank_while_the_prompt_computes(cluster,
     assert timings.transfer_bytes == timings.transfer_blocks * layout_from_pb(first.handle.layout).model_bytes_per_block
     assert timings.kv_first_layer_unix_ms < first.timings.prefill_end_unix_ms, (timings, first.timings)
     _assert_pools_full([p, d])
+
+
+def test_a_prefix_held_by_a_tp2_worker_is_imported_by_a_tp1_decode_worker(cluster, expected):
+    """LeasePrefix on p2 (10 cached blocks), then Decode on d1 with that prefix handle: d1 pulls every rank's share
+    of the prefix, re-cuts it into its heads, prefills the rest itself, and the tokens are exact."""
+    p2, d1 = cluster.workers["p2"], cluster.workers["d1"]
+    warm = stub(p2.address).Prefill(pb.PrefillRequest(request_id="warm", token_ids=IMPORTED[:40], sampling=greedy()))
+    assert stub(p2.address).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=warm.handle.lease_id)).found
+    handle = stub(p2.address).LeasePrefix(pb.LeasePrefixRequest(token_ids=IMPORTED, min_tokens=40)).handle
+    assert handle.num_tokens == 40 and handle.layout.tp_size == 2
+    responses = list(stub(d1.address).Decode(pb.DecodeRequest(request_id="import", token_ids=IMPORTED,
+                                                               sampling=greedy(), prompt_len=len(IMPORTED),
+                                                               prefix_handle=handle), timeout=60))
+    assert [t for r in responses for t in r.token_ids] == expected[tuple(IMPORTED)]
+    timings = responses[0].timings
+    assert "imported 40 prefix tokens from p2" in timings.route_reason and timings.transfer_blocks == 10, timings
+    assert timings.transfer_bytes == 10 * layout_from_pb(handle.layout).model_bytes_per_block
+    _assert_pools_full([p2, d1])
 
 
 def test_the_layout_names_the_degree_and_the_fingerprint_does_not(cluster):
