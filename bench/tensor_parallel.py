@@ -2,6 +2,7 @@
 
     python -m bench.tensor_parallel [--model small|tiny|smollm2|PATH] [--requests 16] [--concurrency 16]
                                     [--threads 2] [--sizes 1 2] [--repeat 3]
+    python -m bench.tensor_parallel --allreduce        # a bare gloo all-reduce between two processes, alone
 
 Each row runs the same greedy workload (``bench.workload.sharegpt_like``, ignore_eos) through the offline engine,
 after a warm-up pass over the same prompts, twice: a prefill pass (every request with ``max_tokens=1``: prompt
@@ -114,6 +115,51 @@ def run(model: str, requests: list[SyntheticRequest], tp_size: int, threads: int
                full.seconds)
 
 
+ALLREDUCE_SHAPES = ((16, 512), (512, 512), (2048, 512))  # a decode step's [B, hidden], a prefill chunk's
+
+
+def allreduce_latency(rank: int, port: int) -> None:
+    """Both sides of the bare all-reduce measure (rank 0 prints): the group the engine uses, nothing else."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.parallel.leader import new_groups
+    from engine.parallel.shard import TensorParallel
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, rank == 0, datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    group, _ = new_groups(store, TensorParallel(rank, 2), torch.device("cpu"), 60.0)
+    for shape in ALLREDUCE_SHAPES:
+        x, count = torch.ones(shape), 500 if shape[0] <= 512 else 100
+        for _ in range(20):
+            group.allreduce([x]).wait()
+        started = time.perf_counter()
+        for _ in range(count):
+            group.allreduce([x]).wait()
+        if rank == 0:
+            print(f"  all-reduce of {list(shape)} float32: {(time.perf_counter() - started) / count * 1e6:.0f} us",
+                  flush=True)
+
+
+def _allreduce_pair() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peer = subprocess.Popen([sys.executable, "-m", "bench.tensor_parallel", "--allreduce-peer", str(port)])
+    try:
+        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; gloo over loopback, 1 thread each:")
+        allreduce_latency(0, port)
+    finally:
+        peer.wait(60)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="baton bench tensor-parallel", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="small (default), tiny, smollm2 (TP 3), a .gguf or a folder")
@@ -124,7 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs of every row, interleaved; the row with the median decode rate is reported")
+    parser.add_argument("--allreduce", action="store_true", help="only time a bare all-reduce between two processes")
+    parser.add_argument("--allreduce-peer", type=int, default=None, help=argparse.SUPPRESS)  # its rank 1 (a port)
     args = parser.parse_args(argv)
+    if args.allreduce_peer is not None:
+        allreduce_latency(1, args.allreduce_peer)
+        return 0
+    if args.allreduce:
+        _allreduce_pair()
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from engine.model.loader import read_model_config
     from engine.model_source import resolve_model
