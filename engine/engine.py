@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.attention.select import pick_backend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.block_pool import BlockEvent
 from engine.core.host_tier import HostCopies
@@ -19,11 +20,13 @@ from engine.core.scheduler import Scheduler
 from engine.core.speculation import Speculator
 from engine.spec_draft import load_draft
 from engine.decode_graphs import graph_sizes
-from engine.engine_setup import default_num_blocks, fingerprint, pick_backend, pick_device, pick_dtype
+from engine.engine_setup import default_num_blocks, fingerprint, pick_device, pick_dtype
 from engine.kv_quant import kv_quant
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.model.loader import load_model, open_gguf, read_model_config
 from engine.model_source import resolve_model
+from engine.parallel.launch import check_supported, launch
+from engine.parallel.shard import TensorParallel
 from engine.runner import LayerHook, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.step_rates import StepRates
@@ -47,7 +50,11 @@ class Engine:
         # a GGUF's metadata, read once (config, weights, and the offline API's tokenizer); None for a folder
         self.gguf = open_gguf(self.model_source) if self.model_source.is_gguf else None
         self.model_config = read_model_config(self.model_source, pick_dtype(config.dtype, self.device), self.gguf)
-        model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf)
+        tp = None  # one rank: the whole model here
+        if config.tensor_parallel_size > 1:
+            check_supported(config, self.model_config, self.device)
+            tp = TensorParallel(0, config.tensor_parallel_size)  # rank 0: this process (its share of the model)
+        model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf, tp)
         self.kv_quant = kv_quant(config.kv_cache_dtype)  # None: the cache holds the model's dtype
         self.fingerprint = fingerprint(self.model_config, weights_id, self.kv_quant)
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
@@ -55,6 +62,16 @@ class Engine:
                             self.model_config.max_position_embeddings)
         num_blocks = config.num_blocks or default_num_blocks(config, self.model_config, max_model_len, self.device,
                                                               self.kv_quant)
+        self.tp, kv_ranks = (None, None) if tp is None else launch(
+            config, str(self.model_path), self.model_config, num_blocks, self.kv_quant, self.device, tp)
+        try:
+            self._build(config, model, num_blocks, max_model_len, kv_ranks)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int, max_model_len: int,
+               kv_ranks: torch.Tensor | None) -> None:
         self.cache_config = CacheConfig(
             block_size=config.block_size, num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=config.kv_host_blocks if config.enable_prefix_caching else 0,
@@ -73,7 +90,7 @@ class Engine:
             model, self.model_config, num_blocks=num_blocks, block_size=config.block_size,
             device=self.device, backend=pick_backend(config.attention_backend, self.device, self.model_config,
                                                       self.kv_quant),
-            num_host_blocks=self.cache_config.num_host_blocks, quant=self.kv_quant,
+            num_host_blocks=self.cache_config.num_host_blocks, quant=self.kv_quant, tp=self.tp, kv_ranks=kv_ranks,
         )
         if config.speculative_config and config.speculative_config.method == "draft_model":
             self.runner.draft = load_draft(config.speculative_config.model, self.model_config, self.device,
@@ -90,6 +107,20 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    def check_healthy(self) -> None:
+        """Raise TensorParallelError if a tensor-parallel rank has exited (a no-op on one rank)."""
+        if self.tp is not None:
+            self.tp.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op on one rank); the engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(

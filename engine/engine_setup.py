@@ -1,4 +1,5 @@
-"""How an engine is set up from its config: device, dtype, attention backend, model fingerprint, cache size.
+"""How an engine is set up from its config: device, dtype, model fingerprint, cache size (the attention backend:
+``engine.attention.select``).
 Plain functions of the config and the model (the ``Engine`` constructor calls them once)."""
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ import logging
 
 import torch
 
-from engine.attention.base import AttentionBackend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.kv_quant import SCALE_BYTES, KVQuant
@@ -32,28 +32,6 @@ def pick_dtype(dtype: str, device: torch.device) -> str | None:
     return "bfloat16" if device.type == "cuda" else "float32"  # bf16 on a GPU, whatever the checkpoint holds
 
 
-def pick_backend(name: str, device: torch.device, model: ModelConfig, quant: KVQuant | None) -> AttentionBackend:
-    if quant is not None:
-        if name == "flashinfer":
-            raise InvalidRequest(f"attention_backend=flashinfer does not read a {quant.name} KV cache (torch does)")
-        from engine.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(quant)
-    if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
-        from engine.attention.flashinfer_backend import FlashInferBackend, flashinfer_available, kernel_refusal
-
-        refusal = kernel_refusal(model.head_dim) or (
-            None if flashinfer_available() else "needs a CUDA GPU and the flashinfer-python package")
-        if refusal is None and (name == "flashinfer" or model.dtype != "float32"):  # auto: no fp32 kernels
-            return FlashInferBackend(device)
-        if name == "flashinfer":
-            raise InvalidRequest(f"attention_backend=flashinfer: {refusal}")
-        logger.info("attention: torch backend (flashinfer %s)", refusal or "has no float32 kernels")
-    from engine.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend()
-
-
 def fingerprint(config: ModelConfig, weights_id: str, quant: KVQuant | None = None) -> bytes:
     """The model and its KV dtype (a quantized cache's blocks are not interchangeable with full-precision ones)."""
     dtype = config.dtype if quant is None else f"{config.dtype}+kv-{quant.name}"
@@ -73,7 +51,8 @@ def default_num_blocks(config: EngineConfig, model: ModelConfig, max_model_len: 
                         quant: KVQuant | None = None) -> int:
     row_bytes = (model.head_dim * torch.empty((), dtype=getattr(torch, model.dtype)).element_size() if quant is None
                  else model.head_dim + SCALE_BYTES)
-    bytes_per_block = 2 * model.num_layers * config.block_size * model.num_kv_heads * row_bytes
+    kv_heads = model.num_kv_heads // config.tensor_parallel_size  # one rank's (the budget is per rank, per device)
+    bytes_per_block = 2 * model.num_layers * config.block_size * kv_heads * row_bytes
     if config.kv_cache_memory_bytes:
         budget = config.kv_cache_memory_bytes
     elif device.type == "cuda":
