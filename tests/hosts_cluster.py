@@ -16,6 +16,7 @@ and the test reaches the router, the workers and Redis through unix sockets it f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -55,11 +56,14 @@ class HostsCluster:
         if address not in self._forwarded:
             path = self.sock_dir / f"{address.replace(':', '-')}.sock"
             popen = self._forwarder.popen
-            popen.stdin.write(f"{path}={address}\n")
-            popen.stdin.flush()
-            answer = popen.stdout.readline().strip()
+            try:
+                popen.stdin.write(f"{path}={address}\n")
+                popen.stdin.flush()
+                answer = popen.stdout.readline().strip()
+            except BrokenPipeError:
+                answer = "nothing (it exited)"
             if answer != f"ok {path}":
-                raise RuntimeError(f"forwarder answered {answer!r} for {address}")
+                raise RuntimeError(f"the forwarder answered {answer!r} for {address}:\n{self._forwarder.log()}")
             self._forwarded[address] = path
         return self._forwarded[address]
 
@@ -216,4 +220,5 @@ class HostsCluster:
             channel.close()
         self._channels.clear()
         if self._forwarder.popen.stdin is not None:
-            self._forwarder.popen.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # it exited already (forward() said why)
+                self._forwarder.popen.stdin.close()

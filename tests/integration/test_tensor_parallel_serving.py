@@ -118,9 +118,11 @@ def test_kv_moves_between_degrees_and_decodes_token_exact(cluster, expected, pai
     _assert_pools_full([p, d])
 
 
-async def _layerwise(p, d, rid: str, prompt: list[int]) -> tuple[list[int], pb.Timings, pb.PrefillResponse]:
+async def _layerwise(p, d, rid: str,
+                     prompt: list[int]) -> tuple[list[int], pb.Timings, pb.PrefillResponse, pb.KVHandle]:
     """The router's layer-wise flow by hand: D starts on P's early handle (sent while the prompt computes) and
-    pulls at once; P's first token follows by FirstToken."""
+    pulls at once; P's first token follows by FirstToken. Returns the tokens, D's timings, P's final message
+    and the early handle (the final message carries none when D read and released the lease before it)."""
     params = greedy()
     async with grpc.aio.insecure_channel(p.address) as pc, grpc.aio.insecure_channel(d.address) as dc:
         prefill = pb_grpc.WorkerStub(pc).PrefillStream(
@@ -134,7 +136,8 @@ async def _layerwise(p, d, rid: str, prompt: list[int]) -> tuple[list[int], pb.T
         await pb_grpc.WorkerStub(dc).FirstToken(pb.FirstTokenRequest(request_id=rid, token_id=first.first_token),
                                                 timeout=10)
         responses = [r async for r in decode]
-    return [first.first_token, *(t for r in responses for t in r.token_ids)], responses[0].timings, first
+    tokens = [first.first_token, *(t for r in responses for t in r.token_ids)]
+    return tokens, responses[0].timings, first, early.handle
 
 
 @pytest.mark.parametrize("pair", ["p2-d1", "p2-d2"])
@@ -143,10 +146,10 @@ def test_layerwise_streaming_reads_every_rank_while_the_prompt_computes(cluster,
     one layer), and the tokens are exact, so no rank's server sent a layer before it was computed."""
     p, d = (cluster.workers[name] for name in pair.split("-"))
     prompt = [250 + PAIRS.index(pair), *PROMPTS[-1]]  # fresh: cached nowhere
-    tokens, timings, first = asyncio.run(_layerwise(p, d, f"layerwise-{pair}", prompt))
+    tokens, timings, first, handle = asyncio.run(_layerwise(p, d, f"layerwise-{pair}", prompt))
     assert tokens == expected[tuple(prompt)]
     assert timings.kv_layerwise and not timings.local_fallback, timings
-    assert timings.transfer_bytes == timings.transfer_blocks * layout_from_pb(first.handle.layout).model_bytes_per_block
+    assert timings.transfer_bytes == timings.transfer_blocks * layout_from_pb(handle.layout).model_bytes_per_block
     assert timings.kv_first_layer_unix_ms < first.timings.prefill_end_unix_ms, (timings, first.timings)
     _assert_pools_full([p, d])
 
