@@ -29,6 +29,7 @@ _BENCHMARKS = {
     "preemption": "bench.preemption",
     "step-prep": "bench.step_prep",
     "kv-store": "bench.kv_store",
+    "tensor-parallel": "bench.tensor_parallel",
     "trace": "bench.trace_replay",
 }
 

@@ -187,11 +187,11 @@ class DecodeServicer(WorkerServicer):
 
     async def _pull(self, handle: pb.KVHandle, src: list[int], dst: list[int]) -> tuple[TransferStats, str]:
         """Pull ``handle``'s leased blocks ``src`` into this worker's blocks ``dst`` over the pair's transport
-        (the first of this worker's kinds the peer serves that its handshake accepts: ``kv_transfer/pairs.py``);
-        the layouts are compared before any byte moves."""
-        node, layout = self.node, layout_from_pb(handle.layout)
-        stats, uri = await node.kv_pairs.pull(handle.worker_id, handle.data_plane_uri,
-                                              lambda uri: node.pull_kv(uri, layout, handle.lease_id, src, dst))
+        (the first of this worker's kinds the peer serves that its handshake accepts: ``kv_transfer/pairs.py``; every
+        rank of a tensor-parallel peer over that kind); the layouts are compared before any byte moves."""
+        node, layout, offered = self.node, layout_from_pb(handle.layout), handle.data_plane_uri
+        stats, uri = await node.kv_pairs.pull(handle.worker_id, offered,
+                                              lambda uri: node.pull_kv(uri, offered, layout, handle.lease_id, src, dst))
         return stats, uri_kind(uri)
 
     async def _first_token(self, request: pb.DecodeRequest, context) -> int:

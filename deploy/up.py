@@ -51,6 +51,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting a private one")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None, metavar="N",
+                       help=f"{role} workers only: split the model across N rank processes (overrides "
+                       "--tensor-parallel-size for them; prefill and decode may differ)")
     p.add_argument("--metrics-port", type=int, default=9450,
                    help="router's Prometheus /metrics port; workers take the next ones (default: %(default)s)")
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp folder)")
@@ -182,6 +186,12 @@ def _announce(args: argparse.Namespace, redis_url: str, log_dir: Path) -> None:
           + "\n(Ctrl-C stops everything)", flush=True)
 
 
+def role_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """The flags only ``role``'s workers get (after the common ones: the last one given wins)."""
+    size = getattr(args, f"{role}_tensor_parallel_size")
+    return [] if size is None else ["--tensor-parallel-size", str(size)]
+
+
 def _pool_manager(args, common: list[str], log_dir: Path, redis) -> PoolManager:
     ports = itertools.count(args.metrics_port + 1)
 
@@ -189,7 +199,7 @@ def _pool_manager(args, common: list[str], log_dir: Path, redis) -> PoolManager:
         workers: list[Child] = []
         # --on-drain stay: the pool manager stops the workers it drains; one an operator drains stays, idle
         spawn(worker_id, [role, *common, "--worker-id", worker_id, "--num-threads", str(args.num_threads),
-                          "--on-drain", "stay",
+                          "--on-drain", "stay", *role_flags(args, role),
                           "--metrics-port", str(next(ports))], log_dir, workers)
         return workers[0]
 

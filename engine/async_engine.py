@@ -46,12 +46,14 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, *, on_held: Callable[[RequestDelta], None] | None = None,
-                 step_hooks: StepHooks | None = None) -> None:
+                 step_hooks: StepHooks | None = None, on_dead: Callable[[BaseException], None] | None = None) -> None:
         """``on_held`` runs on the engine thread for every delta that hands blocks over (a prefill
         request with ``hold_blocks``), whether or not anyone still listens, so no block is orphaned.
-        ``step_hooks`` (layer-wise KV streaming) go to each step while they are ``watching``."""
+        ``step_hooks`` (layer-wise KV streaming) go to each step while they are ``watching``. ``on_dead`` runs
+        on the engine thread once, if the loop fails (e.g. a tensor-parallel rank died): the shell stops then."""
         self.engine = engine
         self._on_held = on_held
+        self._on_dead = on_dead
         self._hooks = step_hooks
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -138,6 +140,7 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._drain_inbox()
+                self.engine.check_healthy()  # a tensor-parallel rank that exited ends the loop, busy or idle
                 if self.engine.has_unfinished():
                     self._dispatch(self._step())
                 else:
@@ -147,6 +150,11 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._error = exc
             self._fail_all(EngineDead(f"engine loop failed: {exc!r}"))
+            if self._on_dead is not None:
+                try:
+                    self._on_dead(exc)
+                except Exception:  # noqa: BLE001 - e.g. the shell's event loop already closed
+                    logger.exception("on_dead failed")
 
     def _step(self) -> list[RequestDelta]:
         hooks = self._hooks

@@ -67,9 +67,13 @@ class EngineConfig:
     # CUDA graphs for decode steps of up to max(cuda_graph_sizes) sequences (capped by max_num_seqs); CUDA only
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # tensor parallelism: the model's heads and MLP split across this many rank processes (engine/parallel/)
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 300.0  # the longest a rank waits for another in a step (each collective)
+    tp_start_timeout_s: float = 600.0  # the longest rank 0 waits for the others to load their shares
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -88,5 +92,8 @@ class EngineConfig:
             raise InvalidRequest(f"cuda_graph_sizes must be positive batch sizes, got {list(self.cuda_graph_sizes)}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise InvalidRequest(f"kv_cache_dtype must be auto|int8|fp8, got {self.kv_cache_dtype!r}")
+        if min(self.tp_timeout_s, self.tp_start_timeout_s) <= 0:
+            raise InvalidRequest(f"tp_timeout_s and tp_start_timeout_s must be > 0, got {self.tp_timeout_s}, "
+                                 f"{self.tp_start_timeout_s}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise InvalidRequest(f"attention_backend must be auto|torch|flashinfer, got {self.attention_backend!r}")

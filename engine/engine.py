@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.select import pick_backend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.block_pool import BlockEvent
 from engine.core.host_tier import HostCopies
@@ -18,23 +18,23 @@ from engine.core.outputs import CachedPrefix, PrefixReservation, RequestDelta, S
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.speculation import Speculator
-from engine.spec_draft import DraftProposer
+from engine.spec_draft import load_draft
 from engine.decode_graphs import graph_sizes
-from engine.kv_quant import SCALE_BYTES, KVQuant, kv_quant
+from engine.engine_setup import default_num_blocks, fingerprint, pick_device, pick_dtype
+from engine.kv_quant import kv_quant
 from engine.errors import CapacityExceeded, InvalidRequest
-from engine.model.config import ModelConfig, RopeConfig
 from engine.model.loader import load_model, open_gguf, read_model_config
 from engine.model_source import resolve_model
+from engine.parallel.launch import check_supported, launch
+from engine.parallel.shard import TensorParallel
 from engine.runner import LayerHook, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.step_rates import StepRates
 from engine.store_buffer import StoreBuffer
 from engine.store_side import EngineStore
-from kv_transfer.hashing import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
-_CPU_KV_CACHE_BYTES = 1 << 30
 
 ScheduledHook = Callable[[SchedulerOutput], None]
 
@@ -45,19 +45,33 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.model_source = resolve_model(config.model)
         self.model_path = self.model_source.path
-        self.device = _pick_device(config.device)
+        self.device = pick_device(config.device)
         started = time.perf_counter()
         # a GGUF's metadata, read once (config, weights, and the offline API's tokenizer); None for a folder
         self.gguf = open_gguf(self.model_source) if self.model_source.is_gguf else None
-        self.model_config = read_model_config(self.model_source, _pick_dtype(config.dtype, self.device), self.gguf)
-        model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf)
+        self.model_config = read_model_config(self.model_source, pick_dtype(config.dtype, self.device), self.gguf)
+        tp = None  # one rank: the whole model here
+        if config.tensor_parallel_size > 1:
+            check_supported(config, self.model_config, self.device)
+            tp = TensorParallel(0, config.tensor_parallel_size)  # rank 0: this process (its share of the model)
+        model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf, tp)
         self.kv_quant = kv_quant(config.kv_cache_dtype)  # None: the cache holds the model's dtype
-        self.fingerprint = _fingerprint(self.model_config, weights_id, self.kv_quant)
+        self.fingerprint = fingerprint(self.model_config, weights_id, self.kv_quant)
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
         max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                             self.model_config.max_position_embeddings)
-        num_blocks = config.num_blocks or _default_num_blocks(config, self.model_config, max_model_len, self.device,
+        num_blocks = config.num_blocks or default_num_blocks(config, self.model_config, max_model_len, self.device,
                                                               self.kv_quant)
+        self.tp, kv_ranks = (None, None) if tp is None else launch(
+            config, str(self.model_path), self.model_config, num_blocks, self.kv_quant, self.device, tp)
+        try:
+            self._build(config, model, num_blocks, max_model_len, kv_ranks)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int, max_model_len: int,
+               kv_ranks: torch.Tensor | None) -> None:
         self.cache_config = CacheConfig(
             block_size=config.block_size, num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=config.kv_host_blocks if config.enable_prefix_caching else 0,
@@ -74,12 +88,13 @@ class Engine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, speculator)
         self.runner = ModelRunner(
             model, self.model_config, num_blocks=num_blocks, block_size=config.block_size,
-            device=self.device, backend=_pick_backend(config.attention_backend, self.device, self.model_config,
+            device=self.device, backend=pick_backend(config.attention_backend, self.device, self.model_config,
                                                       self.kv_quant),
-            num_host_blocks=self.cache_config.num_host_blocks, quant=self.kv_quant,
+            num_host_blocks=self.cache_config.num_host_blocks, quant=self.kv_quant, tp=self.tp, kv_ranks=kv_ranks,
         )
         if config.speculative_config and config.speculative_config.method == "draft_model":
-            self.runner.draft = self._load_draft(config.speculative_config.model, num_blocks)
+            self.runner.draft = load_draft(config.speculative_config.model, self.model_config, self.device,
+                                           num_blocks=num_blocks + 1, block_size=self.cache_config.block_size)
         if self.device.type == "cuda" and not config.enforce_eager:  # never run here (no GPU)
             self.runner.use_decode_graphs(graph_sizes(config.cuda_graph_sizes, config.max_num_seqs), capture=True)
         slots = self.cache_config.num_store_slots  # as many write slots as read slots
@@ -89,22 +104,23 @@ class Engine:
         self.max_num_waiting = config.max_num_waiting
         self.step_rates = StepRates()  # this engine's measured prefill rate and decode step time
 
-    def _load_draft(self, model: str, num_blocks: int) -> DraftProposer:
-        """The draft model on this engine's device and dtype, with a cache over the same block ids."""
-        source = resolve_model(model)
-        gguf = open_gguf(source) if source.is_gguf else None
-        config = read_model_config(source, self.model_config.dtype, gguf)
-        if config.vocab_size != self.model_config.vocab_size:
-            raise InvalidRequest(f"the draft model's vocabulary ({config.vocab_size}) is not the target's "
-                                 f"({self.model_config.vocab_size}): its tokens would mean other things")
-        draft, _ = load_model(source, config, self.device, gguf)
-        logger.info("draft model %s: %d layers, hidden %d", source.path, config.num_layers, config.hidden_size)
-        return DraftProposer(draft, config, num_blocks=num_blocks + 1, block_size=self.cache_config.block_size,
-                             device=self.device)
-
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    def check_healthy(self) -> None:
+        """Raise TensorParallelError if a tensor-parallel rank has exited (a no-op on one rank)."""
+        if self.tp is not None:
+            self.tp.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op on one rank); the engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -352,73 +368,3 @@ class Engine:
             self.runner.host.copy(copies)
         if wait and (copies or spilled):
             (self.runner.host or self.store.buffer).sync()
-
-
-def _pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _pick_dtype(dtype: str, device: torch.device) -> str | None:
-    if dtype != "auto":
-        if dtype not in ("float32", "float16", "bfloat16"):
-            raise InvalidRequest(f"dtype must be auto|float32|float16|bfloat16, got {dtype!r}")
-        return dtype
-    return "bfloat16" if device.type == "cuda" else "float32"  # bf16 on a GPU, whatever the checkpoint holds
-
-
-def _pick_backend(name: str, device: torch.device, model: ModelConfig, quant: KVQuant | None) -> AttentionBackend:
-    if quant is not None:
-        if name == "flashinfer":
-            raise InvalidRequest(f"attention_backend=flashinfer does not read a {quant.name} KV cache (torch does)")
-        from engine.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(quant)
-    if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
-        from engine.attention.flashinfer_backend import FlashInferBackend, flashinfer_available, kernel_refusal
-
-        refusal = kernel_refusal(model.head_dim) or (
-            None if flashinfer_available() else "needs a CUDA GPU and the flashinfer-python package")
-        if refusal is None and (name == "flashinfer" or model.dtype != "float32"):  # auto: no fp32 kernels
-            return FlashInferBackend(device)
-        if name == "flashinfer":
-            raise InvalidRequest(f"attention_backend=flashinfer: {refusal}")
-        logger.info("attention: torch backend (flashinfer %s)", refusal or "has no float32 kernels")
-    from engine.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend()
-
-
-def _fingerprint(config: ModelConfig, weights_id: str, quant: KVQuant | None = None) -> bytes:
-    """The model and its KV dtype (a quantized cache's blocks are not interchangeable with full-precision ones)."""
-    dtype = config.dtype if quant is None else f"{config.dtype}+kv-{quant.name}"
-    return model_fingerprint(
-        architecture=config.architecture, hidden_size=config.hidden_size, num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype,
-        vocab_size=config.vocab_size, rope=rope_text(config.rope), weights_id=weights_id,
-    )
-
-
-def rope_text(rope: RopeConfig) -> str:
-    """The RoPE configuration as the fingerprint's canonical text (K is cached after RoPE)."""
-    return ":".join(str(getattr(rope, name)) for name in rope.__slots__)
-
-
-def _default_num_blocks(config: EngineConfig, model: ModelConfig, max_model_len: int, device: torch.device,
-                        quant: KVQuant | None = None) -> int:
-    row_bytes = (model.head_dim * torch.empty((), dtype=getattr(torch, model.dtype)).element_size() if quant is None
-                 else model.head_dim + SCALE_BYTES)
-    bytes_per_block = 2 * model.num_layers * config.block_size * model.num_kv_heads * row_bytes
-    if config.kv_cache_memory_bytes:
-        budget = config.kv_cache_memory_bytes
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - (1 - config.gpu_memory_utilization) * total)
-    else:
-        budget = _CPU_KV_CACHE_BYTES
-    useful = config.max_num_seqs * -(-max_model_len // config.block_size)  # more than this never fills
-    num_blocks = min(budget // bytes_per_block, useful)
-    if num_blocks < -(-max_model_len // config.block_size):
-        logger.warning("KV cache holds only %d blocks; one request may not reach max_model_len", num_blocks)
-    return max(int(num_blocks), 1)

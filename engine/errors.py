@@ -15,3 +15,7 @@ class CapacityExceeded(BatonError):
 
 class ModelLoadError(BatonError):
     """A checkpoint folder is missing, malformed or of an unsupported architecture."""
+
+
+class TensorParallelError(BatonError):
+    """A tensor-parallel rank failed (it exited, hung past the timeout or could not load): the engine stops."""

@@ -50,7 +50,8 @@ class _Live:
 
 
 class LLM:
-    """Offline batch generation. Extra keyword arguments are EngineConfig fields."""
+    """Offline batch generation. Extra keyword arguments are EngineConfig fields (``tensor_parallel_size=2``
+    starts a second rank process: ``close()`` it, or use the LLM as a context manager)."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
@@ -58,6 +59,16 @@ class LLM:
         if self.tokenizer is not None and not self.engine.eos_token_ids:
             self.engine.eos_token_ids = self.tokenizer.eos_token_ids
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if any (they also stop when this process ends)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def generate(
         self,

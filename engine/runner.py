@@ -8,6 +8,7 @@ request; the padding rows of a CUDA-graph decode step write their KV there (``en
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,13 +22,25 @@ from engine.kv_quant import SCALE_BYTES, KVQuant
 from engine.model.config import ModelConfig
 from engine.sampler import Sampler
 from engine.sampling.builder import SamplingBatchBuilder
-from engine.step_inputs import StepInputs
+from engine.step_inputs import StepInputs, pack
+
+if TYPE_CHECKING:
+    from engine.parallel.leader import TPLeader
 
 # Layer-wise KV streaming: ``on_layer(i)`` runs on the engine thread after decoder layer i wrote this
 # step's KV, layers in order. On CPU the forward is synchronous, so layer i's KV is in the cache when the
 # hook runs; on CUDA it is only issued: ``ModelRunner.layer_events[i]`` (recorded just before the hook)
 # completes when it is written, e.g. ``LayerProgress.complete(i, ready=runner.layer_events[i].query)``.
 LayerHook = Callable[[int], None]
+
+
+def cache_shape(config: ModelConfig, num_blocks: int, block_size: int, quant: KVQuant | None,
+                tp_size: int = 1) -> tuple[tuple[int, ...], torch.dtype]:
+    """One rank's paged cache, pad block included: ``[layers, num_blocks + 1, 2, block_size, kv_heads / tp_size,
+    row]`` (row: head_dim values, or a quantized row's bytes), and its dtype."""
+    dtype = getattr(torch, config.dtype) if quant is None else torch.uint8
+    row = config.head_dim if quant is None else config.head_dim + SCALE_BYTES
+    return (config.num_layers, num_blocks + 1, 2, block_size, config.num_kv_heads // tp_size, row), dtype
 
 
 class ModelRunner:
@@ -42,7 +55,11 @@ class ModelRunner:
         backend: AttentionBackend,
         num_host_blocks: int = 0,
         quant: KVQuant | None = None,
+        tp: TPLeader | None = None,
+        kv_ranks: torch.Tensor | None = None,
     ) -> None:
+        """``tp``: rank 0 of a tensor-parallel group (its model is rank 0's share) and ``kv_ranks`` every rank's
+        cache, ``[N, *cache_shape]`` in shared memory (CPU; None on CUDA, where each rank's is on its GPU)."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -51,22 +68,27 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling = SamplingBatchBuilder(config.vocab_size, device)  # holds per-request penalty state
         self.quant = quant  # a quantized cache: uint8 rows of head_dim values + their scale (engine/kv_quant.py)
-        dtype = getattr(torch, config.dtype) if quant is None else torch.uint8
-        row = config.head_dim if quant is None else config.head_dim + SCALE_BYTES
+        self.tp = tp
         self.max_blocks_per_seq = -(-config.max_position_embeddings // block_size)
         self.pad_block = num_blocks  # one block past the pool's (see the module docstring)
-        shape = (config.num_layers, num_blocks + 1, 2, block_size, config.num_kv_heads, row)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # the whole paged cache
+        shape, dtype = cache_shape(config, num_blocks, block_size, quant, tp.size if tp else 1)
+        # this rank's paged cache (all of it without tensor parallelism)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device) if kv_ranks is None else kv_ranks[0]
+        self.kv_ranks = [self.kv_cache] if kv_ranks is None else list(kv_ranks.unbind(0))  # the caches seen here
         self.kv_layers = list(self.kv_cache.unbind(0))  # per layer: [num_blocks + 1, 2, bs, kvh, d]
         self.layer_events: list = []  # CUDA only: one event per layer of the last hooked step
         self.inputs = StepInputs(device, block_size)  # persistent (pinned on CUDA) input buffers
         self.graphs: DecodeGraphs | None = None
         self.draft: DraftProposer | None = None  # draft-model speculative decoding (engine/spec_draft.py)
-        self.host = HostCache(self.kv_cache, num_host_blocks) if num_host_blocks else None  # the host tier's memory
+        # the host tier's memory; under tensor parallelism it copies every rank's layers ([N * L, blocks + 1, ...])
+        host_kv = self.kv_cache if kv_ranks is None else kv_ranks.flatten(0, 1)
+        self.host = HostCache(host_kv, num_host_blocks) if num_host_blocks else None
 
     def use_decode_graphs(self, sizes: Sequence[int], *, capture: bool) -> None:
         """Decode steps of up to ``max(sizes)`` sequences run in fixed shapes: captured as CUDA graphs
         (``capture``, CUDA only) or, without a graph, eagerly in the same shapes (tests on CPU)."""
+        if self.tp is not None:  # the other ranks would not run the graph's forward: its all-reduces would hang
+            raise ValueError("decode graphs are not built for tensor parallelism")
         self.graphs = DecodeGraphs(self.model, self.kv_layers, sizes=sizes, max_blocks=self.max_blocks_per_seq,
                                    block_size=self.block_size, pad_block=self.pad_block, device=self.device,
                                    capture=capture, quant=self.quant)
@@ -98,8 +120,19 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, batch: StepBatch, on_layer: LayerHook | None) -> torch.Tensor:
         if on_layer is None and self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.forward(input_ids, batch)  # [B, hidden]
+        if self.tp is not None:
+            self.tp.step(*self.inputs.packed())  # the other ranks run this step's forward with this one
         forward_batch = ForwardBatch(batch.positions, self.kv_layers, self.backend, self.backend.build_metadata(batch))
-        return self.model(input_ids, forward_batch, self._device_hook(on_layer))  # [T, hidden]
+        return self._model(input_ids, forward_batch, self._device_hook(on_layer))  # [T, hidden]
+
+    def _model(self, input_ids: torch.Tensor, batch: ForwardBatch, on_layer: LayerHook | None = None) -> torch.Tensor:
+        """The model's forward pass; under tensor parallelism a failed all-reduce ends the engine with the reason."""
+        if self.tp is None:
+            return self.model(input_ids, batch, on_layer)
+        try:
+            return self.model(input_ids, batch, on_layer)
+        except RuntimeError as exc:
+            raise self.tp.failure(exc) from exc
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: Sequence[int], block_ids: Sequence[int], *, start: int = 0,
@@ -109,8 +142,10 @@ class ModelRunner:
         first ``start`` tokens' KV already."""
         batch = StepBatch.from_slices([SeqSlice(start, len(token_ids), block_ids)], self.block_size, self.device)
         input_ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
+        if self.tp is not None:
+            self.tp.step(*pack(token_ids, batch, [len(token_ids) - 1]))
         metadata = self.backend.build_metadata(batch)
-        hidden = self.model(input_ids, ForwardBatch(batch.positions, self.kv_layers, self.backend, metadata))
+        hidden = self._model(input_ids, ForwardBatch(batch.positions, self.kv_layers, self.backend, metadata))
         return self.model.compute_logits(hidden[-1:] if last_only else hidden)  # [T or 1, vocab]
 
     def _device_hook(self, on_layer: LayerHook | None) -> LayerHook | None:

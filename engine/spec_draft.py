@@ -22,6 +22,7 @@ target's KV). Never runs in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -30,7 +31,26 @@ from torch import nn
 from engine.attention.base import ForwardBatch, SeqSlice, StepBatch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.outputs import ScheduledSeq
+from engine.errors import InvalidRequest
 from engine.model.config import ModelConfig
+from engine.model.loader import load_model, open_gguf, read_model_config
+from engine.model_source import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+def load_draft(model: str, target: ModelConfig, device: torch.device, *, num_blocks: int,
+               block_size: int) -> DraftProposer:
+    """The draft model on the target's device and dtype, with a cache over the same block ids."""
+    source = resolve_model(model)
+    gguf = open_gguf(source) if source.is_gguf else None
+    config = read_model_config(source, target.dtype, gguf)
+    if config.vocab_size != target.vocab_size:
+        raise InvalidRequest(f"the draft model's vocabulary ({config.vocab_size}) is not the target's "
+                             f"({target.vocab_size}): its tokens would mean other things")
+    draft, _ = load_model(source, config, device, gguf)
+    logger.info("draft model %s: %d layers, hidden %d", source.path, config.num_layers, config.hidden_size)
+    return DraftProposer(draft, config, num_blocks=num_blocks, block_size=block_size, device=device)
 
 
 class DraftProposer:

@@ -12,6 +12,7 @@ consecutive block ids within a layer are one contiguous memoryview, so a transfe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -45,6 +46,10 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     scale_bytes: int = 0  # a quantized cache (int8, fp8): each row's scale, stored after its head_dim values
+    # Tensor parallelism: the cache of rank ``tp_rank`` of ``tp_size``, which holds KV heads
+    # [tp_rank * H / tp_size, (tp_rank + 1) * H / tp_size) of the model's ``num_kv_heads`` H (``local_kv_heads``).
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_ITEMSIZE:
@@ -53,8 +58,14 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KVLayout.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.scale_bytes, int) or isinstance(self.scale_bytes, bool) or self.scale_bytes < 0:
-            raise ValueError(f"KVLayout.scale_bytes must be an int >= 0, got {self.scale_bytes!r}")
+        for name in ("scale_bytes", "tp_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"KVLayout.{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1 or self.num_kv_heads % self.tp_size:
+            raise ValueError(f"KVLayout.tp_size must divide num_kv_heads ({self.num_kv_heads}), got {self.tp_size!r}")
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"KVLayout.tp_rank must be below tp_size ({self.tp_size}), got {self.tp_rank}")
         if not isinstance(self.model_fingerprint, bytes) or not self.model_fingerprint:
             raise ValueError("KVLayout.model_fingerprint must be non-empty bytes")
 
@@ -63,20 +74,46 @@ class KVLayout:
         return DTYPE_ITEMSIZE[self.dtype]
 
     @property
+    def local_kv_heads(self) -> int:
+        """The KV heads this cache holds: all of them, or one rank's share."""
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def row_bytes(self) -> int:
+        """One token's key (or value) for one KV head: its values and, quantized, its scale."""
+        return self.head_dim * self.itemsize + self.scale_bytes
+
+    @property
     def bytes_per_block_per_layer(self) -> int:
-        """One layer's K and V of one block: ``2 * block_size * num_kv_heads * (head_dim * itemsize + scale_bytes)``."""
-        return 2 * self.block_size * self.num_kv_heads * (self.head_dim * self.itemsize + self.scale_bytes)
+        """One layer's K and V of one block in this cache: ``2 * block_size * local_kv_heads * row_bytes``."""
+        return 2 * self.block_size * self.local_kv_heads * self.row_bytes
 
     @property
     def bytes_per_block(self) -> int:
+        """One block in this cache (one rank's share under tensor parallelism)."""
         return self.num_layers * self.bytes_per_block_per_layer
+
+    @property
+    def model_bytes_per_block(self) -> int:
+        """One block of the whole model's KV, every rank's share together (what moving a block costs)."""
+        return self.tp_size * self.bytes_per_block
+
+    def for_rank(self, rank: int) -> KVLayout:
+        """The layout of rank ``rank``'s cache in the same group."""
+        return dataclasses.replace(self, tp_rank=rank)
+
+    def check_same_model(self, other: KVLayout) -> None:
+        """Raise LayoutMismatch unless ``other`` caches the same model's KV alike, whatever the two groups' tensor
+        parallelism (the fields but ``tp_size`` and ``tp_rank``): its blocks can be re-cut into this one's heads."""
+        self._check(other, frozenset({"tp_size", "tp_rank"}))
 
     def to_json(self) -> str:
         """Stable JSON (sorted keys, no spaces; fingerprint as hex) for Redis and the wire."""
         doc: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         doc["model_fingerprint"] = self.model_fingerprint.hex()
-        if not self.scale_bytes:
-            del doc["scale_bytes"]  # a full-precision layout reads as it always has
+        for name, default in _OPTIONAL.items():
+            if doc[name] == default:
+                del doc[name]  # a full-precision, single-rank layout reads as it always has
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -84,7 +121,7 @@ class KVLayout:
         """Parse ``to_json`` output; unknown keys are ignored, missing or bad ones raise KVTransferError."""
         try:
             doc = json.loads(text)
-            kwargs = {f.name: doc[f.name] for f in fields(cls) if f.name in doc or f.name != "scale_bytes"}
+            kwargs = {f.name: doc[f.name] for f in fields(cls) if f.name in doc or f.name not in _OPTIONAL}
             kwargs["model_fingerprint"] = bytes.fromhex(kwargs["model_fingerprint"])
             return cls(**kwargs)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -92,10 +129,18 @@ class KVLayout:
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise LayoutMismatch naming every field where ``other`` differs from this layout."""
-        differing = tuple(f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name))
+        self._check(other, frozenset())
+
+    def _check(self, other: KVLayout, ignored: frozenset[str]) -> None:
+        differing = tuple(f.name for f in fields(self)
+                          if f.name not in ignored and getattr(self, f.name) != getattr(other, f.name))
         if differing:
             details = ", ".join(f"{n} (local {_show(self, n)}, remote {_show(other, n)})" for n in differing)
             raise LayoutMismatch(f"KV layout mismatch: {details}", differing)
+
+
+# Fields left out of the JSON at their defaults (so older layouts read, and write, as before).
+_OPTIONAL = {"scale_bytes": 0, "tp_size": 1, "tp_rank": 0}
 
 
 def _show(layout: KVLayout, name: str) -> str:
@@ -153,7 +198,7 @@ class KVBuffer:
         num_blocks, rest = divmod(arr.nbytes, layout.num_layers * segment_bytes)
         if rest or num_blocks < 1:
             raise ValueError(f"KVBuffer: {arr.nbytes} bytes is not a whole number of blocks of {layout}")
-        engine_shape = (layout.num_layers, (2, layout.block_size, layout.num_kv_heads))
+        engine_shape = (layout.num_layers, (2, layout.block_size, layout.local_kv_heads))
         if arr.ndim == 6 and (arr.shape[0], arr.shape[2:5]) != engine_shape:
             raise ValueError(f"KVBuffer: cache shape {arr.shape} does not match {layout}")
         self.layout = layout

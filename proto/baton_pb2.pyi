@@ -90,7 +90,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_bytes", "transfer_ms", "transfer_gbps", "transfer_blocks", "prefill_worker", "decode_worker", "route_kind", "route_reason", "decode_tokens_per_s", "e2e_ms", "predicted_ttft_ms", "transport", "kv_layerwise", "lease_released", "local_fallback", "prefill_end_unix_ms", "kv_first_layer_unix_ms", "spec_draft_tokens", "spec_accepted_tokens")
+    __slots__ = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_bytes", "transfer_ms", "transfer_gbps", "transfer_blocks", "prefill_worker", "decode_worker", "route_kind", "route_reason", "decode_tokens_per_s", "e2e_ms", "predicted_ttft_ms", "transport", "kv_layerwise", "lease_released", "local_fallback", "prefill_end_unix_ms", "kv_first_layer_unix_ms", "spec_draft_tokens", "spec_accepted_tokens", "migrations", "migration_ms")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,8 @@ class Timings(_message.Message):
     KV_FIRST_LAYER_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_MS_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     queue_ms: float
     prefill_ms: float
@@ -135,7 +137,9 @@ class Timings(_message.Message):
     kv_first_layer_unix_ms: float
     spec_draft_tokens: int
     spec_accepted_tokens: int
-    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transfer_gbps: _Optional[float] = ..., transfer_blocks: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., route_kind: _Optional[str] = ..., route_reason: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., transport: _Optional[str] = ..., kv_layerwise: _Optional[bool] = ..., lease_released: _Optional[bool] = ..., local_fallback: _Optional[bool] = ..., prefill_end_unix_ms: _Optional[float] = ..., kv_first_layer_unix_ms: _Optional[float] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    migrations: int
+    migration_ms: float
+    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transfer_gbps: _Optional[float] = ..., transfer_blocks: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., route_kind: _Optional[str] = ..., route_reason: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., transport: _Optional[str] = ..., kv_layerwise: _Optional[bool] = ..., lease_released: _Optional[bool] = ..., local_fallback: _Optional[bool] = ..., prefill_end_unix_ms: _Optional[float] = ..., kv_first_layer_unix_ms: _Optional[float] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., migration_ms: _Optional[float] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -154,7 +158,7 @@ class Logprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "scale_bytes")
+    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "scale_bytes", "tp_size", "tp_rank")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +166,8 @@ class KVLayout(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     SCALE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: bytes
     dtype: str
     block_size: int
@@ -169,7 +175,9 @@ class KVLayout(_message.Message):
     num_kv_heads: int
     head_dim: int
     scale_bytes: int
-    def __init__(self, model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., scale_bytes: _Optional[int] = ...) -> None: ...
+    tp_size: int
+    tp_rank: int
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., scale_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("worker_id", "data_plane_uri", "lease_id", "block_ids", "block_hashes", "num_tokens", "layout", "lease_expires_unix_ms", "grpc_address")

@@ -19,6 +19,7 @@ from router.routing.policy import PolicyConfig
 
 DEFAULT_PORT = 50051
 DEFAULT_ROUTER_ADDRESS = f"localhost:{DEFAULT_PORT}"
+DEFAULT_MAX_MIGRATIONS = 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +35,8 @@ class RouterConfig:
     worker_list_ttl_s: float = 0.5  # how long a listing of the registry is reused
     control_rpc_timeout_s: float = 2.0  # Abort / ReleaseLease
     decode_retries: int = 1  # another decode worker when one fails before producing a token
+    # moves to another decode worker after one failed with tokens streamed (0: the client gets UNAVAILABLE)
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # `baton admin plan` limits and cool-downs
     max_inflight_requests: int | None = None  # admission limit: more in flight get RESOURCE_EXHAUSTED (None: none)
     shutdown_grace_s: float = 5.0
@@ -48,8 +51,9 @@ class RouterConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.decode_retries < 0:
-            raise ValueError(f"decode_retries must be >= 0, got {self.decode_retries}")
+        if self.decode_retries < 0 or self.max_migrations < 0:
+            raise ValueError(f"decode_retries and max_migrations must be >= 0, got {self.decode_retries} and "
+                             f"{self.max_migrations}")
         if self.max_inflight_requests is not None and self.max_inflight_requests < 1:
             raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
 

@@ -69,6 +69,8 @@ def format_timings(final: pb.GenerateResponse) -> str:
     parts.append(f"decode {t.decode_tokens_per_s:.1f} tok/s")
     if t.spec_draft_tokens:
         parts.append(f"speculative: {t.spec_accepted_tokens} of {t.spec_draft_tokens} drafts accepted")
+    if t.migrations:
+        parts.append(f"migrated {t.migrations}x (waited {t.migration_ms:.0f} ms)")
     cached = f", {usage.cached_prompt_tokens} cached" if usage.cached_prompt_tokens else ""
     parts.append(f"{usage.prompt_tokens} prompt{cached} + {usage.completion_tokens} tokens "
                  f"({_FINISH_NAMES.get(final.finish_reason, 'unfinished')})")

@@ -13,7 +13,7 @@ from engine.errors import BatonError, ModelLoadError
 from engine.model_source import resolve_model
 from kv_transfer.registry import check_credentials, connect, redact_url, with_ca
 from proto import tls
-from router.config import DEFAULT_PORT, RouterConfig
+from router.config import DEFAULT_MAX_MIGRATIONS, DEFAULT_PORT, RouterConfig
 from router.routing.cost_model import CostConfig
 from router.admin.planner import PlannerConfig
 from router.routing.policy import POLICIES, PolicyConfig
@@ -68,6 +68,10 @@ def add_routing_options(group) -> None:
     group.add_argument("--max-inflight-requests", type=int, default=None,
                        help="admission limit: requests past this many in flight on this router get "
                        "RESOURCE_EXHAUSTED (HTTP 429) with a retry hint, instead of queueing (default: no limit)")
+    group.add_argument("--max-migrations", type=int, default=DEFAULT_MAX_MIGRATIONS,
+                       help="a request whose decode worker fails after tokens were streamed moves to another decode "
+                       "worker (prompt + those tokens, the same seed: the stream goes on exactly) at most this many "
+                       "times; 0: the client gets UNAVAILABLE (default: %(default)s)")
     group.add_argument("--request-timeout-s", type=float, default=600.0,
                        help="deadline of requests whose client sets none shorter (default: %(default)s)")
     group.add_argument("--admin-token", default=os.environ.get("BATON_ADMIN_TOKEN") or None,
@@ -129,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
         ns=args.ns, host=args.host, port=args.port, max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror, kv_layerwise=args.kv_layerwise,
-        max_inflight_requests=args.max_inflight_requests,
+        max_inflight_requests=args.max_inflight_requests, max_migrations=args.max_migrations,
         planner=PlannerConfig(max_workers=args.planner_max_workers, down_cooldown_s=args.planner_down_cooldown_s),
         policy=PolicyConfig(disagg_threshold_tokens=args.disagg_threshold_tokens,
                             max_queued_prefill_tokens=args.max_queued_prefill_tokens, policy=args.policy,

@@ -58,6 +58,8 @@ class RouterMetrics:
                               ["code"], registry=r)
         self.success = Counter("baton:request_success_total", "Requests that finished normally",
                                ["finished_reason"], registry=r)
+        self.migrations = Counter("baton:request_migrations_total", "Requests moved to another decode worker after "
+                                  "theirs failed with tokens streamed, by the failure's status", ["code"], registry=r)
 
     def decision(self, kind: str, reason: str) -> None:
         self.decisions.labels(kind=kind, reason=reason_category(reason)).inc()
@@ -72,6 +74,9 @@ class RouterMetrics:
         self.prompt_tokens.observe(num_prompt_tokens)
         self.generation_tokens.observe(num_output_tokens)
         self.success.labels(finished_reason=finished_reason).inc()
+
+    def migration(self, code: str) -> None:
+        self.migrations.labels(code=code).inc()
 
     def request_error(self, code: str) -> None:
         self.errors.labels(code=code).inc()

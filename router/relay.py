@@ -12,8 +12,14 @@ does in each stage (DESIGN.md "Request path" 6):
                                                           or the model picks local: DECODING with local prefill
                 P refuses the request (INVALID_ARGUMENT) or the deadline passes -> that status to the client
     DECODING    D fails before any token                -> Abort to D; once on another D (the lease handed on
-                                                          if still usable, else D prefills itself)
-                D fails after tokens were streamed      -> UNAVAILABLE to the client
+                                                          if still usable, else D prefills itself); that one
+                                                          failing too after P's first token: MIGRATION
+                D fails after tokens were streamed      -> Abort to D; MIGRATION (``router.migration``): the cost
+                                                          model re-run for prompt + tokens sent, local plans only,
+                                                          without the failed Ds, picks another D (importing a
+                                                          holder's prefix if cheaper), which resumes the stream
+                                                          exactly; at most max_migrations times, then (or with
+                                                          no other D) UNAVAILABLE to the client
                 D prefilled locally (pull failed, ...)  -> counted as a fallback (``Timings.local_fallback``)
     any stage   done, stop string, error, client gone, deadline -> ``_cleanup``: cancel worker streams, Abort
                                                           to P and D, end the KV lease (``router.handoff``)
@@ -54,6 +60,7 @@ from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, error
 from router.frontend import Job
 from router.handoff import KVLease
 from router.metrics import RouterMetrics
+from router.migration import Migrations, failure_text
 from engine.text_stream import TextStream
 from router.routing.in_progress import InflightPrefills, PendingPrefixes
 from router.routing.policy import (
@@ -75,6 +82,7 @@ class Relay:
         self, directory: WorkerDirectory, tokenizer: Tokenizer, policy: PolicyConfig, *,
         decode_retries: int = 1, control_rpc_timeout_s: float = 2.0, metrics: RouterMetrics | None = None,
         tracer: Any | None = None, max_inflight_requests: int | None = None, kv_layerwise: bool = False,
+        max_migrations: int = 2,
     ) -> None:
         self.directory, self.tokenizer, self.policy = directory, tokenizer, policy
         self.kv_layerwise = kv_layerwise  # remote prefills by PrefillStream, D pulling while P computes
@@ -82,6 +90,7 @@ class Relay:
         self.admission = AdmissionGate(max_inflight_requests)
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.decode_retries = decode_retries
+        self.max_migrations = max_migrations  # moves to another D after one failed with tokens streamed
         self.control = WorkerControl(directory, timeout_s=control_rpc_timeout_s)
         # Requests this router sent to each decode worker and not yet finished: heartbeats report load
         # every ~2 s, so a burst would otherwise pile onto whichever worker looked idlest.
@@ -126,10 +135,7 @@ class _DecodeFailed(Exception):
     def to_error(self) -> Exception:
         if self.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
             return error_from_status(self.code, self.details)
-        after = f" after {self.num_tokens} tokens were streamed" if self.num_tokens else ""
-        return WorkerUnavailable(
-            f"decode worker {self.worker.worker_id} failed{after}: {self.code.name}: {self.details}"
-        )
+        return WorkerUnavailable(failure_text(self.worker.worker_id, self.num_tokens, self.code, self.details))
 
 
 class _Flow:
@@ -162,6 +168,7 @@ class _Flow:
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
         self._decision: RouteDecision | None = None
         self._local_prefill: str | None = None  # D, while counted in relay.inflight_prefills
+        self._migrations = Migrations(relay.max_migrations)  # moves to another D after tokens were streamed
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
         try:  # Overloaded if the slot Relay.generate saw free was taken meanwhile
@@ -203,7 +210,7 @@ class _Flow:
         elif decision.kind is RouteKind.LOCAL:
             self._count_local_prefill(decision)
             if decision.prefix_source_id is not None:
-                await self._lease_prefix(decision)
+                await self._lease_prefix(decision, self._job.prompt_token_ids)
         self.stage = Stage.DECODING
         async for response in self._decode(decision.decode_id):
             yield response
@@ -211,22 +218,29 @@ class _Flow:
         yield self._final()
 
     # ---- routing -----------------------------------------------------------------------------
-    async def _route(self) -> RouteDecision:
+    async def _look_up(self, tokens: list[int]) -> tuple[list[Candidate], int, list[BlockHash]]:
+        """Every worker priced for computing ``tokens`` (what the index and the router's books say it holds),
+        the block size and ``tokens``' block hashes; a fresh listing in ``self._snapshot``."""
         self._snapshot = await self._relay.directory.snapshot()
         scheme = served_scheme(self._snapshot.workers)
         if scheme is None:
             raise WorkerUnavailable("no decode workers registered")
-        prompt = self._job.prompt_token_ids
         root = root_hash(scheme.fingerprint, scheme.block_size, self._job.cache_salt)
-        hashes = hash_blocks(prompt, scheme.block_size, root)
+        hashes = hash_blocks(tokens, scheme.block_size, root)
         tiers = await self._relay.directory.lookup_tiers(hashes)
+        candidates = build_candidates(self._snapshot, scheme, tiers.gpu, self._relay.inflight,
+                                      self._relay.inflight_prefills.backlogs(self._snapshot.workers,
+                                                                             self._relay.routing.rates),
+                                      self._relay.pending_prefixes.lookup(hashes), tiers.gpu_or_cpu)
+        self._store_blocks = tiers.store  # the shared store's leading blocks (priced as a fetch)
+        return candidates, scheme.block_size, hashes
+
+    async def _route(self) -> RouteDecision:
+        prompt = self._job.prompt_token_ids
+        self._candidates, block_size, hashes = await self._look_up(prompt)
+        self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=block_size,
+                                           max_tokens=self._job.params.max_tokens, store_blocks=self._store_blocks)
         pending = self._relay.pending_prefixes
-        self._candidates = build_candidates(self._snapshot, scheme, tiers.gpu, self._relay.inflight,
-                                            self._relay.inflight_prefills.backlogs(self._snapshot.workers,
-                                                                                   self._relay.routing.rates),
-                                            pending.lookup(hashes), tiers.gpu_or_cpu)
-        self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=scheme.block_size,
-                                           max_tokens=self._job.params.max_tokens, store_blocks=tiers.store)
         decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
@@ -367,14 +381,15 @@ class _Flow:
         return message
 
     # ---- prefix reuse ------------------------------------------------------------------------
-    async def _lease_prefix(self, decision: RouteDecision) -> None:
-        """Pin the source's cached prefix for D (at least a block more than D holds); none: D computes it."""
+    async def _lease_prefix(self, decision: RouteDecision, tokens: list[int]) -> None:
+        """Pin the source's cached prefix of ``tokens`` for D (at least a block more than D holds); none: D
+        computes it."""
         source = self._snapshot.info(decision.prefix_source_id or "") if self._snapshot else None
         if source is None:
             return
         min_tokens = decision.decode_cached_tokens + self._route_request.block_size
         handle = await lease_prefix(self._relay.directory.stub(source), self._job.worker_request_id,
-                                    self._job.prompt_token_ids, self._job.cache_salt, min_tokens, self._remaining_s())
+                                    tokens, self._job.cache_salt, min_tokens, self._remaining_s())
         if handle is not None:
             self._hold_lease(source, handle, prefix=True)
 
@@ -388,8 +403,8 @@ class _Flow:
 
     # ---- decode ------------------------------------------------------------------------------
     async def _decode(self, decode_id: str) -> AsyncIterator[pb.GenerateResponse]:
-        worker, excluded = self._info(decode_id), []
-        for attempt in range(self._relay.decode_retries + 1):
+        worker, excluded, retries = self._info(decode_id), [], 0
+        while True:
             try:
                 async for response in self._decode_on(worker):
                     yield response
@@ -397,10 +412,17 @@ class _Flow:
             except _DecodeFailed as failure:
                 if failure.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise self._deadline_error() from failure
-                if failure.num_tokens or failure.code in _NEVER_RETRIED or attempt == self._relay.decode_retries:
+                if failure.code in _NEVER_RETRIED:
                     raise failure.to_error() from failure
                 excluded.append(worker.worker_id)
-                worker = self._replacement(failure, excluded)
+                decoded = failure.num_tokens or self._migrations.count  # a decode worker streamed tokens
+                if not decoded and retries < self._relay.decode_retries:
+                    retries += 1
+                    worker = self._replacement(failure, excluded)
+                elif self._output_ids:  # the client has tokens (maybe only P's first): they stay, the stream goes on
+                    worker = await self._migrate(failure, excluded)
+                else:
+                    raise failure.to_error() from failure
 
     def _replacement(self, failure: _DecodeFailed, excluded: Sequence[str]) -> WorkerInfo:
         assert self._route_request is not None
@@ -412,7 +434,45 @@ class _Flow:
             raise WorkerUnavailable(f"{failure} and no other decode worker is available") from failure
         log.warning("request_id=%s %s; retrying on worker_id=%s", self._job.worker_request_id, failure,
                     candidate.worker_id)
+        self._move_count(candidate.worker_id)
         return candidate.info
+
+    async def _migrate(self, failure: _DecodeFailed, excluded: Sequence[str]) -> WorkerInfo:
+        """The decode worker failed after tokens were streamed: the cost model, re-run for the prompt plus those
+        tokens with local plans only and without the failed workers, picks the one that resumes the request (first
+        leasing a holder's cached prefix when it says so). UNAVAILABLE past the limit, or with no other worker."""
+        why = failure_text(failure.worker.worker_id, len(self._output_ids), failure.code, failure.details)
+        if self._migrations.exhausted:
+            limit = self._relay.max_migrations
+            raise WorkerUnavailable(f"{why} (migrated {limit} times already, the limit)" if limit else why) \
+                from failure
+        self._settle_local_prefill()  # a replacement that failed before its first token computes nothing more
+        tokens, outputs = [*self._job.prompt_token_ids, *self._output_ids], len(self._output_ids)
+        max_tokens = self._job.params.max_tokens
+        try:
+            candidates, block_size, _ = await self._look_up(tokens)
+            request = RouteRequest(num_prompt_tokens=len(tokens), block_size=block_size, num_resumed_outputs=outputs,
+                                   max_tokens=None if max_tokens is None else max_tokens - outputs)
+            decision = route(request, candidates, self._relay.policy, exclude=excluded, state=self._relay.routing)
+        except (WorkerUnavailable, CapacityExceeded) as exc:
+            raise WorkerUnavailable(f"{why}; no other decode worker can resume it ({exc})") from failure
+        self._migrations.moved(self._trace.now())
+        self._relay.metrics.migration(failure.code.name)
+        self._move_count(decision.decode_id)
+        self._count_local_prefill(decision)
+        self._trace.note(f"migrated: {why}; resumed on {decision.decode_id} ({decision.reason})")
+        log.warning("request_id=%s %s; migrating to worker_id=%s", self._job.worker_request_id, why,
+                    decision.decode_id)
+        if decision.prefix_source_id is not None:
+            await self._lease_prefix(decision, tokens)
+        return self._info(decision.decode_id)
+
+    def _move_count(self, decode_id: str) -> None:
+        """The request's in-flight count follows it to ``decode_id``."""
+        if self._counted_decode_id is not None:
+            _uncount(self._relay.inflight, self._counted_decode_id, 1)
+        self._relay.inflight[decode_id] += 1
+        self._counted_decode_id = decode_id
 
     def _start_decode(self, worker: WorkerInfo, *, pending: bool = False) -> Any:
         metadata = self._spans.call("decode", worker.worker_id)
@@ -464,11 +524,13 @@ class _Flow:
         return request
 
     def _on_decode_progress(self, response: pb.DecodeResponse) -> None:
+        migrated = self._migrations.count > 0
         if response.token_ids:
             self._settle_local_prefill()
+            self._migrations.resumed(self._trace.now())
             if self._decode_worker is not None:  # D holds the prompt's blocks now (computed or pulled)
                 self._relay.pending_prefixes.settle(self._job.worker_request_id, also=[self._decode_worker.worker_id])
-        self._trace.merge(response.timings)
+        self._trace.merge(response.timings, migrated=migrated)
         timings = response.timings
         if timings.local_fallback:  # D fell back to prefilling itself (pull failed, ...)
             self._relay.metrics.decision(RouteKind.LOCAL.value, timings.route_reason)
@@ -478,7 +540,7 @@ class _Flow:
             self._relay.routing.rates.observe_transfer(  # learn the link from P (or the prefix's holder) to D
                 source.worker_id, self._decode_worker.worker_id, timings.transfer_bytes,
                 timings.transfer_ms, num_tokens=timings.transfer_blocks * self._route_request.block_size)
-        if not self._prefilled_remotely:  # D computed the prompt
+        if not self._prefilled_remotely and not migrated:  # D computed the prompt (a resumed one counts more)
             self._cached_prompt_tokens = max(self._cached_prompt_tokens, response.num_cached_tokens)
 
     def _stop_decode(self) -> None:
@@ -514,6 +576,7 @@ class _Flow:
         prefill = self._prefill_worker.worker_id if self._prefilled_remotely and self._prefill_worker else ""
         decode = self._decode_worker.worker_id if self._decode_worker else ""
         timings = self._trace.final(prefill_worker=prefill, decode_worker=decode)
+        timings.migrations, timings.migration_ms = self._migrations.count, self._migrations.stalled_s * 1e3
         self._learn_overhead(timings)
         self._relay.metrics.request_finished(
             self._trace, num_prompt_tokens=usage.prompt_tokens, num_output_tokens=usage.completion_tokens,

@@ -200,6 +200,7 @@ async def start_router(
                                 channel_idle_s=config.request_timeout_s + 60.0, mirror=mirror, tls=tls)
     metrics = RouterMetrics()
     relay = Relay(directory, tokenizer, config.policy, decode_retries=config.decode_retries,
+                  max_migrations=config.max_migrations,
                   control_rpc_timeout_s=config.control_rpc_timeout_s, metrics=metrics,
                   max_inflight_requests=config.max_inflight_requests, kv_layerwise=config.kv_layerwise)
     frontend = Frontend(tokenizer, limits)

@@ -34,11 +34,20 @@ class RequestTrace:
         self.last_token_s = now
         self.num_tokens += num_tokens
 
-    def merge(self, timings: pb.Timings) -> None:
-        """Workers' non-zero fields win (transfer figures, prefill_ms, ...); their notes are kept apart."""
+    def merge(self, timings: pb.Timings, *, migrated: bool = False) -> None:
+        """Workers' non-zero fields win (transfer figures, prefill_ms, ...); their notes are kept apart. From a
+        decode worker a request migrated to (``migrated``), only its note and its speculation counts: the
+        route's figures (prefill, queue, the KV handoff) stay those of the workers that produced the first token."""
         if timings.route_reason:
             self._worker_notes.append(timings.route_reason)
+        if migrated:
+            timings = pb.Timings(spec_draft_tokens=timings.spec_draft_tokens,
+                                 spec_accepted_tokens=timings.spec_accepted_tokens)
         self._timings.MergeFrom(timings)
+
+    def note(self, text: str) -> None:
+        """A note of the router's own for the final ``route_reason`` (after the route's, with the workers')."""
+        self._worker_notes.append(text)
 
     def now(self) -> float:
         """An instant on this trace's clock (the spans of router.tracing are cut at such instants)."""

@@ -57,6 +57,7 @@ FALLBACKS: list[tuple[str, str, str]] = [
     ("router", "D", "that fails too (or the model picks local): Worker/Decode, no handle: D prefills locally"),
     ("D", "D", "pull fails (P gone, lease expired, hash mismatch): D prefills locally"),
     ("router", "D", "D fails before its first token: Decode retried once on another D"),
+    ("router", "D", "D fails after tokens were streamed: migrated to another D (prompt + tokens sent, same seed)"),
 ]
 
 

@@ -68,7 +68,10 @@ class Host:
         """Start ``argv`` inside this host (its network, mount and PID namespaces), output to ``log_dir/name.log``
         (``pipe``: stdin and stdout are text pipes to the caller, stderr goes to the log)."""
         log_path = log_dir / f"{name}.log"
-        enter = [*DIE_WITH_PARENT, "nsenter", "--target", str(self.init_pid), "--net", "--mount", "--pid", "--"]
+        # --wd: entering a mount namespace moves the process to its root (/), and `python -m tests.…` needs the
+        # repository as its working directory (the package `tests` is not installed)
+        enter = [*DIE_WITH_PARENT, "nsenter", "--target", str(self.init_pid), "--net", "--mount", "--pid",
+                 f"--wd={ROOT}", "--"]
         with log_path.open("wb") as log:
             streams = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) if pipe else dict(stdout=log)
             popen = subprocess.Popen([*enter, *argv], stderr=log if pipe else subprocess.STDOUT, cwd=ROOT,

@@ -16,6 +16,7 @@ and the test reaches the router, the workers and Redis through unix sockets it f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -55,11 +56,14 @@ class HostsCluster:
         if address not in self._forwarded:
             path = self.sock_dir / f"{address.replace(':', '-')}.sock"
             popen = self._forwarder.popen
-            popen.stdin.write(f"{path}={address}\n")
-            popen.stdin.flush()
-            answer = popen.stdout.readline().strip()
+            try:
+                popen.stdin.write(f"{path}={address}\n")
+                popen.stdin.flush()
+                answer = popen.stdout.readline().strip()
+            except BrokenPipeError:
+                answer = "nothing (it exited)"
             if answer != f"ok {path}":
-                raise RuntimeError(f"forwarder answered {answer!r} for {address}")
+                raise RuntimeError(f"the forwarder answered {answer!r} for {address}:\n{self._forwarder.log()}")
             self._forwarded[address] = path
         return self._forwarded[address]
 
@@ -169,10 +173,11 @@ class HostsCluster:
         responses = list(self.stream(prompt, max_tokens, timeout_s))
         return [t for r in responses for t in r.token_ids], responses[-1]
 
-    def stream(self, prompt: list[int], max_tokens: int, timeout_s: float = 60.0):
-        """Greedy ``prompt`` through the router: the call, to iterate response by response."""
+    def stream(self, prompt: list[int], max_tokens: int, timeout_s: float = 60.0, **sampling):
+        """``prompt`` through the router, greedy unless ``sampling`` says otherwise (temperature, seed, ...): the
+        call, to iterate response by response."""
         stub = pb_grpc.GenerationStub(self.channel(self.router.address))
-        params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = pb.SamplingParams(**{"temperature": 0.0, **sampling}, max_tokens=max_tokens, ignore_eos=True)
         return stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params), timeout=timeout_s)
 
     def stats(self, worker_id: str) -> pb.StatsResponse:
@@ -215,4 +220,5 @@ class HostsCluster:
             channel.close()
         self._channels.clear()
         if self._forwarder.popen.stdin is not None:
-            self._forwarder.popen.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # it exited already (forward() said why)
+                self._forwarder.popen.stdin.close()

@@ -31,7 +31,7 @@ def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
     return pb.KVLayout(
         model_fingerprint=layout.model_fingerprint, dtype=layout.dtype, block_size=layout.block_size,
         num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-        scale_bytes=layout.scale_bytes,
+        scale_bytes=layout.scale_bytes, tp_size=layout.tp_size, tp_rank=layout.tp_rank,
     )
 
 
@@ -40,7 +40,7 @@ def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
         return KVLayout(
             model_fingerprint=msg.model_fingerprint, dtype=msg.dtype, block_size=msg.block_size,
             num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
-            scale_bytes=msg.scale_bytes,
+            scale_bytes=msg.scale_bytes, tp_size=msg.tp_size or 1, tp_rank=msg.tp_rank,  # 0: a sender without TP
         )
     except ValueError as exc:
         raise InvalidRequest(f"handle.layout: {exc}") from exc

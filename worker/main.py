@@ -92,6 +92,10 @@ def add_worker_options(group) -> None:
                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt '
                        'lookup) or {"model": DRAFT, "num_speculative_tokens": 3} (a smaller checkpoint with the same '
                        "vocabulary); decode role. Outputs are the same token for token with it on or off")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model's attention heads and MLP across this many rank processes (children of "
+                       "this worker, in lockstep; the heads and MLP size must divide evenly); the KV layout names "
+                       "the degree, so workers of different degrees still hand KV to each other (default: %(default)s)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: every step runs eagerly (graphs are CUDA only in any case)")
     group.add_argument("--calibrate-tokens", type=int, default=256,
@@ -111,6 +115,14 @@ def _graph_sizes(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise ValueError(f"--cuda-graph-sizes takes comma-separated positive batch sizes, got {text!r}")
     return sizes
+
+
+def _num_threads(args: argparse.Namespace) -> int | None:
+    """``--num-threads``; with tensor parallelism and none given, each rank (this process too) takes its share of
+    the cores, so N ranks do not run N times as many threads as there are cores."""
+    if args.num_threads or args.tensor_parallel_size <= 1:
+        return args.num_threads
+    return max(1, (os.cpu_count() or 1) // args.tensor_parallel_size)
 
 
 def _speculative(text: str | None) -> SpeculativeConfig | None:
@@ -192,13 +204,17 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_num_waiting=args.max_num_waiting, num_threads=args.num_threads,
+        max_num_waiting=args.max_num_waiting, num_threads=_num_threads(args),
         attention_backend=args.attention_backend, cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
         enforce_eager=args.enforce_eager, kv_host_blocks=args.kv_host_blocks, kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=_speculative(args.speculative_config), preemption_mode=args.preemption_mode,
+        tensor_parallel_size=args.tensor_parallel_size,
         kv_store_buffer_blocks=args.kv_store_buffer_blocks if store else 0,
         kv_store_write=store_write_policy(args.kv_store_write, role),
     )
+    if args.tensor_parallel_size > 1 and args.kv_staging == "always":
+        raise ValueError("--kv-staging always is not combined with --tensor-parallel-size: a tensor-parallel "
+                         "worker serves each rank's cache in place from shared host memory")
     return WorkerConfig(
         role=role, engine=engine, redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
         namespace=args.namespace, host=args.host, advertise_host=args.advertise_host,
@@ -222,7 +238,7 @@ def store_write_policy(choice: str, role: str) -> str:
     return "through" if role == "prefill" else "evict"
 
 
-async def serve(role: str, config: WorkerConfig, make_node: NodeFactory) -> None:
+async def serve(role: str, config: WorkerConfig, make_node: NodeFactory) -> int:
     redis = connect(config.redis_url)
     try:
         await check_credentials(redis, config.redis_url)  # a refused password stops the worker before loading
@@ -235,13 +251,17 @@ async def serve(role: str, config: WorkerConfig, make_node: NodeFactory) -> None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(node.drained.wait())]
+    waits = [asyncio.create_task(event.wait()) for event in (stop, node.drained, node.failed)]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for task in waits:
         task.cancel()
-    await node.stop()
+    await node.stop()  # deregisters: the router stops routing here
     if node.drained.is_set():
         print(f"{role} worker {node.worker_id} drained: exiting", flush=True)
+    if node.failed.is_set():
+        print(f"{role} worker {node.worker_id}: its engine failed (the log says why): exiting", flush=True)
+        return 1
+    return 0
 
 
 def run(role: str, argv: list[str], make_node: NodeFactory) -> int:
@@ -261,9 +281,8 @@ def run(role: str, argv: list[str], make_node: NodeFactory) -> int:
         cli.error(str(exc))
     logging.getLogger(__name__).info("redis %s, gRPC %s", redact_url(config.redis_url), tls.describe(config.tls))
     try:
-        asyncio.run(serve(role, config, make_node))
+        return asyncio.run(serve(role, config, make_node))
     except RedisCredentialsError as exc:
         print(f"baton {role}: error: {exc}", file=sys.stderr)
         return 1
-    return 0
 

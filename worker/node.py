@@ -24,6 +24,7 @@ from engine.kv_quant import SCALE_BYTES
 from kv_transfer.layout import KVLayout
 from kv_transfer.registry import HeartbeatTask, Registry, connect
 from kv_transfer.staging import KVRegion, StagingPool
+from kv_transfer.tp_plane import rank_uris, tag_uri
 from kv_transfer.workers import WorkerInfo, WorkerLoad
 from kv_transfer.transport import (
     STREAMING_KINDS, KVClient, TransferStats, connect as kv_connect, parse_kinds, uri_kind,
@@ -55,6 +56,7 @@ class WorkerNode:
         self._tasks: list[asyncio.Task] = []
         self.in_flight = InFlightCounter(frozenset(f"/{WORKER_SERVICE}/{m}" for m in ("Prefill", "PrefillStream", "Decode")))
         self.drained = asyncio.Event()  # set when drained and idle with on_drain="exit": the process may exit
+        self.failed = asyncio.Event()  # set when the engine loop died (e.g. a tensor-parallel rank): exit non-zero
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> str:
@@ -68,7 +70,8 @@ class WorkerNode:
         if self.config.fault_layer_delay_s > 0:
             _slow_layers(self.engine, self.config.fault_layer_delay_s)
         self.layout = _layout(self.engine)
-        self.async_engine = AsyncEngine(self.engine, on_held=self.on_held, step_hooks=self.step_hooks())
+        self.async_engine = AsyncEngine(self.engine, on_held=self.on_held, step_hooks=self.step_hooks(),
+                                        on_dead=lambda exc: loop.call_soon_threadsafe(self.failed.set))
         self.async_engine.start()
         # Every transport of --kv-transport is served (kv_uri lists their URIs, space-separated) and tried
         # in that order when pulling: the pair's transport is the puller's first one the server offers.
@@ -78,17 +81,13 @@ class WorkerNode:
                            "one process have crashed it when a peer died (docs/operations.md); serve one of them")
         # each kind reads the cache in place (a host cache; a device cache GPU-direct for nixl/ucx/nccl) or
         # through pinned host staging (a device cache for tcp/cma; every kind with --kv-staging always)
-        self.kv_plane = KVPlane(KVRegion(self.layout, self.engine.runner.kv_cache), self.kv_kinds,
-                                self.config.kv_staging, self.leases,
-                                self.config.kv_staging_blocks or default_staging_blocks(self.engine))
+        region, *rank_regions = _regions(self.engine, self.layout)
+        self.kv_plane = KVPlane(region, self.kv_kinds, self.config.kv_staging, self.leases,
+                                self.config.kv_staging_blocks or default_staging_blocks(self.engine),
+                                rank_regions=rank_regions)
         self.transport_config = transport_config(self.config)
         self._kv_clients: dict[str, KVClient] = {}
-        self.kv_servers = [self.kv_plane.server(kind, self.transport_config) for kind in self.kv_kinds]
-        self.advertise_host = self.config.advertise_host or advertised_host(self.config.host, self.config.redis_url)
-        if (warning := loopback_warning(self.advertise_host, self.config.redis_url)) is not None:
-            logger.warning("%s", warning)
-        served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0,
-                                     advertise_host=self.advertise_host) for i, server in enumerate(self.kv_servers)]
+        served = await self._serve_kv()
         if self.config.fault_nixl_lose_notifications:
             _lose_nixl_notifications(self.kv_servers)
         self.kv_uri = self.config.kv_advertise_uri or " ".join(served)
@@ -125,6 +124,19 @@ class WorkerNode:
         tier.start()
         return tier
 
+    async def _serve_kv(self) -> list[str]:
+        """Start a server per kind (per kind and tensor-parallel rank: each rank's URI tagged ``?tp_rank=r``);
+        their URIs, in order of preference."""
+        tp_size = self.kv_plane.tp_size
+        self.kv_servers = [self.kv_plane.server(kind, self.transport_config, rank)
+                           for kind in self.kv_kinds for rank in range(tp_size)]
+        self.advertise_host = self.config.advertise_host or advertised_host(self.config.host, self.config.redis_url)
+        if (warning := loopback_warning(self.advertise_host, self.config.redis_url)) is not None:
+            logger.warning("%s", warning)
+        served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0,
+                                     advertise_host=self.advertise_host) for i, server in enumerate(self.kv_servers)]
+        return served if tp_size == 1 else [tag_uri(uri, i % tp_size) for i, uri in enumerate(served)]
+
     async def stop(self, grace_s: float = 5.0) -> None:
         for task in self._tasks:
             task.cancel()
@@ -140,6 +152,7 @@ class WorkerNode:
         if self.store_tier is not None:
             await self.store_tier.stop()
         self.async_engine.stop()
+        self.engine.close()  # its tensor-parallel ranks, if any
         await self.redis.aclose()
 
     async def _start_grpc(self) -> str:
@@ -157,12 +170,16 @@ class WorkerNode:
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         return host_port(self.advertise_host, self.grpc_port)
 
-    async def pull_kv(self, uri: str, layout: KVLayout, lease_id: str, src: Sequence[int],
+    async def pull_kv(self, uri: str, offered: str, layout: KVLayout, lease_id: str, src: Sequence[int],
                       dst: Sequence[int]) -> TransferStats:
-        """Pull a peer's leased blocks ``src`` into this worker's cache blocks ``dst`` (in place, or through host
-        staging when this worker stages the URI's kind)."""
-        kind = uri_kind(uri)
-        return await self.kv_plane.pull(self.kv_client(kind), kind, uri, layout, lease_id, src, dst)
+        """Pull a peer's leased blocks ``src`` into this worker's cache blocks ``dst`` over ``uri``'s kind (the pair's
+        choice among the URIs the peer ``offered``, space-separated; every rank's of that kind for a
+        tensor-parallel peer): in place, or through host staging when this worker stages that kind."""
+        kind, client = uri_kind(uri), self.kv_client(uri_kind(uri))
+        if layout.tp_size == 1 and self.kv_plane.tp_size == 1:
+            return await self.kv_plane.pull(client, kind, uri, layout, lease_id, src, dst)
+        uris = rank_uris(offered, kind, layout.tp_size)
+        return await self.kv_plane.pull_ranks(client, uris, layout, lease_id, src, dst)
 
     async def admit_from_store(self, rid: str, prompt: list[int], outputs: list[int], params, **kwargs):
         """(how to start the request, why) when the store tier fetched part of its prefix into a reservation
@@ -307,8 +324,19 @@ def worker_load(engine: Engine, stats: SchedulerStats) -> WorkerLoad:
 
 
 def _layout(engine: Engine) -> KVLayout:
+    """Rank 0's layout (the only rank without tensor parallelism)."""
     config, quant = engine.model_config, engine.kv_quant
     return KVLayout(model_fingerprint=engine.fingerprint, dtype=config.dtype if quant is None else quant.layout_dtype,
                     block_size=engine.cache_config.block_size, num_layers=config.num_layers,
                     num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                    scale_bytes=0 if quant is None else SCALE_BYTES)
+                    scale_bytes=0 if quant is None else SCALE_BYTES, tp_size=engine.tensor_parallel_size)
+
+
+def _regions(engine: Engine, layout: KVLayout) -> list[KVRegion]:
+    """Every rank's cache as the data plane sees it; a tensor-parallel worker serves them all from this process,
+    which sees them only in shared host memory (CPU)."""
+    caches = engine.runner.kv_ranks
+    if len(caches) != layout.tp_size:  # never run here (no GPU)
+        raise ValueError("a tensor-parallel worker's KV data plane serves every rank's cache from shared host "
+                         f"memory; on {engine.device} each rank's cache is on its own device (not built)")
+    return [KVRegion(layout.for_rank(rank), cache) for rank, cache in enumerate(caches)]

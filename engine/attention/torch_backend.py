@@ -13,7 +13,6 @@ blocks, all in persistent tensors), which a CUDA graph can capture once and repl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import RopeConfig
+from engine.parallel.shard import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -77,17 +78,41 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)); gate and up fused into one GEMM (``gate_up_proj``)."""
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split across tensor-parallel ranks: each rank multiplies its
+    slice (``weight`` [out, in / N]), an all-reduce sums the partial outputs, then the bias is added once."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in / N] -> [T, out]
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out]: the sum of every rank's partial product
+        return y if self.bias is None else y + self.bias
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Module:
+    """``in_features`` is this rank's share; one rank: a plain ``nn.Linear`` (the arithmetic of before)."""
+    if tp is None or tp.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); gate and up fused into one GEMM (``gate_up_proj``). Under tensor parallelism
+    gate/up are column-parallel (this rank's ``intermediate`` columns) and down is row-parallel."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str, tp: TensorParallel | None = None) -> None:
         super().__init__()
         if act not in ("silu", "gelu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported hidden_act {act!r}")
+        intermediate //= tp.size if tp else 1  # this rank's columns
         self.intermediate = intermediate
         self.act = act
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = row_linear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, inter] each

@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): one implementation, switched by ModelConfig.
 
 Parameter names follow the checkpoint keys (``model.layers.N.self_attn...``) except the two fused
-projections, ``qkv_proj`` and ``gate_up_proj``, which the loader fills from q/k/v and gate/up.
+projections, ``qkv_proj`` and ``gate_up_proj``, which the loader fills from q/k/v and gate/up. Under tensor
+parallelism (``tp``) each rank's modules hold its share of the heads and MLP columns (``engine/parallel/shard.py``).
 """
 
 from __future__ import annotations
@@ -13,19 +14,24 @@ from torch import nn
 
 from engine.attention.base import ForwardBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, row_linear
+from engine.parallel.shard import TensorParallel
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        ranks = tp.size if tp else 1
+        # this rank's heads (all of them on one rank)
+        self.num_heads, self.num_kv_heads = config.num_heads // ranks, config.num_kv_heads // ranks
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.window = config.layer_windows[layer_idx] if config.layer_windows else None
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = row_linear(self.q_size, config.hidden_size, config.o_bias, tp)
         self.rotary = rotary
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -46,12 +52,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden]
         x = x + self.self_attn(self.input_layernorm(x), batch)
@@ -59,12 +66,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # replicated on every rank
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
         self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
@@ -85,10 +92,11 @@ class LlamaForCausalLM(nn.Module):
         """Architecture facts that config.json does not spell out."""
         return {}
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -24,6 +24,7 @@ from engine.model.config import ModelConfig, parse_model_config, read_config_jso
 from engine.model.progress import Progress
 from engine.model.registry import ModelRegistry
 from engine.model_source import ModelSource
+from engine.parallel.shard import TensorParallel
 
 if TYPE_CHECKING:
     from engine.gguf_file import GGUFFile
@@ -36,6 +37,8 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Row-parallel weights: a tensor-parallel rank holds a slice of their input columns (engine/parallel/shard.py).
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 
 
 def read_model_config(source: ModelSource, dtype: str | None = None, gguf: GGUFFile | None = None) -> ModelConfig:
@@ -53,16 +56,17 @@ def read_model_config(source: ModelSource, dtype: str | None = None, gguf: GGUFF
 
 
 def load_model(source: ModelSource, config: ModelConfig, device: torch.device,
-               gguf: GGUFFile | None = None) -> tuple[nn.Module, str]:
-    """The model with its weights on ``device``, and the weights' digest (``weights_id``)."""
+               gguf: GGUFFile | None = None, tp: TensorParallel | None = None) -> tuple[nn.Module, str]:
+    """The model with its weights on ``device`` (``tp``: this rank's share of them), and the weights' digest
+    (``weights_id``: the whole checkpoint's, whatever the share)."""
     cls = ModelRegistry.resolve(config.architecture)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, tp)
     model = model.to_empty(device=device).to(getattr(torch, config.dtype))
     model.model.rotary.reset_tables(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    sink = WeightSink(model, config)
+    sink = WeightSink(model, config, tp)
     if source.is_gguf:
         from engine.model.gguf_loader import load_gguf
 
@@ -82,10 +86,11 @@ def open_gguf(source: ModelSource) -> GGUFFile:
 class WeightSink:
     """Receives checkpoint tensors by Hugging Face name and copies them into the model's parameters."""
 
-    def __init__(self, model: nn.Module, config: ModelConfig) -> None:
+    def __init__(self, model: nn.Module, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._names = [name for name, _ in model.named_parameters()]
         self._config = config
+        self._tp = tp or TensorParallel(0, 1)
         self._loaded: set[str] = set()
         self._digest = blake2b(digest_size=16)
 
@@ -94,30 +99,30 @@ class WeightSink:
         them, e.g. quantized), else the tensor's own bytes."""
         if key.endswith(_IGNORED_SUFFIXES):
             return
-        name, rows = _target(key, self._config)
+        name, rows = _target(key, self._config, self._tp)
         if name not in self._params:
             raise ModelLoadError(f"unexpected tensor {key!r} for {self._config.architecture}")
         self._digest.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}|".encode())
         self._digest.update(_tensor_bytes(tensor) if stored is None else stored)
-        _copy(self._params[name], rows, tensor, key)
+        _copy(self._params[name], rows, _shard(key, tensor, self._tp), key)
         self._loaded.add(f"{name}#{rows[0] if rows else ''}")
 
     def weights_id(self) -> str:
         return self._digest.hexdigest()
 
     def check_complete(self) -> None:
-        config = self._config
+        q_size, kv_size, inter = _local_sizes(self._config, self._tp)
         expected: set[str] = set()
         for name in self._names:
             fused = name.split(".")[-2]
             if fused == "qkv_proj":
-                expected |= {f"{name}#{s}" for s in (0, config.q_size, config.q_size + config.kv_size)}
+                expected |= {f"{name}#{s}" for s in (0, q_size, q_size + kv_size)}
             elif fused == "gate_up_proj":
-                expected |= {f"{name}#0", f"{name}#{config.intermediate_size}"}
+                expected |= {f"{name}#0", f"{name}#{inter}"}
             else:
                 expected.add(f"{name}#")
         loaded = set(self._loaded)
-        if config.tie_word_embeddings:
+        if self._config.tie_word_embeddings:
             expected.discard("lm_head.weight#")
             loaded.discard("lm_head.weight#")
         missing = sorted(expected - loaded)
@@ -161,17 +166,36 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def _target(key: str, config: ModelConfig) -> tuple[str, tuple[int, int] | None]:
+def _local_sizes(config: ModelConfig, tp: TensorParallel) -> tuple[int, int, int]:
+    """This rank's (q rows, k or v rows, MLP columns): the whole model's on one rank."""
+    return config.q_size // tp.size, config.kv_size // tp.size, config.intermediate_size // tp.size
+
+
+def _target(key: str, config: ModelConfig, tp: TensorParallel) -> tuple[str, tuple[int, int] | None]:
     """Checkpoint key -> (our parameter name, row range in a fused parameter or None)."""
     parts = key.split(".")
+    q_size, kv_size, inter = _local_sizes(config, tp)
     for i, part in enumerate(parts):
         if part in _FUSED:
             fused, shard = _FUSED[part]
-            sizes = (config.q_size, config.kv_size, config.kv_size) if fused == "qkv_proj" else (
-                config.intermediate_size, config.intermediate_size)
+            sizes = (q_size, kv_size, kv_size) if fused == "qkv_proj" else (inter, inter)
             start = sum(sizes[:shard])
             return ".".join(parts[:i] + [fused] + parts[i + 1 :]), (start, start + sizes[shard])
     return key, None
+
+
+def _shard(key: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's slice of a checkpoint tensor: rows of q/k/v/gate/up (weights and biases), input columns of
+    o_proj/down_proj; everything else (embedding, norms, lm_head, row-parallel biases) whole."""
+    if tp.size == 1:
+        return tensor
+    if key.endswith(_ROW_PARALLEL):
+        start, stop = tp.part(tensor.shape[1])
+        return tensor[:, start:stop]  # [out, in / N]
+    if any(f".{part}." in f".{key}" for part in _FUSED):
+        start, stop = tp.part(tensor.shape[0])
+        return tensor[start:stop]  # [rows / N, ...]: this rank's heads or MLP columns
+    return tensor
 
 
 def _copy(param: nn.Parameter, rows: tuple[int, int] | None, tensor: torch.Tensor, key: str) -> None:

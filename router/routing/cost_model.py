@@ -202,7 +202,7 @@ def _layout_bytes_per_token(layout_json: str) -> float | None:
         layout = KVLayout.from_json(layout_json)
     except KVTransferError:  # a layout without the model's dimensions (test doubles)
         return None
-    return layout.bytes_per_block / layout.block_size
+    return layout.model_bytes_per_block / layout.block_size  # every tensor-parallel rank's share
 
 
 def host_load(request: RouteRequest, worker: Candidate, rate: float, rates: Rates,

@@ -89,10 +89,13 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RouteRequest:
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # the tokens to compute: a migrated request's prompt and the outputs it resumes after
     block_size: int
     max_tokens: int | None = None  # the request's output limit; None: unknown (the cost model prices its default)
     store_blocks: int = 0  # leading blocks of the prompt the shared store holds (the index's ``store`` holder)
+    # of ``num_prompt_tokens``, outputs already sampled (a request migrating to another decode worker): only a
+    # decode worker resumes them (a prefill worker samples output 0), so every plan is local
+    num_resumed_outputs: int = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -180,7 +183,7 @@ def route_least_loaded(
     threshold = config.disagg_threshold_tokens
     if uncached <= threshold:
         return _local(decode, request, f"{uncached} uncached prompt tokens <= threshold {threshold}{note}")
-    prefill, why_not = pick_prefill(candidates, config, exclude)
+    prefill, why_not = pick_prefill(candidates, config, exclude, request)
     if prefill is None:
         return _local(decode, request, f"{why_not}{note}")
     return RouteDecision(
@@ -203,7 +206,7 @@ def route_by_cost(
         candidates = [replace(c, cached_blocks=c.pending_blocks) if c.worker_id in pending else c
                       for c in candidates]
     fits, note = _fitting_decodes(request, candidates, exclude)
-    prefills, no_remote_reason = _usable_prefills(candidates, config, exclude)
+    prefills, no_remote_reason = _usable_prefills(candidates, config, exclude, request)
     quotes = cost_model.quote_prefills(request, prefills, state.rates, config.cost)
     sampled = cost_model.sample_decodes(fits, config.cost, state.rng)
     priced = [
@@ -250,7 +253,7 @@ def _route_baseline(
     prefix = f"{config.policy}: "
     if uncached <= threshold:
         return _local(decode, request, f"{prefix}{uncached} uncached prompt tokens <= threshold {threshold}{note}")
-    prefills, why_not = _usable_prefills(candidates, config, exclude)
+    prefills, why_not = _usable_prefills(candidates, config, exclude, request)
     if not prefills:
         return _local(decode, request, f"{prefix}{why_not}{note}")
     prefill = pick(prefills, "prefill")
@@ -325,17 +328,21 @@ def pick_decode(
 
 
 def pick_prefill(
-    candidates: Sequence[Candidate], config: PolicyConfig, exclude: Collection[str] = ()
+    candidates: Sequence[Candidate], config: PolicyConfig, exclude: Collection[str] = (),
+    request: RouteRequest | None = None,
 ) -> tuple[Candidate | None, str]:
     """Fewest queued prefill tokens; ties: more cached, then id. ``(None, reason)`` when none fits."""
-    pool, why_not = _usable_prefills(candidates, config, exclude)
+    pool, why_not = _usable_prefills(candidates, config, exclude, request)
     return (min(pool, key=_prefill_key), "") if pool else (None, why_not)
 
 
 def _usable_prefills(
-    candidates: Sequence[Candidate], config: PolicyConfig, exclude: Collection[str]
+    candidates: Sequence[Candidate], config: PolicyConfig, exclude: Collection[str],
+    request: RouteRequest | None = None,
 ) -> tuple[list[Candidate], str]:
     """Prefill workers that may take the request, or ``([], why none)``."""
+    if request is not None and request.num_resumed_outputs:
+        return [], f"resumes after {request.num_resumed_outputs} outputs: only a decode worker can"
     pool = _eligible(candidates, "prefill", exclude)
     if not pool:
         return [], "no prefill workers"

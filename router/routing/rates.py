@@ -37,6 +37,12 @@ class RatesConfig:
     remote_overhead_s: float = 0.005  # fixed cost of a remote prefill (two RPCs + the pull's setup), until learned
     local_overhead_s: float = 0.002  # fixed cost of a local prefill, until learned
     link_gb_per_s: float = 10.0  # P -> D KV pull bandwidth until measured
+    # A pull this many times faster or slower than its pair's estimate, of at least ``link_change_min_bytes`` (a
+    # small pull's rate is mostly its round trips), means the link itself changed (reshaped, congested, rerouted):
+    # the sample replaces the estimate. Moved by ``alpha`` alone, the estimate of a link that became 10x slower
+    # was still 3x too fast after 5 pulls, and the router kept pulling over it (docs/benchmarks.md, the link study).
+    link_change_factor: float = 2.0
+    link_change_min_bytes: int = 1 << 20
     alpha: float = 0.2  # EWMA weight of a new sample
     # a prefill of fewer computed tokens teaches no rate: its time is mostly the step's fixed cost
     # (launch, sampling, the engine hand-off), and tokens / time would price every prompt far too slow
@@ -53,6 +59,8 @@ class RatesConfig:
                 raise ValueError(f"RatesConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.alpha <= 1:
             raise ValueError(f"RatesConfig.alpha must be in (0, 1], got {self.alpha}")
+        if not self.link_change_factor > 1:
+            raise ValueError(f"RatesConfig.link_change_factor must be > 1, got {self.link_change_factor}")
 
 
 class Ewma:
@@ -67,6 +75,10 @@ class Ewma:
         first = self.updated_s == float("-inf")
         self.value = sample if first else self.value + self.alpha * (sample - self.value)
         self.updated_s = now_s
+
+    def reset(self, sample: float, now_s: float) -> None:
+        """Start over from ``sample`` (what was averaged no longer describes the thing measured)."""
+        self.value, self.updated_s = sample, now_s
 
 
 class StepFit:
@@ -138,10 +150,22 @@ class Rates:
         """D pulled ``num_bytes`` (``num_tokens`` tokens' KV) from P in ``transfer_ms``."""
         if num_bytes <= 0 or transfer_ms <= 0:
             return
-        now_s = self._clock()
-        self._ewma(self._links, (prefill_id, decode_id)).add(num_bytes / (transfer_ms * 1e-3) / 1e9, now_s)
+        now_s, gb_per_s = self._clock(), num_bytes / (transfer_ms * 1e-3) / 1e9
+        link = self._ewma(self._links, (prefill_id, decode_id))
+        if self._link_changed(link, gb_per_s, num_bytes):
+            link.reset(gb_per_s, now_s)
+        else:
+            link.add(gb_per_s, now_s)
         if num_tokens:
             self._kv_bytes_per_token.add(num_bytes / num_tokens, now_s)
+
+    def _link_changed(self, link: Ewma, gb_per_s: float, num_bytes: int) -> bool:
+        """Start the pair's estimate over from this pull: its first, after it went stale, or a changed link."""
+        c = self.config
+        if not self._fresh(link.updated_s) or link.value <= 0:
+            return True
+        return num_bytes >= c.link_change_min_bytes and max(gb_per_s / link.value, link.value / gb_per_s) \
+            > c.link_change_factor
 
     def observe_decode_step(self, worker_id: str, batch_size: int, step_s: float, kv_blocks: int = 0) -> None:
         """One decode step of ``batch_size`` sequences holding ``kv_blocks`` KV blocks took ``step_s``."""

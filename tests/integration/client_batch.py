@@ -26,14 +26,17 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     details: str = ""
     last: pb.GenerateResponse | None = None  # the final response of a completed call
+    sampling: dict = field(default_factory=dict)  # beyond greedy: e.g. temperature, top_p, seed
 
 
 def generate(address: str, prompt: list[int], max_tokens: int, deadline_s: float,
-             progress: list[int] | None = None, slot: int = 0) -> Outcome:
-    """One greedy Generate call; ``progress[slot]`` counts the tokens received so far."""
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
-                                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    outcome = Outcome("OK", prompt, max_tokens)
+             progress: list[int] | None = None, slot: int = 0, sampling: dict | None = None) -> Outcome:
+    """One Generate call, greedy unless ``sampling`` says otherwise; ``progress[slot]`` counts the tokens received
+    so far."""
+    sampling = sampling or {}
+    params = pb.SamplingParams(**{"temperature": 0.0, **sampling}, max_tokens=max_tokens, ignore_eos=True)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params)
+    outcome = Outcome("OK", prompt, max_tokens, sampling=sampling)
     with grpc.insecure_channel(address) as channel:
         try:
             for response in pb_grpc.GenerationStub(channel).Generate(request, timeout=deadline_s):
@@ -49,12 +52,13 @@ def generate(address: str, prompt: list[int], max_tokens: int, deadline_s: float
 class Batch:
     """Concurrent calls, started at once; ``wait_tokens`` waits until each running call streamed some."""
 
-    def __init__(self, address: str, prompts: list[list[int]], max_tokens: int, deadline_s: float) -> None:
+    def __init__(self, address: str, prompts: list[list[int]], max_tokens: int, deadline_s: float,
+                 sampling: dict | None = None) -> None:
         self.deadline_s = deadline_s
         self.progress = [0] * len(prompts)
         self._started = time.monotonic()
         self._pool = ThreadPoolExecutor(len(prompts), thread_name_prefix="fault-client")
-        self._futures = [self._pool.submit(generate, address, p, max_tokens, deadline_s, self.progress, i)
+        self._futures = [self._pool.submit(generate, address, p, max_tokens, deadline_s, self.progress, i, sampling)
                          for i, p in enumerate(prompts)]
         self._prompts, self._max_tokens = prompts, max_tokens
 

@@ -6,8 +6,9 @@ What each expects (beyond the checks every scenario ends with, see ``faults_lib.
   (still listed): every request completes token-exact (local recompute on the decode worker).
 - decode_killed_before_first_token: d0 frozen, then SIGKILLed while requests wait on it: they are retried
   on d1 and complete token-exact.
-- decode_killed_mid_stream: streams on d0 end in UNAVAILABLE naming the tokens already streamed; those on
-  d1 complete.
+- decode_killed_mid_stream: streams on d0 (greedy and seeded; d1 drained while they start) when d0 is frozen
+  mid-stream and SIGKILLed migrate to d1 (undrained first) and complete exactly as the offline engine's, each
+  counted once in the router's ``baton:request_migrations_total``.
 - router_restarted: streams end in UNAVAILABLE; a new router on the same port serves.
 - redis_restarted / redis_stopped (killed and started again / frozen with SIGSTOP): requests complete on
   the router's last listing or fail UNAVAILABLE; workers re-register.
@@ -28,13 +29,14 @@ import grpc
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.client_batch import Batch, generate
-from tests.integration.faults_lib import DEADLINE_S, Checker, FaultPlatform, Reference, ScenarioResult
+from tests.integration.faults_lib import (
+    DEADLINE_S, ROUTER_LISTING_S, Checker, FaultPlatform, Reference, ScenarioResult,
+)
 
 STREAM_TOKENS = 64  # mid-stream when the fault hits (3 tokens in), and cheap to finish on a slow CPU
-# The router reuses a registry listing for worker_list_ttl_s (0.5 s): a worker listed (or gone) in Redis is
-# seen by the router this long after. Just after a Redis restart the router may read an empty registry (a
-# successful answer, so not replaced by its last listing) until the workers' next heartbeat re-registers them.
-ROUTER_LISTING_S = 1.0
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 1234}  # sampled, and reproducible by the reference engine
+# Just after a Redis restart the router may read an empty registry (a successful answer, so not replaced by its
+# last listing) until the workers' next heartbeat re-registers them (ROUTER_LISTING_S).
 
 
 def prefill_killed(p: FaultPlatform, ref: Reference) -> ScenarioResult:
@@ -77,16 +79,25 @@ def _router_log(p: FaultPlatform) -> str:
 
 def decode_killed_mid_stream(p: FaultPlatform, ref: Reference) -> ScenarioResult:
     check = Checker("decode_killed_mid_stream", ref)
-    batch = Batch(p.address, [p.prompt(i) for i in range(20, 24)], STREAM_TOKENS, DEADLINE_S)
-    if not batch.wait_tokens(3):
-        check.problem("streams did not start")
-    p.workers["d0"].kill(signal.SIGKILL)
-    outcomes = check.add(batch.results(), {"OK", "UNAVAILABLE"})
-    failed = [o for o in outcomes if o.code == "UNAVAILABLE"]
-    if not failed:
-        check.problem("no stream was on the killed decode worker")
-    if any("tokens were streamed" not in o.details for o in failed):
-        check.problem(f"UNAVAILABLE without saying tokens were streamed: {[o.details for o in failed]}")
+    counted = p.router_counter("baton:request_migrations_total")
+    d0 = p.workers["d0"]
+    p.set_draining("d1", True)  # every stream starts on d0
+    try:
+        batches = [Batch(p.address, [p.prompt(i) for i in range(20, 22)], STREAM_TOKENS, DEADLINE_S),
+                   Batch(p.address, [p.prompt(i) for i in range(22, 24)], STREAM_TOKENS, DEADLINE_S, SEEDED)]
+        if not all(batch.wait_tokens(3) for batch in batches):
+            check.problem("streams did not start")
+        d0.popen.send_signal(signal.SIGSTOP)  # mid-stream, while the router sees d1 come back
+    finally:
+        p.set_draining("d1", False)
+    d0.kill(signal.SIGKILL)
+    outcomes = [o for batch in batches for o in check.add(batch.results(), {"OK"})]
+    for o in outcomes:
+        t = o.last.timings if o.last is not None else pb.Timings()
+        if (t.migrations, t.decode_worker) != (1, "d1") or "migrated: decode worker d0 failed" not in t.route_reason:
+            check.problem(f"not migrated once to d1: {t.migrations} migrations, on {t.decode_worker!r}")
+    if p.router_counter("baton:request_migrations_total") - counted != len(outcomes):
+        check.problem("the router did not count one migration per stream")
     p.restart_worker("d0")
     return check.finish(p)
 

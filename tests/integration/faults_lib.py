@@ -37,6 +37,9 @@ DEADLINE_S = 30.0
 SETTLE_S = 20.0  # pools must be full this long after a scenario (leases expire after LEASE_TTL_S)
 LEASE_TTL_S, HEARTBEAT_TTL_S, KV_IO_TIMEOUT_S = 5.0, 3.0, 2.0
 WORKERS = ("p0", "d0", "d1")
+# The router reuses a registry listing for worker_list_ttl_s (0.5 s): a worker listed (or gone, or drained) in Redis
+# is seen by the router this long after.
+ROUTER_LISTING_S = 1.0
 
 
 def prompt(i: int, length: int = 40, salt: int = 0) -> list[int]:
@@ -46,21 +49,25 @@ def prompt(i: int, length: int = 40, salt: int = 0) -> list[int]:
 
 
 class Reference:
-    """Greedy output of the single-process engine: what every completed request must equal, token for token."""
+    """Output of the single-process engine (greedy, or seeded sampling): what every completed request must equal,
+    token for token."""
 
     def __init__(self, model_dir: Path) -> None:
         from engine.config import EngineConfig
         from engine.engine import Engine
 
         self._engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
-        self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        self._cache: dict[tuple, list[int]] = {}
 
-    def tokens(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt_ids), max_tokens)
+    def tokens(self, prompt_ids: list[int], max_tokens: int, sampling: dict | None = None) -> list[int]:
+        """``sampling``: beyond greedy (temperature, top_p, seed, ...); a sampled one needs its seed."""
+        sampling = sampling or {}
+        key = (tuple(prompt_ids), max_tokens, tuple(sorted(sampling.items())))
         if key not in self._cache:
             from engine.sampling_params import SamplingParams
 
-            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            assert "seed" in sampling or not sampling.get("temperature"), "a sampled reference needs a seed"
+            params = SamplingParams(**{"temperature": 0, **sampling}, max_tokens=max_tokens, ignore_eos=True)
             self._engine.add_request("ref", list(prompt_ids), params)
             out: list[int] = []
             while self._engine.has_unfinished():
@@ -122,8 +129,9 @@ class FaultPlatform:
 
     def start_router(self, port: int | None = None, *, wait: bool = True) -> Proc:
         extra = ("--port", str(port)) if port else ()
+        self.metrics_port = free_port()
         self.router = self.cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "least_loaded",
-                                                *self.router_args, *extra)
+                                                "--metrics-port", str(self.metrics_port), *self.router_args, *extra)
         if port:
             self.router.address = f"127.0.0.1:{port}"  # the later --port wins over the one start_router picked
         if wait:
@@ -133,6 +141,30 @@ class FaultPlatform:
     def wait_router(self, timeout_s: float = 60.0) -> None:
         with grpc.insecure_channel(self.address) as channel:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
+
+    def router_counter(self, name: str) -> float:
+        """A counter of the router's /metrics, summed over its labels."""
+        import urllib.request
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(f"{name}{{"))
+
+    def set_draining(self, name: str, draining: bool) -> None:
+        """Drain (or undrain) worker ``name`` in the registry; returns once the router has re-listed it."""
+        import asyncio
+
+        from kv_transfer.registry import Registry, connect
+
+        async def change() -> None:
+            redis = connect(self.redis.url)
+            try:
+                registry = Registry(redis, self.cluster.namespace)
+                await (registry.add_draining(name) if draining else registry.remove_draining(name))
+            finally:
+                await redis.aclose()
+
+        asyncio.run(change())
+        time.sleep(ROUTER_LISTING_S)
 
     def restart_worker(self, name: str) -> None:
         self.workers[name].kill(signal.SIGKILL)
@@ -230,8 +262,8 @@ class Checker:
             self.result.outcomes.append(o)
             if o.code not in allowed:
                 self.problem(f"status {o.code} ({o.details[:120]}), expected one of {sorted(allowed)}")
-            elif o.code == "OK" and o.tokens != self._reference.tokens(o.prompt, o.max_tokens):
-                self.problem(f"tokens differ from the offline engine ({len(o.prompt)}-token prompt)")
+            elif o.code == "OK" and o.tokens != self._reference.tokens(o.prompt, o.max_tokens, o.sampling):
+                self.problem(f"tokens differ from the offline engine ({len(o.prompt)}-token prompt, {o.sampling})")
         return outcomes
 
     def problem(self, text: str) -> None:

@@ -2,7 +2,7 @@
 platform (redis-server, router, one prefill worker behind a KV proxy, two decode workers).
 
 For every scenario: no client call outlives its deadline (hung == 0), every status is one the scenario
-allows (a clear UNAVAILABLE where tokens were already streamed), completed requests equal the offline engine
+allows (streams on a killed decode worker migrate to the other and complete), completed requests equal the offline engine
 token for token, every surviving pool is full with no lease open, and a fresh request succeeds afterwards.
 ``python -m bench.faults --repeat 20`` runs the same scenarios repeatedly and tabulates the counts.
 """

@@ -1,7 +1,9 @@
-"""Faults across links (issue 21, item 4), each once, on hosts of tests/hosts.py (1 Gbit/s links): a prefill host's
-link taken down mid-pull, a decode host's link taken down mid-stream, a host's processes all SIGKILLed, the router
-cut off from Redis. Each request completes (recomputed, retried) or ends with a clear UNAVAILABLE within its
-deadline — none hangs — and every pool is full again afterwards: no block, no lease left behind.
+"""Faults across links (issue 21, items 4 and 5), each once, on hosts of tests/hosts.py (1 Gbit/s links): a prefill
+host's link taken down mid-pull, a decode host's link taken down mid-stream (no other decode worker to move to), a
+decode host's processes all SIGKILLed mid-stream (its streams migrate to another decode worker and go on exactly,
+greedy and seeded), the router cut off from Redis. Each request completes (recomputed, retried, migrated) or ends
+with a clear UNAVAILABLE within its deadline — none hangs — and every pool is full again afterwards: no block, no
+lease left behind.
 
 Hosts: redis, router, b (p0), c (d0), e (p1), f (d1: every step 20 ms slower, for long streams), client. Workers
 run `--lease-ttl-s 5 --kv-io-timeout-s 3` (ordinary flags) so what a partition strands is freed within seconds."""
@@ -14,6 +16,9 @@ import time
 import grpc
 import pytest
 
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
 from tests.hosts import Network, unavailable_reason
 from tests.hosts_cluster import HostsCluster
 from tests.integration.test_e2e import model_dir  # noqa: F401
@@ -24,6 +29,8 @@ pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 WORKER = ("--kv-transport", "tcp", "--calibrate-tokens", "0", "--lease-ttl-s", "5", "--kv-io-timeout-s", "3")
 PROMPTS = [[(13 * i + 7 * j) % 2900 + 40 for j in range(150 + i)] for i in range(12)]
 MAX_TOKENS = 8
+MIGRATING_TOKENS = 100  # > 2.5 s on d1 (20 ms slower a step): its host is killed 1-1.5 s in
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 4321}
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +53,19 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811
 @pytest.fixture(scope="module")
 def expected(model_dir):  # noqa: F811
     return offline(model_dir, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def migrating(model_dir):  # noqa: F811
+    """The offline engine's undisturbed streams of PROMPTS[3], greedy and seeded."""
+    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
+    for i, sampling in enumerate(({"temperature": 0.0}, SEEDED)):
+        engine.add_request(str(i), PROMPTS[3], SamplingParams(**sampling, max_tokens=MIGRATING_TOKENS, ignore_eos=True))
+    out: dict[str, list[int]] = {"0": [], "1": []}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id].extend(delta.new_token_ids)
+    return [out["0"], out["1"]]
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> None:
@@ -97,24 +117,28 @@ def test_a_decode_hosts_link_down_mid_stream_ends_with_a_clear_error(cluster, ex
     finally:
         net["f"].set_link(up=True)
     assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value
-    assert "decode worker d1 failed after" in failure.value.details(), failure.value.details()
+    details = failure.value.details()  # d0 drains: the request has nowhere to migrate to
+    assert "decode worker d1 failed after" in details and "no other decode worker can resume it" in details, details
     assert time.monotonic() - started < 30  # found by keepalive pings, not by the 60 s deadline
     cluster.assert_pools_full(timeout_s=20)  # d1 finishes (or is cancelled) once it is reachable again
     cluster.wait_for_workers({"d1"})  # its registration expired while its link was down: back with a heartbeat
 
 
-def test_hosts_whose_processes_are_all_killed_end_streams_clearly_and_are_routed_around(cluster, expected) -> None:
+def test_hosts_whose_processes_are_all_killed_migrate_streams_exactly_and_are_routed_around(
+        cluster, expected, migrating) -> None:
     net = cluster.net
     cluster.only("p0", "d1")
-    call = cluster.stream(PROMPTS[3], 400, timeout_s=60)
-    next(call), next(call)  # d1 streams
-    cluster.only("p0", "p1", "d0", "d1")
-    net["f"].kill_all()  # d1's host: every process SIGKILLed at once
-    with pytest.raises(grpc.RpcError) as failure:
-        for _ in call:
-            pass
-    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value
-    assert "decode worker d1 failed after" in failure.value.details(), failure.value.details()
+    calls = [cluster.stream(PROMPTS[3], MIGRATING_TOKENS, timeout_s=60),
+             cluster.stream(PROMPTS[3], MIGRATING_TOKENS, timeout_s=60, **SEEDED)]
+    received = [[t for _ in range(2) for t in next(call).token_ids] for call in calls]  # P's first token, then d1's
+    cluster.only("p0", "p1", "d0", "d1", settle_s=1.0)  # d0 to migrate to
+    net["f"].kill_all()  # d1's host: every process SIGKILLed at once, mid-stream
+    for call, tokens, undisturbed in zip(calls, received, migrating):
+        responses = list(call)
+        tokens += [t for r in responses for t in r.token_ids]
+        assert tokens == undisturbed  # no token repeated, none missing
+        t = responses[-1].timings
+        assert (t.migrations, t.decode_worker) == (1, "d0") and "migrated: decode worker d1 failed" in t.route_reason, t
     net["b"].kill_all()  # p0's host too, the prefill worker the router prefers: both listed until their TTL
     for i in range(4, 9):  # prefilled on p1 (retried there) or on d0
         tokens, last = cluster.generate(PROMPTS[i], MAX_TOKENS, timeout_s=30)

@@ -197,7 +197,8 @@ def test_preemption_keeps_outputs_exact(tiny_checkpoint, reference, prompts, ena
                    max_num_batched_tokens=max_num_batched_tokens)
     batch = [prompts[n] for n in (33, 16, 7, 64, 3)]
     outputs = llm.generate(batch, greedy())
-    assert llm.engine.scheduler.num_preemptions > 0
+    if llm.engine.scheduler.config.sliding_window is None:  # a windowed model frees blocks instead (Mistral's
+        assert llm.engine.scheduler.num_preemptions > 0      # 20-token window: tests/unit/test_sliding_window.py)
     for prompt, output in zip(batch, outputs):
         assert_matches(reference, prompt, output)
     assert_pool_drained(llm)

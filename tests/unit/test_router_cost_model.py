@@ -266,6 +266,24 @@ def test_rates_converge_to_measured_values_and_go_stale():
     assert rates.prefill_tokens_per_s("p0", None) == 10_000.0 and rates.link_gb_per_s("p0", "d0") == 10.0
 
 
+def test_a_link_that_changed_is_learned_from_its_next_large_pull():
+    now = [0.0]
+    rates = Rates(RatesConfig(stale_after_s=60.0), clock=lambda: now[0])
+    mib16 = 16 << 20
+    rates.observe_transfer("p0", "d0", num_bytes=mib16, transfer_ms=mib16 / 0.5e6)  # 0.5 GB/s
+    rates.observe_transfer("p0", "d0", num_bytes=mib16, transfer_ms=mib16 / 0.4e6)  # within 2x: averaged
+    assert rates.link_gb_per_s("p0", "d0") == pytest.approx(0.5 + 0.2 * (0.4 - 0.5))
+    rates.observe_transfer("p0", "d0", num_bytes=mib16, transfer_ms=mib16 / 0.0125e6)  # reshaped to 100 Mbit/s
+    assert rates.link_gb_per_s("p0", "d0") == pytest.approx(0.0125)  # at once (alpha alone: 0.39 GB/s, 31x off)
+    rates.observe_transfer("p0", "d0", num_bytes=64 << 10, transfer_ms=(64 << 10) / 0.1e6)  # a small pull: averaged
+    assert rates.link_gb_per_s("p0", "d0") == pytest.approx(0.0125 + 0.2 * (0.1 - 0.0125))
+    now[0] = 120.0  # stale: the next pull starts the estimate over, however close
+    rates.observe_transfer("p0", "d0", num_bytes=mib16, transfer_ms=mib16 / 0.03e6)
+    assert rates.link_gb_per_s("p0", "d0") == pytest.approx(0.03)
+    rates.observe_transfer("p0", "d0", num_bytes=mib16, transfer_ms=mib16 / 1.25e6)  # faster again (10 Gbit/s)
+    assert rates.link_gb_per_s("p0", "d0") == pytest.approx(1.25)
+
+
 def test_a_prefill_of_a_few_tokens_teaches_no_rate():
     # 9 tokens in 15 ms is a step's fixed cost, not 600 tok/s: the rate keeps its default
     rates = Rates(BASE)

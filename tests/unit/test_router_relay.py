@@ -444,16 +444,6 @@ def test_decode_worker_failing_before_any_token_is_replaced(stub, cluster, token
     wait_until(lambda: p0.releases == [retry.handle.lease_id])  # released once d1 answered, not before
 
 
-def test_decode_worker_failing_after_tokens_is_unavailable(stub, cluster, tokens):
-    d0, d1 = cluster.add("d0", "decode"), cluster.add("d1", "decode", running=1)
-    d0.decode = fail_with(grpc.StatusCode.INTERNAL, "boom", after=tokens[:2])
-    with pytest.raises(grpc.RpcError) as info:
-        list(stub.Generate(request(SHORT_PROMPT), timeout=10))
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "decode worker d0 failed after 2 tokens were streamed: INTERNAL: boom" in info.value.details()
-    assert d1.decode_requests == []
-
-
 def test_no_replacement_decode_worker_is_unavailable(stub, cluster):
     d0 = cluster.add("d0", "decode")
     d0.decode = fail_with(grpc.StatusCode.UNAVAILABLE, "gone")

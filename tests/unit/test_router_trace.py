@@ -76,3 +76,21 @@ def test_the_workers_instants_say_how_far_ahead_of_ps_compute_the_first_layer_la
     assert "streamed by layer, first layer in 387.5 ms before P finished" in line
     t.kv_first_layer_unix_ms = 1_000_401.0  # it landed after P finished: nothing hid behind the compute
     assert "before P finished" not in format_timings(pb.GenerateResponse(timings=t))
+
+
+def test_a_migrated_requests_new_worker_adds_its_note_not_its_figures_and_the_cli_line_says_it():
+    from router.generate_cli import format_timings
+
+    trace = RequestTrace(Clock())
+    trace.route("local", "cost")
+    trace.merge(pb.Timings(prefill_ms=40.0, queue_ms=2.0, transfer_bytes=4096, transfer_ms=1.0, decode_worker="d0"))
+    trace.note("migrated: decode worker d0 failed after 3 tokens were streamed: UNAVAILABLE: reset; resumed on d1")
+    trace.merge(pb.Timings(prefill_ms=900.0, queue_ms=50.0, transfer_bytes=1, route_reason="imported 32 prefix tokens",
+                           spec_draft_tokens=6, spec_accepted_tokens=4), migrated=True)
+    t = trace.final(prefill_worker="", decode_worker="d1")
+    assert (t.prefill_ms, t.queue_ms, t.transfer_bytes) == (40.0, 2.0, 4096)  # the route's, not d1's
+    assert (t.spec_draft_tokens, t.spec_accepted_tokens) == (6, 4)  # the finishing worker's
+    assert t.route_reason == ("cost; migrated: decode worker d0 failed after 3 tokens were streamed: UNAVAILABLE: "
+                              "reset; resumed on d1; imported 32 prefix tokens")
+    t.migrations, t.migration_ms = 1, 812.4
+    assert "| migrated 1x (waited 812 ms) |" in format_timings(pb.GenerateResponse(timings=t))

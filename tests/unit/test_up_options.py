@@ -39,3 +39,15 @@ def test_the_help_says_the_components_defaults():
     by_flag = {a.option_strings[0]: a for a in (*args.worker_options, *args.router_options)}
     assert "(default: tcp)" in by_flag["--kv-transport"].help
     assert "(default: cost)" in by_flag["--policy"].help
+
+
+def test_prefill_and_decode_workers_may_have_their_own_tensor_parallel_size():
+    from deploy.up import role_flags
+
+    args = _parse(["--tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1"])
+    worker = argv_of(args, args.worker_options)
+    assert worker == ["--tensor-parallel-size", "2"]
+    assert role_flags(args, "prefill") == [] and role_flags(args, "decode") == ["--tensor-parallel-size", "1"]
+    decode = worker_parser("decode").parse_args(["--redis-url", "redis://x", *worker, *role_flags(args, "decode")])
+    prefill = worker_parser("prefill").parse_args(["--redis-url", "redis://x", *worker, *role_flags(args, "prefill")])
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 1)

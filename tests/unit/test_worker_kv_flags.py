@@ -91,3 +91,13 @@ def test_store_flags_reach_the_config_with_a_write_policy_per_role():
         config("decode", "--kv-store", "mooncake://127.0.0.1:7000")
     with pytest.raises(ValueError, match="kv-store-buffer-blocks"):
         config("decode", "--kv-store", uri, "--kv-store-buffer-blocks", "0")
+
+
+def test_tensor_parallel_size_reaches_the_engine_with_a_share_of_the_cores_per_rank(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert config("decode").engine.tensor_parallel_size == 1 and config("decode").engine.num_threads is None
+    c = config("prefill", "--tensor-parallel-size", "2")
+    assert c.engine.tensor_parallel_size == 2 and c.engine.num_threads == 4
+    assert config("prefill", "--tensor-parallel-size", "2", "--num-threads", "3").engine.num_threads == 3
+    with pytest.raises(ValueError, match="--kv-staging always is not combined with --tensor-parallel-size"):
+        config("decode", "--tensor-parallel-size", "2", "--kv-staging", "always")
