@@ -1,4 +1,4 @@
-"""``baton bench trace`` (bench/trace_replay.py): the replay's plumbing on exact, hand-made inputs — the slice
+"""``baton bench trace`` (bench/trace_replay/): the replay's plumbing on exact, hand-made inputs — the slice
 scaled and cut to the context, the ceiling an unbounded cache reaches, the tier configurations, the accounting
 (hits as the workers report them), the gRPC client against a fake router (cached tokens from each request's
 usage, failures and the run bound), aiperf's records and the scaled trace file it replays. The replay against a
