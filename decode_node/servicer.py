@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from decode_node.first_tokens import RECOMPUTE
+from decode_node.handles import handle_problem, prefix_problem, prefix_reason
 from engine.core.outputs import RequestDelta
 from engine.errors import InvalidRequest
 from kv_transfer.errors import KVTransferError, PeerUnreachable
@@ -98,18 +99,16 @@ class DecodeServicer(WorkerServicer):
     async def _import_kv(self, request, prompt, outputs, params, kwargs, timings, marks, context):
         """Reserve blocks, pull the missing ones; returns how to start the request (None: locally)."""
         node, rid, handle = self.node, request.request_id, request.handle
-        reserved = await node.async_engine.call(
-            lambda e: e.add_remote_request(rid, prompt, outputs, params, **kwargs))
+        reserved = await self._reserve(rid, handle, prompt, outputs, params, kwargs, timings)
         if reserved is None:
-            self._fall_back(timings, "no_free_blocks", "no free blocks for the pulled KV")
             self._done_with(handle, marks)
             if not request.first_token_pending:
                 return None
             first = await self._first_token(request, context)  # P's first token is the client's already: keep it
             known = outputs if first == RECOMPUTE else [*outputs, first]
             return lambda e: e.add_request(rid, prompt, params, output_token_ids=known, **kwargs)
-        _, num_hit, dst_blocks = reserved
-        src = list(handle.block_ids[num_hit:])
+        _, num_hit, dst_blocks = reserved  # num_hit >= first_block: the blocks before it are not sent
+        src = list(handle.block_ids[num_hit - handle.first_block :])
         dst = dst_blocks[num_hit : num_hit + len(src)]
         marks.pull_s = time.perf_counter()
         try:
@@ -134,11 +133,27 @@ class DecodeServicer(WorkerServicer):
         _record_transfer(node, timings, stats, kind)
         return lambda e: e.activate_remote(rid, first)
 
+    async def _reserve(self, rid, handle, prompt, outputs, params, kwargs, timings):
+        """Blocks for the prompt, the leading ones ``handle`` does not send (cached here, or out of the sliding
+        window) among them: (request, how many need no pull, block ids); None (said in ``timings``) when the
+        handle cannot fill them or the pool cannot hold them now."""
+        node = self.node
+        problem = handle_problem(handle, len(prompt), node.engine.scheduler_config.sliding_window,
+                                 node.layout.block_size)
+        if problem is not None:
+            self._fall_back(timings, "handle_unusable", f"KV handle unusable ({problem})")
+            return None
+        reserved = await node.async_engine.call(
+            lambda e: e.add_remote_request(rid, prompt, outputs, params, first_block=handle.first_block, **kwargs))
+        if reserved is None:
+            self._fall_back(timings, "no_free_blocks", "no free blocks for the pulled KV")
+        return reserved
+
     async def _import_prefix(self, request, prompt, outputs, params, kwargs, timings, marks):
         """Reserve the request's blocks, pull the leased prefix blocks this worker lacks; returns how to start
         the request (None: prefill it all locally). Any failure recomputes the prefix here."""
         node, rid, handle = self.node, request.request_id, request.prefix_handle
-        problem = _prefix_problem(handle, len(prompt) + len(outputs), node.layout.block_size)
+        problem = prefix_problem(handle, len(prompt) + len(outputs), node.layout.block_size)
         if problem is not None:
             self._fall_back(timings, "prefix_unusable", f"prefix handle unusable ({problem})")
             return None
@@ -172,7 +187,7 @@ class DecodeServicer(WorkerServicer):
                 return lambda e: e.fallback_remote(rid)
             _record_transfer(node, timings, stats, kind)
         block_size = node.layout.block_size
-        timings.route_reason = _prefix_reason(len(src) * block_size, local * block_size, handle.worker_id)
+        timings.route_reason = prefix_reason(len(src) * block_size, local * block_size, handle.worker_id)
         return lambda e: e.activate_prefix(rid, n * block_size)
 
     def _fall_back(self, timings: pb.Timings, reason: str, why: str) -> None:
@@ -212,25 +227,6 @@ def _check_prefix_request(request: pb.DecodeRequest) -> None:
         raise InvalidRequest("prefix_handle and handle are exclusive: a prompt's KV comes from one place")
     if request.first_token_pending:
         raise InvalidRequest("first_token_pending needs a KV handle, not a prefix_handle")
-
-
-def _prefix_problem(handle: pb.KVHandle, num_tokens: int, block_size: int) -> str | None:
-    """Why a prefix handle cannot cover the first whole blocks of a request of ``num_tokens``, if it cannot."""
-    n = len(handle.block_hashes)
-    if n == 0 or len(handle.block_ids) != n:
-        return f"{len(handle.block_ids)} block ids for {n} block hashes"
-    if handle.num_tokens != n * block_size:
-        return f"num_tokens {handle.num_tokens} is not {n} blocks of {block_size} tokens"
-    if n * block_size >= num_tokens:
-        return f"a prefix of {handle.num_tokens} tokens leaves nothing to compute of {num_tokens}"
-    return None
-
-
-def _prefix_reason(num_pulled_tokens: int, num_local_tokens: int, worker_id: str) -> str:
-    if not num_pulled_tokens:
-        return f"the prefix {worker_id} leased was cached here already ({num_local_tokens} tokens); nothing pulled"
-    local = f" ({num_local_tokens} more were cached here)" if num_local_tokens else ""
-    return f"imported {num_pulled_tokens} prefix tokens from {worker_id}{local}"
 
 
 def _record_transfer(node, timings: pb.Timings, stats: TransferStats, kind: str) -> None:

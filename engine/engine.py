@@ -153,13 +153,15 @@ class Engine:
         priority: int = 0,
         cache_salt: str = "",
         eos_token_ids: frozenset[int] | None = None,
+        first_block: int = 0,
     ) -> tuple[Request, int, list[int]] | None:
         """Reserve blocks for a prompt whose KV another worker computed: returns (request, leading
-        blocks already cached here, all prompt block ids), or None when the pool is full right now.
+        blocks not to pull: cached here, or before ``first_block``, where the KV fell out of the sliding window
+        and was not sent; all prompt block ids), or None when the pool is full right now.
         Follow with ``activate_remote`` once the KV is in place, or ``fallback_remote`` to recompute."""
         request = self._new_request(request_id, prompt_token_ids, params, priority, cache_salt, eos_token_ids,
                                     output_token_ids)
-        reserved = self.scheduler.add_remote(request, len(prompt_token_ids))
+        reserved = self.scheduler.add_remote(request, len(prompt_token_ids), first_block)
         self._copy_host_blocks(wait=True)  # what the reservation evicted goes down before the pull overwrites it
         return None if reserved is None else (request, *reserved)
 

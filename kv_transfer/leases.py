@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kv_transfer.errors import LeaseNotFound
 
@@ -23,6 +23,7 @@ class Lease:
     lease_id: str
     block_ids: tuple[int, ...]
     expires_at: float  # seconds on the owner's clock
+    first_block: int = 0  # the prompt block block_ids start at (the ones before fell out of a sliding window)
 
     def is_expired(self, now: float) -> bool:
         return now >= self.expires_at
@@ -40,8 +41,10 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def create(self, block_ids: Sequence[int], ttl_s: float | None = None, *, now: float) -> Lease:
-        """Pin ``block_ids`` under a new lease that expires ``ttl_s`` (default: the table's) from ``now``."""
+    def create(self, block_ids: Sequence[int], ttl_s: float | None = None, *, now: float,
+               first_block: int = 0) -> Lease:
+        """Pin ``block_ids`` (a prompt's from ``first_block`` on) under a new lease that expires ``ttl_s``
+        (default: the table's) from ``now``."""
         ttl_s = self.default_ttl_s if ttl_s is None else ttl_s
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
@@ -49,7 +52,8 @@ class LeaseTable:
         if any(b < 0 for b in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"lease block ids must be distinct and >= 0, got {list(ids)}")
         lease_id = secrets.token_hex(LEASE_ID_BYTES)
-        lease = self._leases[lease_id] = Lease(lease_id=lease_id, block_ids=ids, expires_at=now + ttl_s)
+        lease = self._leases[lease_id] = Lease(lease_id=lease_id, block_ids=ids, expires_at=now + ttl_s,
+                                               first_block=first_block)
         return lease
 
     def get(self, lease_id: str, now: float) -> Lease:
@@ -69,8 +73,7 @@ class LeaseTable:
         if lease is None:
             return None
         ttl_s = self.default_ttl_s if ttl_s is None else ttl_s
-        renewed = self._leases[lease_id] = Lease(lease_id=lease_id, block_ids=lease.block_ids,
-                                                 expires_at=max(lease.expires_at, now + ttl_s))
+        renewed = self._leases[lease_id] = replace(lease, expires_at=max(lease.expires_at, now + ttl_s))
         return renewed
 
     def release(self, lease_id: str) -> Lease | None:

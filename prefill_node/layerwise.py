@@ -2,8 +2,9 @@
 
 A watched request gets a ``LayerProgress``. When a step schedules the request's last prompt chunk (the
 step that samples its first token, after which a prefill request ends and hands its blocks over), the
-engine thread calls ``on_admitted(request_id, block_ids, progress)`` on the event loop (where the node
-pins the blocks under a transfer lease at once) and then completes the progress layer by layer as the
+engine thread calls ``on_admitted(request_id, block_ids, progress, first_block)`` on the event loop (where the
+node pins the blocks under a transfer lease at once: those the request will hand over, from the prompt block
+``first_block`` on, past what fell out of a sliding window) and then completes the progress layer by layer as the
 model writes each layer's KV. A transfer server that streams (``kv_transfer.transport.STREAMING_KINDS``)
 sends layer l while layer l+1 computes; the other servers refuse the lease until every layer is done.
 
@@ -24,16 +25,20 @@ from collections.abc import Callable
 from engine.core.outputs import SchedulerOutput
 from kv_transfer.progress import LayerProgress, ReadyProbe
 
-Admitted = Callable[[str, tuple[int, ...], LayerProgress], None]  # (request id, block ids, progress), on the loop
+# (request id, block ids, progress, the prompt block they start at), on the loop
+Admitted = Callable[[str, tuple[int, ...], LayerProgress, int], None]
 
 
 class LayerwiseHooks:
     """The engine-step hooks that advance the progress of watched requests."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_layers: int, on_admitted: Admitted,
-                 ready_probe: Callable[[int], ReadyProbe | None] = lambda layer: None) -> None:
+                 ready_probe: Callable[[int], ReadyProbe | None] = lambda layer: None,
+                 first_block: Callable[[int], int] = lambda num_tokens: 0) -> None:
         self._loop, self.num_layers, self._on_admitted = loop, num_layers, on_admitted
         self._ready_probe = ready_probe  # layer -> its CUDA event's ``query`` (None on CPU)
+        # prompt tokens -> the first block its prefill hands over (a sliding window's: ``Scheduler._finish``)
+        self._first_block = first_block
         self._lock = threading.Lock()
         self._watched: dict[str, LayerProgress] = {}
         self._active: list[LayerProgress] = []  # the progresses the running step advances
@@ -57,11 +62,12 @@ class LayerwiseHooks:
     # ---- engine thread -----------------------------------------------------------------------
     def on_scheduled(self, output: SchedulerOutput) -> None:
         with self._lock:
-            admitted = [(seq.request.request_id, tuple(seq.block_ids), progress) for seq in output.seqs
+            admitted = [(seq.request.request_id, seq.block_ids, progress, self._first_block(seq.end))
+                        for seq in output.seqs
                         if seq.samples and (progress := self._watched.pop(seq.request.request_id, None))]
-        self._active = [progress for _, _, progress in admitted]
-        for request_id, block_ids, progress in admitted:
-            self._loop.call_soon_threadsafe(self._on_admitted, request_id, block_ids, progress)
+        self._active = [progress for _, _, progress, _ in admitted]
+        for request_id, block_ids, progress, first in admitted:
+            self._loop.call_soon_threadsafe(self._on_admitted, request_id, tuple(block_ids[first:]), progress, first)
 
     def on_layer(self, layer: int) -> None:
         for progress in self._active:

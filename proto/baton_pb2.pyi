@@ -180,7 +180,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., scale_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "data_plane_uri", "lease_id", "block_ids", "block_hashes", "num_tokens", "layout", "lease_expires_unix_ms", "grpc_address")
+    __slots__ = ("worker_id", "data_plane_uri", "lease_id", "block_ids", "block_hashes", "num_tokens", "layout", "lease_expires_unix_ms", "grpc_address", "first_block")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_URI_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class KVHandle(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     data_plane_uri: str
     lease_id: str
@@ -199,7 +200,8 @@ class KVHandle(_message.Message):
     layout: KVLayout
     lease_expires_unix_ms: int
     grpc_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., data_plane_uri: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., grpc_address: _Optional[str] = ...) -> None: ...
+    first_block: int
+    def __init__(self, worker_id: _Optional[str] = ..., data_plane_uri: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., grpc_address: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "token_ids", "chat", "sampling", "cache_salt", "priority", "model")

@@ -66,9 +66,11 @@ class WorkerLeases:
         """A new lease on blocks already pinned in the engine (a cached prefix)."""
         return self._opened(self.table.create(block_ids, now=self._clock()))
 
-    def pin_admitted(self, request_id: str, block_ids: Sequence[int], progress: LayerProgress) -> Lease:
-        """Layer-wise: pin the request's blocks as their computing step starts; wakes its ``wait_admitted``."""
-        lease = self.table.create(block_ids, now=self._clock())
+    def pin_admitted(self, request_id: str, block_ids: Sequence[int], progress: LayerProgress,
+                     first_block: int = 0) -> Lease:
+        """Layer-wise: pin the request's blocks (its prompt's from ``first_block`` on) as their computing step
+        starts; wakes its ``wait_admitted``."""
+        lease = self.table.create(block_ids, now=self._clock(), first_block=first_block)
         self._admitted[request_id] = self._of_request[request_id] = lease
         self._progress[lease.lease_id] = progress
         self._opened(lease, progress)
@@ -77,13 +79,15 @@ class WorkerLeases:
             waiter.set_result(lease)
         return lease
 
-    def hand_over(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """The prefill of ``request_id`` finished holding ``block_ids``: they become its lease. Pinned at
-        admission already: that lease's clock restarts now (as a lease made after the prefill would), or it was
-        released / expired meanwhile, which freed its blocks; only what the request holds beyond them is freed."""
+    def hand_over(self, request_id: str, block_ids: Sequence[int], first_block: int = 0) -> None:
+        """The prefill of ``request_id`` finished holding ``block_ids`` (its prompt's from ``first_block`` on):
+        they become its lease. Pinned at admission already: that lease's clock restarts now (as a lease made
+        after the prefill would), or it was released / expired meanwhile, which freed its blocks; only what the
+        request holds beyond them is freed."""
         admitted = self._admitted.pop(request_id, None)
         if admitted is None:
-            self._of_request[request_id] = self._opened(self.table.create(block_ids, now=self._clock()))
+            lease = self.table.create(block_ids, now=self._clock(), first_block=first_block)
+            self._of_request[request_id] = self._opened(lease)
             return
         self._progress.pop(admitted.lease_id, None)
         renewed = self.table.renew(admitted.lease_id, now=self._clock())

@@ -59,6 +59,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             worker_id=node.worker_id, data_plane_uri=uri or node.kv_uri, lease_id=lease.lease_id,
             block_ids=node.leases.read_ids(lease), num_tokens=num_tokens, layout=layout_to_pb(node.layout),
             lease_expires_unix_ms=node.leases.expiry_unix_ms(lease), grpc_address=node.grpc_address,
+            first_block=lease.first_block,
         )
 
     async def LeasePrefix(self, request: pb.LeasePrefixRequest, context) -> pb.LeasePrefixResponse:

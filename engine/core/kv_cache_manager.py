@@ -16,6 +16,12 @@ from engine.core.store_writes import StoreCopy, StoreWrites
 from kv_transfer.hashing import BlockHash, hash_blocks, root_hash
 
 
+def window_start(num_computed_tokens: int, window: int | None, block_size: int) -> int:
+    """The first block the token after ``num_computed_tokens`` attends to when every layer attends within
+    ``window`` tokens (the token itself included); 0 without a window."""
+    return 0 if window is None else max(num_computed_tokens - window + 1, 0) // block_size
+
+
 class KVCacheManager:
     def __init__(self, config: CacheConfig, model_fingerprint: bytes) -> None:
         self.block_size = config.block_size
@@ -168,7 +174,7 @@ class KVCacheManager:
         become ``pad_block`` (a block no request owns; attention masks those positions anyway). A committed
         block stays in the prefix cache, evictable."""
         blocks = self._blocks.get(request.request_id)
-        first_needed = max(request.num_computed_tokens - window + 1, 0) // self.block_size
+        first_needed = window_start(request.num_computed_tokens, window, self.block_size)
         if not blocks or first_needed <= request.num_window_freed:
             return
         freed = blocks[request.num_window_freed : first_needed]
@@ -193,6 +199,37 @@ class KVCacheManager:
         """Hand the request's blocks (still referenced) to the caller, who frees them with ``release``."""
         self._num_committed.pop(request.request_id, None)
         return self._blocks.pop(request.request_id, [])
+
+    def hand_over(self, request: Request, window: int | None) -> tuple[int, tuple[int, ...]]:
+        """``detach`` a finished prefill's blocks from the first its next token attends to under ``window``
+        (every layer's; None: all of them): (that block's index, the blocks). The ones before go back to the
+        pool now (``free_outside_window``), committed ones staying in the prefix cache, evictable."""
+        if window is not None:
+            self.free_outside_window(request, window)
+        first, request.num_window_freed = request.num_window_freed, 0
+        return first, tuple(self.detach(request)[first:])
+
+    def allocate_window(self, request: Request, num_tokens: int, first_block: int) -> int | None:
+        """Blocks for the first ``num_tokens`` of a request whose first ``first_block`` blocks fell out of the
+        window before it arrived (another worker computed it and handed over the rest): pad entries, as
+        ``free_outside_window`` leaves them; then the pool's cached blocks continuing the prompt at
+        ``first_block`` (a block's hash names its whole prefix, so the ones before need not be here; the host
+        tier is not asked); then fresh blocks. Returns the index of the first fresh block, or None when the
+        pool cannot hold them now. Only blocks from that index on are committed later (never a pad entry)."""
+        cached: list[int] = []
+        if self.enable_caching:
+            request.update_block_hashes(self.root(request.cache_salt), self.block_size)
+            cached = self.pool.longest_cached_prefix(request.block_hashes[first_block : num_tokens // self.block_size])
+        num_fresh = self.blocks_needed(num_tokens) - first_block - len(cached)
+        if num_fresh > self.pool.num_free_blocks - sum(1 for b in cached if self.pool.ref_count(b) == 0):
+            return None
+        self.pool.touch(cached)
+        fresh = self.pool.allocate(num_fresh)
+        self._offer_evicted()
+        self._blocks[request.request_id] = [self.pad_block] * first_block + cached + fresh
+        self._num_committed[request.request_id] = first_block + len(cached)
+        request.num_window_freed = first_block
+        return first_block + len(cached)
 
     def release(self, block_ids: list[int]) -> None:
         self.pool.free(reversed(block_ids))

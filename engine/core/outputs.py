@@ -63,6 +63,7 @@ class RequestDelta:
     queue_s: float | None = None  # the request's wait before its first scheduled step (Request.queue_s)
     num_draft_tokens: int = 0  # speculative decoding, on the finishing delta: tokens drafted for the request
     num_accepted_tokens: int = 0  # ... and how many of them the target accepted
+    held_first_block: int = 0  # the prompt block held_block_ids start at: those before fell out of the window
 
     @property
     def finished(self) -> bool:

@@ -6,27 +6,51 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.core.kv_cache_manager import window_start
 from engine.core.request import Request, RequestStatus
 from engine.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    from engine.config import SchedulerConfig
     from engine.core.kv_cache_manager import KVCacheManager
 
 
 class RemoteRequests:
+    config: SchedulerConfig
     kv_cache: KVCacheManager
     running: list[Request]
     _requests: dict[str, Request]
 
-    def add_remote(self, request: Request, num_prompt_tokens: int) -> tuple[int, list[int]] | None:
+    def add_remote(self, request: Request, num_prompt_tokens: int,
+                   first_block: int = 0) -> tuple[int, list[int]] | None:
         """Reserve blocks for a prompt whose KV will be pulled; reuse locally cached prefix blocks.
 
-        Returns (number of leading blocks already cached here, the request's block ids), or None
-        when the pool cannot hold the prompt now (the caller falls back to local prefill). Cached here means in
-        the pool or, past it, in the host tier: those blocks are copied up into fresh blocks (the caller makes
-        the copies before anything writes into the reservation).
+        Returns (how many leading blocks need no pull, the request's block ids), or None when the pool cannot
+        hold the prompt now (the caller falls back to local prefill). Cached here means in the pool or, past it,
+        in the host tier: those blocks are copied up into fresh blocks (the caller makes the copies before
+        anything writes into the reservation). ``first_block`` > 0: the prompt's blocks before it fell out of
+        the sliding window and are not sent; they are pad entries here (``KVCacheManager.allocate_window``).
         """
         self._check_new(request)  # before any block is allocated: a refused id must not leak them
+        size = self.kv_cache.block_size
+        needed = window_start(num_prompt_tokens, self.config.sliding_window, size)
+        if not 0 <= first_block <= needed:
+            raise InvalidRequest(f"request {request.request_id!r}: KV from prompt block {first_block} on cannot do: "
+                                 f"this model attends from block {needed} of a {num_prompt_tokens}-token prompt")
+        if first_block:
+            num_hit = self.kv_cache.allocate_window(request, num_prompt_tokens, first_block)
+        else:
+            num_hit = self._allocate_prompt(request, num_prompt_tokens)
+        if num_hit is None:
+            return None
+        self.add_request(request)
+        self.waiting.remove(request)
+        request.num_cached_tokens = (num_hit - first_block) * size  # pad entries hold no cached KV
+        request.transition(RequestStatus.WAITING_FOR_REMOTE_KV)
+        return num_hit, list(self.kv_cache.block_ids(request.request_id))
+
+    def _allocate_prompt(self, request: Request, num_prompt_tokens: int) -> int | None:
+        """``add_remote``'s blocks for the whole prompt: its cached prefix, then fresh ones (None: no room)."""
         size, limit = self.kv_cache.block_size, num_prompt_tokens // self.kv_cache.block_size
         computed = self.kv_cache.get_computed_blocks(request)[:limit]
         hosted = self.kv_cache.host_prefix(request, len(computed))
@@ -40,11 +64,7 @@ class RemoteRequests:
             return None
         if hosted:
             self.kv_cache.load_from_host(hosted, fresh[: len(hosted)])
-        self.add_request(request)
-        self.waiting.remove(request)
-        request.num_cached_tokens = num_hit * self.kv_cache.block_size
-        request.transition(RequestStatus.WAITING_FOR_REMOTE_KV)
-        return num_hit, list(self.kv_cache.block_ids(request.request_id))
+        return num_hit
 
     def activate_remote(self, request_id: str, num_prompt_tokens: int) -> None:
         """The pulled KV is in place: the request joins the running batch at its next token.

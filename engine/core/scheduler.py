@@ -237,9 +237,9 @@ class Scheduler(RemoteRequests):
         return results
 
     def _slide(self, request: Request) -> None:
-        """A model whose every layer attends within a window frees what fell out of it (not a prefill's prompt,
-        whose blocks are handed over whole)."""
-        if self.config.sliding_window is not None and not request.hold_blocks:
+        """A model whose every layer attends within a window frees what fell out of it (a prefill's prompt too:
+        its later chunks never attend there; ``_finish`` hands over only the blocks its next token attends to)."""
+        if self.config.sliding_window is not None:
             self.kv_cache.free_outside_window(request, self.config.sliding_window)
 
     def _after_tokens(self, request: Request, tokens: list[int], entries: list) -> RequestDelta:
@@ -275,9 +275,9 @@ class Scheduler(RemoteRequests):
         return None
 
     def _finish(self, request: Request, tokens: list[int], new_logprobs: Sequence = ()) -> RequestDelta:
-        held: tuple[int, ...] = ()
+        first_held, held = 0, ()
         if request.hold_blocks and request.status != RequestStatus.FINISHED_ABORTED:
-            held = tuple(self.kv_cache.detach(request))
+            first_held, held = self.kv_cache.hand_over(request, self.config.sliding_window)
         else:
             self.kv_cache.free(request)
         del self._requests[request.request_id]
@@ -285,7 +285,7 @@ class Scheduler(RemoteRequests):
         drafted, accepted_ = self.speculator.forget(request.request_id) if self.speculator else (0, 0)
         return RequestDelta(
             request.request_id, tokens, request.finish_reason, list(new_logprobs),
-            request.num_prompt_tokens, request.num_cached_tokens, held, request.queue_s, drafted, accepted_,
+            request.num_prompt_tokens, request.num_cached_tokens, held, request.queue_s, drafted, accepted_, first_held,
         )
 
     def stats(self) -> SchedulerStats:

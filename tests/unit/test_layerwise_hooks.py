@@ -34,7 +34,8 @@ def test_hooks_pin_at_the_last_chunk_and_complete_every_layer(engine):
         loop = asyncio.get_running_loop()
         admitted: list[tuple[str, tuple[int, ...], int]] = []
         hooks = LayerwiseHooks(loop, engine.model_config.num_layers,
-                               lambda rid, blocks, progress: admitted.append((rid, blocks, progress.num_complete)))
+                               lambda rid, blocks, progress, _first: admitted.append((rid, blocks,
+                                                                                      progress.num_complete)))
         async_engine = AsyncEngine(engine, step_hooks=hooks)
         async_engine.start()
         try:
