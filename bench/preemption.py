@@ -7,7 +7,8 @@ A KV pool too small for the batch forces preemptions. ``recompute`` frees a pree
 blocks stay cached: in the pool, or in the host tier once evicted) and recomputes what is gone; ``swap`` copies
 all its blocks to the host tier and back. Both runs have the same host tier (``--host-blocks``), so recompute
 also gets back whatever the pool and the host tier still cache; what swap adds is the partial last block and
-everything the caches dropped. Reported per mode: wall seconds, output tokens/s, preemptions, and the prompt and
+everything the caches dropped. A request is preempted when it needs a new block, i.e. when all its blocks are
+full: with its blocks still cached (pool or host tier), recompute redoes nothing. Reported per mode: wall seconds, output tokens/s, preemptions, and the prompt and
 output tokens computed again (forward-pass tokens beyond one pass over each request); outputs must be equal.
 """
 
