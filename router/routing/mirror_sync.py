@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from kv_transfer.index_schema import EVENT_WORKER_DOWN, EVENT_WORKER_UP, IndexEvent, TieredLookup
 from kv_transfer.redis_index import KVIndex
+from router.routing.chain_match import ChainMatch
 from router.routing.index_mirror import IndexMirror
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class MirrorSync:
     def lookup_tiers(self, hashes: Sequence[bytes]) -> TieredLookup | None:
         """The mirror's answer per tier, or None while it is not in sync."""
         return self.mirror.lookup_tiers(hashes) if self.ready else None
+
+    def match(self, hashes: Sequence[bytes]) -> ChainMatch | None:
+        """The mirror's walk (``IndexMirror.match``), or None while it is not in sync."""
+        return self.mirror.match(hashes) if self.ready else None
 
     def start(self) -> None:
         if self._task is None:
