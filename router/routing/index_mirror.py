@@ -181,18 +181,19 @@ class IndexMirror:
         (any tier), ``alive_gpu`` those holding each in their KV pool; a group ends where a block lacks it."""
         holders, off_gpu = self._holders, self._off_gpu
         store_bit = 1 << self._ids[STORE] if STORE in self._ids else 0
+        workers = ~store_bit  # the store's prefix is counted apart (``store``)
         gpu_ends: list[tuple[int, int]] = []
         any_ends: list[tuple[int, int]] = []
-        alive = alive_gpu = -1  # every holder, before the first block
+        alive = alive_gpu = workers  # every worker, before the first block
         store = depth = 0
         for h in hashes:
             value = holders.get(h)
             if value is None:
                 break
-            bits = _bits(value)
-            next_alive = alive & bits & ~store_bit
+            bits = value if value >= 0 else 1 << ~value  # _bits, inlined: this loop runs per prompt block
+            next_alive = alive & bits
             off = off_gpu.get(h)
-            next_gpu = alive_gpu & bits & ~store_bit & ~_bits(off) if off is not None else alive_gpu & next_alive
+            next_gpu = alive_gpu & next_alive if off is None else alive_gpu & bits & ~_bits(off)
             store_extends = store == depth and bits & store_bit
             if not next_alive and not store_extends:
                 break

@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_transfer.index_schema import STORE, TieredLookup, walk_chain
-from router.routing import index_mirror
 from router.routing.chain_match import TieredMatch
 from router.routing.index_mirror import IndexMirror
 
@@ -95,24 +94,38 @@ def test_a_block_held_once_stores_no_bitmap():
     assert mirror._holders[bytes([0, 0]) * 8] == ~299  # noqa: SLF001 - back to one holder
 
 
-def test_the_walk_touches_each_block_once_whatever_the_number_of_holders(monkeypatch):
+class CountingDict(dict):
+    gets = 0
+
+    def get(self, key, default=None):
+        CountingDict.gets += 1
+        return super().get(key, default)
+
+
+def test_the_walk_touches_each_block_once_whatever_the_number_of_holders():
     """1,000 holders of a 64-block chain (ending at every depth) and 1 holder: the walk reads each block's
     bitmap once and records one end group per depth where prefixes end; holders are named only on demand."""
-    calls = {"bits": 0}
-    real = index_mirror._bits
-
-    def counting(value: int) -> int:
-        calls["bits"] += 1
-        return real(value)
-
-    monkeypatch.setattr(index_mirror, "_bits", counting)
     chain = [bytes([i]) * 16 for i in range(64)]
     for holders in (1, 1000):
-        mirror, calls["bits"] = IndexMirror(), 0
+        mirror = IndexMirror()
         for i in range(holders):
             mirror.store(f"w{i}", chain[: 1 + i % 64])
-        calls["bits"] = 0
+        mirror._holders = CountingDict(mirror._holders)  # noqa: SLF001 - count the walk's reads
+        mirror._off_gpu = CountingDict(mirror._off_gpu)  # noqa: SLF001
+        CountingDict.gets = 0
         match = mirror.match(chain)
-        assert calls["bits"] <= 64, holders  # one read per block (no off-pool tier here)
+        assert CountingDict.gets <= 2 * 64, holders  # a bitmap and an off-pool one per block, whatever the holders
         assert len(match.any_ends) == min(holders, 64)
         assert match.depths(f"w{holders - 1}") == ((holders - 1) % 64 + 1,) * 2
+
+
+def test_a_mirror_past_its_entry_limit_frees_itself_and_stays_off():
+    from router.routing.mirror_sync import MirrorSync
+
+    sync = MirrorSync(index=None, max_entries=5)  # type: ignore[arg-type] - within_limit reads no Redis
+    sync.mirror.store("a", CHAIN[:3])
+    sync.ready = True
+    assert sync.within_limit() and sync.match(CHAIN) is not None
+    sync.mirror.store("b", CHAIN[:3])  # 6 entries
+    assert not sync.within_limit()
+    assert sync.over_limit and not sync.ready and len(sync.mirror) == 0 and sync.match(CHAIN) is None
