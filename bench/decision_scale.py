@@ -44,7 +44,7 @@ from kv_transfer.hashing import hash_blocks, root_hash
 from router.routing.directory import Snapshot, build_candidates, served_scheme
 from router.routing.index_mirror import IndexMirror
 from router.routing.policy import PolicyConfig, RouteRequest, RoutingState, route
-from router.routing.preselect import Books, PoolView, PreselectConfig
+from router.routing.preselect import Books, PoolView, PreselectConfig, preselect_for
 
 SYSTEM_TOKENS, PROMPT_TOKENS, NUM_PROMPTS = 512, 4096, 64
 VIEW_TTL_S = 0.5  # WorkerDirectory's listing TTL (RouterConfig.worker_list_ttl_s)
@@ -105,7 +105,7 @@ class NewPath:
     """The relay's path after issue 23, with its per-listing view."""
 
     def __init__(self, s: Scenario, mirror: IndexMirror, config: PolicyConfig, preselect: PreselectConfig) -> None:
-        self.s, self.mirror, self.config, self.preselect = s, mirror, config, preselect
+        self.s, self.mirror, self.config, self.preselect = s, mirror, config, preselect_for(config, preselect)
         self.state = RoutingState.for_config(config, seed=0)
         self.view: PoolView | None = None
         self.view_built_s = 0.0

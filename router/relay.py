@@ -66,7 +66,7 @@ from router.routing.in_progress import InflightPrefills, PendingPrefixes
 from router.routing.policy import (
     Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, pick_decode, route,
 )
-from router.routing.preselect import Books, PoolView, PreselectConfig
+from router.routing.preselect import Books, PoolView, PreselectConfig, preselect_for
 from router.routing.prefix_reuse import lease_prefix
 from router.trace import RequestTrace
 from router.tracing import RequestSpans
@@ -86,7 +86,8 @@ class Relay:
         max_migrations: int = 2, preselect: PreselectConfig | None = None,
     ) -> None:
         self.directory, self.tokenizer, self.policy = directory, tokenizer, policy
-        self.preselect = preselect if preselect is not None else PreselectConfig()  # who is priced at scale
+        # who is priced in a large pool (None: everyone, as the baseline policies need)
+        self.preselect = preselect_for(policy, preselect if preselect is not None else PreselectConfig())
         self._view: PoolView | None = None  # the last snapshot's workers, ranked by load
         self.kv_layerwise = kv_layerwise  # remote prefills by PrefillStream, D pulling while P computes
         # the router-wide admission limit, shared by both fronts (None: no limit)

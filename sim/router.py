@@ -24,7 +24,7 @@ from router.routing.cost_model import used_kv_blocks
 from router.routing.directory import HashScheme, Snapshot, served_scheme
 from router.routing.in_progress import InflightPrefills, PendingPrefixes
 from router.routing.index_mirror import IndexMirror
-from router.routing.preselect import Books, PoolView, PreselectConfig
+from router.routing.preselect import Books, PoolView, PreselectConfig, preselect_for
 from router.routing.policy import PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, route
 from router.routing.rates import Rates
 
@@ -51,7 +51,7 @@ class SimRouter:
     def __init__(self, policy: PolicyConfig, workers: Sequence[WorkerInfo], *, clock: Callable[[], float],
                  seed: int, preselect: PreselectConfig | None = None) -> None:
         self.policy = policy
-        self.preselect = preselect if preselect is not None else PreselectConfig()
+        self.preselect = preselect_for(policy, preselect if preselect is not None else PreselectConfig())
         self.routing = RoutingState(rates=Rates(policy.rates, clock=clock), rng=random.Random(seed))
         self.inflight: Counter[str] = Counter()
         self.inflight_prefills = InflightPrefills(clock=clock)
@@ -61,6 +61,7 @@ class SimRouter:
         self._entries: dict[str, tuple[WorkerInfo, WorkerLoad | None]] = {w.worker_id: (w, None) for w in workers}
         self._snapshot: Snapshot | None = None
         self._view: PoolView | None = None
+        self._reported: set[str] = set()  # workers whose load changed since the view was last brought up to date
         self._scheme: HashScheme | None = served_scheme(tuple(self._entries.values()))
         # wall time of each decision (index lookup, candidates, books, route()) and of route() alone: the real
         # router's cost per request at this scale
@@ -73,6 +74,7 @@ class SimRouter:
         """A heartbeat (``{ns}:load:{id}``)."""
         self._entries[worker_id] = (self._entries[worker_id][0], load)
         self._snapshot = None
+        self._reported.add(worker_id)
 
     def snapshot(self) -> Snapshot:
         if self._snapshot is None:
@@ -81,10 +83,15 @@ class SimRouter:
         return self._snapshot
 
     def pool_view(self) -> PoolView:
-        """The relay's ``Relay.pool_view``: the snapshot's workers ranked by load, once per snapshot."""
+        """The relay's ``Relay.pool_view``: the snapshot's workers ranked by load. The relay builds one per
+        listing (every 0.5 s); here every heartbeat makes a new snapshot, so the view moves the workers that
+        reported since the last decision (the same ranking a fresh view would build, without the sort)."""
         snapshot = self.snapshot()
-        if self._view is None or self._view.snapshot is not snapshot:
+        if self._view is None:
             self._view = PoolView(snapshot)
+        elif self._view.snapshot is not snapshot:
+            self._view.update(snapshot, self._reported)
+        self._reported.clear()
         return self._view
 
     # ---- relay: _Flow._route (and _prefill's / _count_local_prefill's in-flight books) --------

@@ -14,11 +14,11 @@ Shape (issue 23, item 4: a lookup whose cost does not grow with the holders of a
 - the walk ANDs the chain's bitmaps (one C operation per block, ~N/64 machine words for N holders in all),
   stops at the first block that continues nobody's prefix, and records only where prefixes *end*
   (``ChainMatch``): no holder is named unless someone asks about it;
-- per holder, the set of its blocks (the same ``bytes`` objects as the keys): a holder's drop or resync
-  clears exactly its bits.
+- per holder, its blocks (a dict of the same ``bytes`` objects as the keys): a holder's drop or resync clears
+  exactly its bits.
 
 No per-(block, holder) Python object: per distinct block one dict entry, its key and its int; per
-(block, holder) one slot in the holder's set. The memory per million entries is measured by
+(block, holder) one slot in the holder's dict. Nothing the garbage collector tracks grows with the index. The memory per million entries is measured by
 ``python -m bench decision-latency`` (docs/benchmarks.md, "Index and router at 1,000 workers").
 """
 
@@ -51,7 +51,10 @@ class IndexMirror:
     def __init__(self) -> None:
         self._holders: dict[bytes, int] = {}  # block hash -> holders (packed bitmap over ids)
         self._off_gpu: dict[bytes, int] = {}  # block hash -> holders holding it outside their KV pool (packed)
-        self._held: list[set[bytes] | None] = []  # id -> the holder's block hashes (None: a free id)
+        # id -> the holder's block hashes (None: a free id). A dict of None, not a set: a dict of atomic keys and
+        # values is one the garbage collector does not track, while a set always is (and a full collection then
+        # visits every entry: ~0.1 s at 10M)
+        self._held: list[dict[bytes, None] | None] = []
         # (id, block) -> tier, for a tier this version does not name (off its KV pool a worker's is cpu, the store's
         # store)
         self._off_tier: dict[tuple[int, bytes], str] = {}
@@ -99,7 +102,7 @@ class IndexMirror:
         assert held is not None
         for h in hashes:
             blocks[h] = _packed(_bits(blocks.get(h, 0)) | bit)
-            held.add(h)
+            held[h] = None
             if tier == TIER_GPU:
                 self._discard_off_gpu(h, i)
             else:
@@ -123,7 +126,7 @@ class IndexMirror:
             else:
                 del blocks[h]
             self._discard_off_gpu(h, i)
-            held.discard(h)
+            held.pop(h, None)
 
     def _discard_off_gpu(self, block_hash: bytes, i: int) -> None:
         value = self._off_gpu.get(block_hash)
@@ -192,7 +195,7 @@ class IndexMirror:
                 break
             bits = value if value >= 0 else 1 << ~value  # _bits, inlined: this loop runs per prompt block
             next_alive = alive & bits
-            off = off_gpu.get(h)
+            off = off_gpu.get(h) if off_gpu else None  # most indexes hold every block in KV pools only
             next_gpu = alive_gpu & next_alive if off is None else alive_gpu & bits & ~_bits(off)
             store_extends = store == depth and bits & store_bit
             if not next_alive and not store_extends:
@@ -220,11 +223,11 @@ class IndexMirror:
         if self._free:
             i = heapq.heappop(self._free)
             names[i] = holder
-            self._held[i] = set()
+            self._held[i] = {}
         else:
             i = len(names)
             names.append(holder)
-            self._held.append(set())
+            self._held.append({})
         ids[holder] = i
         self._ids, self._names = ids, tuple(names)
         return i

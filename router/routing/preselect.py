@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kv_transfer.workers import WorkerLoad
 from router.routing.chain_match import PrefixMatch
 from router.routing.directory import HashScheme, Snapshot, WorkerEntry, build_candidates, scheme_of, served_scheme
 from router.routing.in_progress import InflightPrefills
-from router.routing.policy import Candidate
+from router.routing.policy import Candidate, PolicyConfig
 from router.routing.rates import Rates
 
 LoadKey = tuple[int, int]
@@ -54,6 +54,12 @@ class PreselectConfig:
             raise ValueError(f"PreselectConfig: counts must be >= 0 and least_loaded >= 1: {self}")
 
 
+def preselect_for(policy: PolicyConfig, config: PreselectConfig) -> PreselectConfig | None:
+    """Pre-selection serves the cost policy; the baselines (round-robin, random, least loaded, prefix overlap)
+    are benchmarks of a choice over every worker and keep it (None: price everyone)."""
+    return config if policy.policy == "cost" else None
+
+
 @dataclass(slots=True)
 class Books:
     """What this router sent and has not seen finish (``router.relay``'s books), as pre-selection reads them."""
@@ -66,30 +72,53 @@ class Books:
 
 class PoolView:
     """The served workers of one registry snapshot, each role ranked by its reported load (built once per
-    snapshot, read by every decision until the next)."""
+    snapshot, read by every decision until the next; ``update`` re-ranks the workers whose load changed)."""
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
         self.scheme: HashScheme | None = served_scheme(snapshot.workers)
-        self.entries: list[WorkerEntry] = [e for e in snapshot.workers if scheme_of(e[0]) == self.scheme]
-        self._position = {info.worker_id: i for i, (info, _) in enumerate(self.entries)}
-        self._entry = {info.worker_id: entry for entry in self.entries for info in (entry[0],)}
-        routable = [(info, load) for info, load in self.entries if info.worker_id not in snapshot.draining]
+        served = [(i, e) for i, e in enumerate(snapshot.workers) if scheme_of(e[0]) == self.scheme]
+        self._position = {info.worker_id: i for i, (info, _) in served}  # in snapshot.workers
+        self._entry: dict[str, WorkerEntry] = {entry[0].worker_id: entry for _, entry in served}
+        routable = [(info, load) for _, (info, load) in served if info.worker_id not in snapshot.draining]
         self._role = {info.worker_id: info.role for info, _ in routable}
+        self._key = {info.worker_id: _reported_key(info.role, load) for info, load in routable}
         self._ranked: dict[str, list[tuple[LoadKey, str]]] = {
-            role: sorted((_reported_key(role, load), info.worker_id) for info, load in routable if info.role == role)
-            for role in ROLES
+            role: sorted((self._key[w], w) for w, r in self._role.items() if r == role) for role in ROLES
         }
-        self._ids: dict[str, list[str]] = {role: [w for _, w in ranked] for role, ranked in self._ranked.items()}
+        self._ids: dict[str, list[str]] = {role: [w for w, r in self._role.items() if r == role] for role in ROLES}
 
     def __len__(self) -> int:
-        return len(self.entries)
+        """Served workers."""
+        return len(self._entry)
 
-    def candidates(self, match: PrefixMatch, books: Books, config: PreselectConfig,
+    def update(self, snapshot: Snapshot, changed: Iterable[str]) -> None:
+        """``snapshot`` lists the same workers (same order, same registrations, same draining set) with new loads
+        for ``changed``: move only those in their role's ranking (a bisect and a memmove each, no sort)."""
+        self.snapshot = snapshot
+        for worker_id in changed:
+            position = self._position.get(worker_id)
+            if position is None:
+                continue
+            entry = snapshot.workers[position]
+            assert entry[0].worker_id == worker_id, "update needs the same workers in the same order"
+            self._entry[worker_id] = entry
+            role = self._role.get(worker_id)
+            if role is None:  # draining: not ranked
+                continue
+            ranked, old = self._ranked[role], (self._key[worker_id], worker_id)
+            del ranked[bisect.bisect_left(ranked, old)]
+            self._key[worker_id] = key = _reported_key(role, entry[1])
+            bisect.insort(ranked, (key, worker_id))
+
+    def candidates(self, match: PrefixMatch, books: Books, config: PreselectConfig | None,
                    rng: random.Random) -> tuple[list[Candidate], bool]:
-        """The candidates to price and whether they were pre-selected (False: every served worker)."""
+        """The candidates to price and whether they were pre-selected (False: every served worker, as always
+        with ``config`` None)."""
         assert self.scheme is not None
-        chosen = self.preselect(match, books, config, rng) if len(self.entries) > config.above else None
+        chosen = None
+        if config is not None and len(self) > config.above:
+            chosen = self.preselect(match, books, config, rng)
         if chosen is None:
             tiered = match.to_tiered()
             backlogs = books.prefills.backlogs(self.snapshot.workers, books.rates)

@@ -129,3 +129,15 @@ def test_a_mirror_past_its_entry_limit_frees_itself_and_stays_off():
     sync.mirror.store("b", CHAIN[:3])  # 6 entries
     assert not sync.within_limit()
     assert sync.over_limit and not sync.ready and len(sync.mirror) == 0 and sync.match(CHAIN) is None
+
+
+def test_nothing_the_garbage_collector_walks_grows_with_the_index():
+    """A full collection visits every entry of every tracked container: none of the mirror's may hold entries."""
+    import gc
+
+    mirror = IndexMirror()
+    mirror.store("a", CHAIN)
+    mirror.store("b", CHAIN[:3], "cpu")
+    mirror.store(STORE, CHAIN[:2], "store")
+    assert not gc.is_tracked(mirror._holders) and not gc.is_tracked(mirror._off_gpu)  # noqa: SLF001
+    assert not any(gc.is_tracked(held) for held in mirror._held)  # noqa: SLF001

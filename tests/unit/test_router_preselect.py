@@ -212,3 +212,38 @@ def test_at_most_above_workers_everyone_is_priced_and_with_no_routable_decode_to
     request = RouteRequest(num_prompt_tokens=100, block_size=BLOCK_SIZE)
     with pytest.raises(WorkerUnavailable, match="4 draining"):
         route(request, candidates, PolicyConfig(), preselected=preselected)
+
+
+def test_a_view_updated_with_new_loads_ranks_as_a_fresh_one():
+    rng = random.Random(5)
+    snapshot = cluster(rng, 40, 40, draining=frozenset({"d3", "p7"}))
+    view = PoolView(snapshot)
+    workers = list(snapshot.workers)
+    changed = set()
+    for _ in range(30):
+        i = rng.randrange(len(workers))
+        info, _ = workers[i]
+        workers[i] = (info, WorkerLoad(running=rng.randint(0, 40), waiting=0, free_blocks=1000,
+                                       queued_prefill_tokens=rng.randint(0, 9000)))
+        changed.add(info.worker_id)
+    later = Snapshot(workers=tuple(workers), draining=snapshot.draining, taken_at_s=1.0)
+    view.update(later, changed)
+    fresh = PoolView(later)
+    assert view._ranked == fresh._ranked and view._entry == fresh._entry  # noqa: SLF001
+    books = Books({}, InflightPrefills(), {}, Rates())
+    config = PreselectConfig(above=0)
+    assert view.preselect(IndexMirror().match(CHAIN), books, config, random.Random(1)) == \
+        fresh.preselect(IndexMirror().match(CHAIN), books, config, random.Random(1))
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random", "least_loaded", "prefix_overlap"])
+def test_the_baselines_still_choose_among_every_worker(policy):
+    from router.routing.preselect import preselect_for
+
+    rng = random.Random(2)
+    snapshot = cluster(rng, 100, 100)
+    config = preselect_for(PolicyConfig(policy=policy), PreselectConfig())
+    candidates, preselected = PoolView(snapshot).candidates(IndexMirror().match(CHAIN), Books(
+        {}, InflightPrefills(), {}, Rates()), config, rng)
+    assert config is None and not preselected and len(candidates) == 200
+    assert preselect_for(PolicyConfig(), PreselectConfig()) == PreselectConfig()
