@@ -220,6 +220,8 @@ def route_by_cost(
     ]
     best = cost_model.choose(priced, config.cost, state.rng)
     sampled_note = f" ({len(sampled)} of {len(fits)} decode workers priced)" if len(sampled) < len(fits) else ""
+    if preselected:
+        sampled_note = f" ({len(sampled)} pre-selected decode workers priced)"
     others = sorted((p for p in priced if p is not best), key=lambda p: p.cost_s)
     runner_up = ""
     if others:  # what the choice was weighed against
