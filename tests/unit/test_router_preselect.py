@@ -247,3 +247,22 @@ def test_the_baselines_still_choose_among_every_worker(policy):
         {}, InflightPrefills(), {}, Rates()), config, rng)
     assert config is None and not preselected and len(candidates) == 200
     assert preselect_for(PolicyConfig(), PreselectConfig()) == PreselectConfig()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_property_the_redis_answer_preselects_as_the_mirrors(seed):
+    """While the mirror is not in sync the directory hands pre-selection the Redis script's ``TieredLookup``
+    (``TieredMatch``): the same workers are pre-selected, with the same prefix counts."""
+    from router.routing.chain_match import TieredMatch
+
+    rng, clock = random.Random(seed), Clock()
+    snapshot = cluster(rng, rng.randint(20, 60), rng.randint(20, 60))
+    books, mirror, view = books_for(rng, snapshot, clock), fill_index(rng, snapshot), PoolView(snapshot)
+    config = PreselectConfig(above=0, holders=3, least_loaded=2, sampled=1, large_group=rng.choice([4, 64]))
+    match = mirror.match(CHAIN)
+    tiered = TieredMatch(match.to_tiered())
+    assert view.preselect(match, books, config, random.Random(seed)) == \
+        view.preselect(tiered, books, config, random.Random(seed))
+    assert view.candidates(match, books, config, random.Random(1)) == \
+        view.candidates(tiered, books, config, random.Random(1))
