@@ -1,6 +1,11 @@
 """Router decision latency: what the router computes per request, per policy, with 16 registered workers.
 
     python -m bench.decision_latency [--decisions 2000] [--lookups 1000]
+    python -m bench.decision_latency --workers 16 64 256 1000 [--index-entries 200000] [--scale-decisions 500]
+
+With ``--workers``: decision latency against the worker count with a filled KV index, the path before issue 23
+beside the one after (pre-selection, the bitmap mirror), and the mirror's memory per entry:
+``bench.decision_scale`` says what is measured.
 
 One decision is what ``router.relay`` does between the registry snapshot and the first RPC: pick the
 served hash scheme, hash the prompt's blocks (``hash_blocks``, a 4,096-token prompt, block size 16: 256
@@ -50,12 +55,17 @@ def _layout_json(fingerprint: bytes) -> str:
 
 def make_snapshot(rng: random.Random, fingerprint: bytes) -> Snapshot:
     """8 prefill + 8 decode workers with varied, realistic loads (as their last heartbeats reported)."""
+    return make_workers(rng, fingerprint, 8, 8)
+
+
+def make_workers(rng: random.Random, fingerprint: bytes, num_prefill: int, num_decode: int) -> Snapshot:
+    """Prefill and decode workers with varied, realistic loads (as their last heartbeats reported)."""
     layout_json = _layout_json(fingerprint)
     entries = []
-    for role, count in (("prefill", 8), ("decode", 8)):
+    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
         for i in range(count):
-            info = WorkerInfo(worker_id=f"{role[0]}{i}", role=role, grpc_address=f"10.0.0.{i}:5005{i}",
-                              kv_uri=f"tcp://10.0.0.{i}:6000", model_fingerprint=fingerprint.hex(),
+            info = WorkerInfo(worker_id=f"{role[0]}{i}", role=role, grpc_address=f"10.0.{i // 256}.{i % 256}:50051",
+                              kv_uri=f"tcp://10.0.{i // 256}.{i % 256}:6000", model_fingerprint=fingerprint.hex(),
                               layout_json=layout_json, total_blocks=TOTAL_BLOCKS)
             running = rng.randint(8, 48) if role == "decode" else rng.randint(0, 2)
             load = WorkerLoad(running=running, waiting=rng.randint(0, 4),
@@ -209,9 +219,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decisions", type=int, default=2000, help="timed decisions per policy")
     p.add_argument("--lookups", type=int, default=1000, help="timed KVIndex.lookup calls")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, nargs="+", default=None,
+                   help="worker counts (half prefill, half decode): the at-scale sweep instead of the policy table")
+    p.add_argument("--index-entries", type=int, default=200_000,
+                   help="with --workers: (block, holder) entries in the index at each worker count")
+    p.add_argument("--scale-decisions", type=int, default=500, help="with --workers: timed decisions per path")
+    p.add_argument("--memory-entries", type=int, default=200_000,
+                   help="with --workers: entries each mirror is filled with to measure its memory (0: skip)")
+    p.add_argument("--no-redis", action="store_true", help="with --workers: fill the index in memory only")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     fingerprint = rng.randbytes(32)
+    if args.workers:
+        return _scale(args, rng, fingerprint)
     snapshot = make_snapshot(rng, fingerprint)
     prompts = [[rng.randrange(4, 32_000) for _ in range(PROMPT_TOKENS)] for _ in range(64)]
     policies = {}
@@ -231,6 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2))
     print(f"wrote {RESULTS}")
+    return 0
+
+
+def _scale(args: argparse.Namespace, rng: random.Random, fingerprint: bytes) -> int:
+    from bench import decision_scale
+
+    report = decision_scale.run(args, rng, fingerprint)
+    decision_scale.print_table(report)
+    path = RESULTS.with_name("decision_scale.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
     return 0
 
 

@@ -11,9 +11,13 @@ and the store holds it too. Timed per lookup of the whole chain, one client, one
 - **v2 script**: ``KVIndex.lookup_tiers`` (``HGETALL``, per worker a KV-pool and a pool-or-host count, and the
   store's count);
 - **v1 mirror**: the in-memory mirror's walk before v2 (holder sets intersected along the chain), verbatim;
-- **v2 mirror**: ``KVIndex.lookup_tiers``'s answer from the router's in-memory mirror (``--index-mirror``).
+- **v2 mirror**: ``KVIndex.lookup_tiers``'s answer from the in-memory mirror of index v2 (per block a set of holder
+  names, ``bench.set_mirror``: the router's mirror until issue 23);
+- **v3 match**: the router's mirror since issue 23 (``IndexMirror.match``: bitmaps over compact holder ids, only
+  where prefixes end recorded; holders named on demand);
+- **v3 named**: the same with every holder named (``IndexMirror.lookup_tiers``, the full ``TieredLookup``).
 
-Both scripts walk O(blocks x holders); the at-scale index (cost independent of holders) is issue 23's.
+Both scripts and both older mirrors walk O(blocks x holders); v3's match costs O(blocks) big-int operations.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.set_mirror import SetMirror
 from kv_transfer.redis_index import STORE, KVIndex
 
 RESULTS = Path(__file__).parent / "results" / "index_lookup.json"
@@ -106,11 +111,22 @@ async def measure(redis_url: str, holder_counts: list[int], num_blocks: int, n: 
             sync = MirrorSync(index)
             await sync.sync()
             assert sync.mirror.lookup_tiers(hashes) == got
+            sets = SetMirror()
+            for holder in sync.followed:
+                for tier in ("gpu", "cpu", "store"):
+                    sets.store(holder, [h for h, t in sync.mirror.held(holder).items() if t == tier], tier)
+            assert sets.lookup_tiers(hashes) == got
 
             v1_holders = {h: every_holder for h in hashes}  # the same holders, no tiers
             assert len(v1_mirror_lookup(v1_holders, hashes)) == holders + 1
 
             async def mirrored() -> None:
+                sets.lookup_tiers(hashes)
+
+            async def matched() -> None:
+                sync.mirror.match(hashes)
+
+            async def named() -> None:
                 sync.mirror.lookup_tiers(hashes)
 
             async def v1_mirrored() -> None:
@@ -121,7 +137,9 @@ async def measure(redis_url: str, holder_counts: list[int], num_blocks: int, n: 
                          "v1_script": summary(await _timed(lambda: v1(keys=keys), n)),
                          "v2_script": summary(await _timed(lambda: index.lookup_tiers(hashes), n)),
                          "v1_mirror": summary(await _timed(v1_mirrored, n)),
-                         "v2_mirror": summary(await _timed(mirrored, n))})
+                         "v2_mirror": summary(await _timed(mirrored, n)),
+                         "v3_match": summary(await _timed(matched, n)),
+                         "v3_named": summary(await _timed(named, n))})
         await redis.flushdb()
     finally:
         await redis.aclose()
@@ -150,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(measure(redis_url, args.holders, args.blocks, args.lookups))
     finally:
         stop_all(children)
-    columns = ("v1_script", "v2_script", "v1_mirror", "v2_mirror")
+    columns = ("v1_script", "v2_script", "v1_mirror", "v2_mirror", "v3_match", "v3_named")
     print(f"\n{'holders':>8}" + "".join(f"{c.replace('_', ' ') + ' p50/p99 ms':>22}" for c in columns))
     for row in rows:
         cells = [f"{row[k]['p50_ms']:.3f} / {row[k]['p99_ms']:.3f}" for k in columns]

@@ -33,6 +33,9 @@ def argv_of(args: argparse.Namespace, actions: Sequence[argparse.Action]) -> lis
     for action in actions:
         if action.dest not in vars(args):
             continue
-        flag = action.option_strings[0]
-        words += [flag] if isinstance(action, _FLAG_ACTIONS) else [flag, str(getattr(args, action.dest))]
+        flag, value = action.option_strings[0], getattr(args, action.dest)
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+            words.append(action.option_strings[0 if value else 1])
+        else:
+            words += [flag] if isinstance(action, _FLAG_ACTIONS) else [flag, str(value)]
     return words

@@ -15,7 +15,9 @@ from engine.errors import ModelLoadError
 if TYPE_CHECKING:
     from engine.gguf_file import GGUFFile
 from router.admin.planner import PlannerConfig
+from router.routing.mirror_sync import DEFAULT_MIRROR_MAX_ENTRIES
 from router.routing.policy import PolicyConfig
+from router.routing.preselect import PreselectConfig
 
 DEFAULT_PORT = 50051
 DEFAULT_ROUTER_ADDRESS = f"localhost:{DEFAULT_PORT}"
@@ -40,9 +42,13 @@ class RouterConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # `baton admin plan` limits and cool-downs
     max_inflight_requests: int | None = None  # admission limit: more in flight get RESOURCE_EXHAUSTED (None: none)
     shutdown_grace_s: float = 5.0
-    index_mirror: bool = False  # mirror the KV index in memory from {ns}:events:{id}: no round trip per lookup
+    # mirror the KV index in memory from {ns}:events:{id}: no round trip per lookup (docs/architecture.md, "KV index
+    # at scale": on by default since issue 23), unless it grows past this many (block, holder) entries
+    index_mirror: bool = True
+    index_mirror_max_entries: int = DEFAULT_MIRROR_MAX_ENTRIES
     kv_layerwise: bool = False  # remote prefills stream KV layer by layer to D while P computes (PrefillStream)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    preselect: PreselectConfig = field(default_factory=PreselectConfig)  # who is priced in a large pool
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -16,7 +16,9 @@ from proto import tls
 from router.config import DEFAULT_MAX_MIGRATIONS, DEFAULT_PORT, RouterConfig
 from router.routing.cost_model import CostConfig
 from router.admin.planner import PlannerConfig
+from router.routing.mirror_sync import DEFAULT_MIRROR_MAX_ENTRIES
 from router.routing.policy import POLICIES, PolicyConfig
+from router.routing.preselect import PreselectConfig
 from router.server import start_router
 
 log = logging.getLogger(__name__)
@@ -43,10 +45,16 @@ def add_routing_options(group) -> None:
     group.add_argument("--kv-layerwise", action="store_true",
                        help="remote prefills stream the KV to the decode worker layer by layer while the prefill "
                        "worker computes it (tcp data plane), instead of after the prefill")
-    group.add_argument("--index-mirror", action="store_true",
+    group.add_argument("--index-mirror", action=argparse.BooleanOptionalAction, default=True,
                        help="mirror the KV block index in memory from its per-worker event streams "
                        "({ns}:events:{id}): routing reads no Redis per request, and every router replaying "
-                       "the streams agrees")
+                       "the streams agrees (default: on; --no-index-mirror asks Redis per request)")
+    group.add_argument("--index-mirror-max-entries", type=int, default=DEFAULT_MIRROR_MAX_ENTRIES,
+                       help="past this many (block, worker) entries the mirror is dropped and lookups go to Redis "
+                       "(~150 B each in memory; default: %(default)s)")
+    group.add_argument("--preselect-above", type=int, default=PreselectConfig().above,
+                       help="with more served workers than this, price only the prefix holders, the least loaded "
+                       "and a few sampled per role, not everyone (default: %(default)s)")
     group.add_argument("--router-temperature", type=float, default=0.0,
                        help="softmax temperature in seconds over the cost policy's per-worker costs; "
                        "0 picks the cheapest (default: %(default)s)")
@@ -132,7 +140,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         model_path=source.path, model_name=args.model_name or source.name,
         redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
         ns=args.ns, host=args.host, port=args.port, max_model_len=args.max_model_len,
-        request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror, kv_layerwise=args.kv_layerwise,
+        request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror,
+        index_mirror_max_entries=args.index_mirror_max_entries, kv_layerwise=args.kv_layerwise,
+        preselect=PreselectConfig(above=args.preselect_above),
         max_inflight_requests=args.max_inflight_requests, max_migrations=args.max_migrations,
         planner=PlannerConfig(max_workers=args.planner_max_workers, down_cooldown_s=args.planner_down_cooldown_s),
         policy=PolicyConfig(disagg_threshold_tokens=args.disagg_threshold_tokens,

@@ -55,7 +55,7 @@ from router.admission import AdmissionGate
 from router.control import WorkerControl
 from router.convert import worker_sampling
 from router.routing.cost_model import used_kv_blocks
-from router.routing.directory import Snapshot, WorkerDirectory, build_candidates, served_scheme
+from router.routing.directory import Snapshot, WorkerDirectory
 from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, error_from_status
 from router.frontend import Job
 from router.handoff import KVLease
@@ -66,6 +66,7 @@ from router.routing.in_progress import InflightPrefills, PendingPrefixes
 from router.routing.policy import (
     Candidate, PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, pick_decode, route,
 )
+from router.routing.preselect import Books, PoolView, PreselectConfig, preselect_for
 from router.routing.prefix_reuse import lease_prefix
 from router.trace import RequestTrace
 from router.tracing import RequestSpans
@@ -82,9 +83,12 @@ class Relay:
         self, directory: WorkerDirectory, tokenizer: Tokenizer, policy: PolicyConfig, *,
         decode_retries: int = 1, control_rpc_timeout_s: float = 2.0, metrics: RouterMetrics | None = None,
         tracer: Any | None = None, max_inflight_requests: int | None = None, kv_layerwise: bool = False,
-        max_migrations: int = 2,
+        max_migrations: int = 2, preselect: PreselectConfig | None = None,
     ) -> None:
         self.directory, self.tokenizer, self.policy = directory, tokenizer, policy
+        # who is priced in a large pool (None: everyone, as the baseline policies need)
+        self.preselect = preselect_for(policy, preselect if preselect is not None else PreselectConfig())
+        self._view: PoolView | None = None  # the last snapshot's workers, ranked by load
         self.kv_layerwise = kv_layerwise  # remote prefills by PrefillStream, D pulling while P computes
         # the router-wide admission limit, shared by both fronts (None: no limit)
         self.admission = AdmissionGate(max_inflight_requests)
@@ -102,6 +106,12 @@ class Relay:
         # prompts sent to a worker to compute, until the index shows their blocks
         self.pending_prefixes = PendingPrefixes()
         self.tracer = tracer if tracer is not None else current_tracer()  # None: no spans at all
+
+    def pool_view(self, snapshot: Snapshot) -> PoolView:
+        """``snapshot``'s served workers ranked by load: built once per listing, shared by its decisions."""
+        if self._view is None or self._view.snapshot is not snapshot:
+            self._view = PoolView(snapshot)
+        return self._view
 
     @property
     def inflight_prefill_tokens(self) -> dict[str, int]:
@@ -153,6 +163,7 @@ class _Flow:
         self._cached_prompt_tokens = 0
         self._snapshot: Snapshot | None = None
         self._candidates: list[Candidate] = []
+        self._preselected = False  # the candidates are a large pool's pre-selected few
         self._route_request: RouteRequest | None = None
         self._hashes: list[BlockHash] = []  # the prompt's blocks, as the in-progress book prices them
         self.stage = Stage.ROUTING
@@ -221,18 +232,19 @@ class _Flow:
     async def _look_up(self, tokens: list[int]) -> tuple[list[Candidate], int, list[BlockHash]]:
         """Every worker priced for computing ``tokens`` (what the index and the router's books say it holds),
         the block size and ``tokens``' block hashes; a fresh listing in ``self._snapshot``."""
-        self._snapshot = await self._relay.directory.snapshot()
-        scheme = served_scheme(self._snapshot.workers)
+        relay = self._relay
+        self._snapshot = await relay.directory.snapshot()
+        view = relay.pool_view(self._snapshot)
+        scheme = view.scheme
         if scheme is None:
             raise WorkerUnavailable("no decode workers registered")
         root = root_hash(scheme.fingerprint, scheme.block_size, self._job.cache_salt)
         hashes = hash_blocks(tokens, scheme.block_size, root)
-        tiers = await self._relay.directory.lookup_tiers(hashes)
-        candidates = build_candidates(self._snapshot, scheme, tiers.gpu, self._relay.inflight,
-                                      self._relay.inflight_prefills.backlogs(self._snapshot.workers,
-                                                                             self._relay.routing.rates),
-                                      self._relay.pending_prefixes.lookup(hashes), tiers.gpu_or_cpu)
-        self._store_blocks = tiers.store  # the shared store's leading blocks (priced as a fetch)
+        match = await relay.directory.match(hashes)
+        books = Books(relay.inflight, relay.inflight_prefills, relay.pending_prefixes.lookup(hashes),
+                      relay.routing.rates)
+        candidates, self._preselected = view.candidates(match, books, relay.preselect, relay.routing.rng)
+        self._store_blocks = match.store  # the shared store's leading blocks (priced as a fetch)
         return candidates, scheme.block_size, hashes
 
     async def _route(self) -> RouteDecision:
@@ -241,7 +253,8 @@ class _Flow:
         self._route_request = RouteRequest(num_prompt_tokens=len(prompt), block_size=block_size,
                                            max_tokens=self._job.params.max_tokens, store_blocks=self._store_blocks)
         pending = self._relay.pending_prefixes
-        decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing)
+        decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing,
+                         preselected=self._preselected)
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
         pending.add(self._job.worker_request_id, decision.prefill_id or decision.decode_id, hashes)
@@ -262,7 +275,8 @@ class _Flow:
             return None
         try:
             decision = route(self._route_request, self._candidates, self._relay.policy,
-                             exclude=(failed.prefill_id or "",), state=self._relay.routing)
+                             exclude=(failed.prefill_id or "",), state=self._relay.routing,
+                             preselected=self._preselected)
         except (WorkerUnavailable, CapacityExceeded):
             return None
         if decision.kind is not RouteKind.REMOTE:
@@ -453,7 +467,8 @@ class _Flow:
             candidates, block_size, _ = await self._look_up(tokens)
             request = RouteRequest(num_prompt_tokens=len(tokens), block_size=block_size, num_resumed_outputs=outputs,
                                    max_tokens=None if max_tokens is None else max_tokens - outputs)
-            decision = route(request, candidates, self._relay.policy, exclude=excluded, state=self._relay.routing)
+            decision = route(request, candidates, self._relay.policy, exclude=excluded, state=self._relay.routing,
+                             preselected=self._preselected)
         except (WorkerUnavailable, CapacityExceeded) as exc:
             raise WorkerUnavailable(f"{why}; no other decode worker can resume it ({exc})") from failure
         self._migrations.moved(self._trace.now())

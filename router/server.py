@@ -193,7 +193,7 @@ async def start_router(
                          max_model_len=resolve_max_model_len(config, card))
     redis = connect(config.redis_url)
     registry = Registry(redis, config.ns)
-    mirror = MirrorSync(registry.index) if config.index_mirror else None
+    mirror = MirrorSync(registry.index, max_entries=config.index_mirror_max_entries) if config.index_mirror else None
     if mirror is not None:
         mirror.start()  # lookups go to Redis until its first snapshot is in
     directory = WorkerDirectory(registry, ttl_s=config.worker_list_ttl_s,
@@ -202,7 +202,8 @@ async def start_router(
     relay = Relay(directory, tokenizer, config.policy, decode_retries=config.decode_retries,
                   max_migrations=config.max_migrations,
                   control_rpc_timeout_s=config.control_rpc_timeout_s, metrics=metrics,
-                  max_inflight_requests=config.max_inflight_requests, kv_layerwise=config.kv_layerwise)
+                  max_inflight_requests=config.max_inflight_requests, kv_layerwise=config.kv_layerwise,
+                  preselect=config.preselect)
     frontend = Frontend(tokenizer, limits)
     servicer = GenerationServicer(frontend, relay, directory, card, request_timeout_s=config.request_timeout_s)
     server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), ErrorInterceptor(metrics)])

@@ -2,11 +2,12 @@
 
 Everything that decides is the real code, imported: ``router.routing.policy.route`` (the cost model of
 ``cost_model`` and the baselines), ``Rates`` (learned on the simulated clock), ``InflightPrefills`` and
-``PendingPrefixes`` (the in-progress books), the in-flight counter, ``build_candidates`` / ``served_scheme``
-(the directory's pure part) and ``IndexMirror`` (the router's in-memory KV index, which the modelled workers'
-block events fill). What this module re-does is the relay's glue, since the relay itself is gRPC: each method
-names the relay lines it stands for, with the same arguments (``_Flow._route``, ``_prefill``, ``_on_prefilled``,
-``_on_decode_progress``, ``_learn_overhead``, ``_cleanup``). Pure: no I/O, the clock is injected.
+``PendingPrefixes`` (the in-progress books), the in-flight counter, ``PoolView`` (the directory's pure part:
+``served_scheme``, ``build_candidates`` and pre-selection at scale) and ``IndexMirror`` (the router's in-memory
+KV index, which the modelled workers' block events fill). What this module re-does is the relay's glue, since the
+relay itself is gRPC: each method names the relay lines it stands for, with the same arguments (``_Flow._route``,
+``_prefill``, ``_on_prefilled``, ``_on_decode_progress``, ``_learn_overhead``, ``_cleanup``). Pure: no I/O, the
+clock is injected.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 from kv_transfer.hashing import BlockHash
 from kv_transfer.workers import WorkerInfo, WorkerLoad
 from router.routing.cost_model import used_kv_blocks
-from router.routing.directory import HashScheme, Snapshot, build_candidates, served_scheme
+from router.routing.directory import HashScheme, Snapshot, served_scheme
 from router.routing.in_progress import InflightPrefills, PendingPrefixes
 from router.routing.index_mirror import IndexMirror
+from router.routing.preselect import Books, PoolView, PreselectConfig, preselect_for
 from router.routing.policy import PolicyConfig, RouteDecision, RouteKind, RouteRequest, RoutingState, route
 from router.routing.rates import Rates
 
@@ -47,8 +49,9 @@ class Routed:
 
 class SimRouter:
     def __init__(self, policy: PolicyConfig, workers: Sequence[WorkerInfo], *, clock: Callable[[], float],
-                 seed: int) -> None:
+                 seed: int, preselect: PreselectConfig | None = None) -> None:
         self.policy = policy
+        self.preselect = preselect_for(policy, preselect if preselect is not None else PreselectConfig())
         self.routing = RoutingState(rates=Rates(policy.rates, clock=clock), rng=random.Random(seed))
         self.inflight: Counter[str] = Counter()
         self.inflight_prefills = InflightPrefills(clock=clock)
@@ -57,6 +60,8 @@ class SimRouter:
         self._clock = clock
         self._entries: dict[str, tuple[WorkerInfo, WorkerLoad | None]] = {w.worker_id: (w, None) for w in workers}
         self._snapshot: Snapshot | None = None
+        self._view: PoolView | None = None
+        self._reported: set[str] = set()  # workers whose load changed since the view was last brought up to date
         self._scheme: HashScheme | None = served_scheme(tuple(self._entries.values()))
         # wall time of each decision (index lookup, candidates, books, route()) and of route() alone: the real
         # router's cost per request at this scale
@@ -69,6 +74,7 @@ class SimRouter:
         """A heartbeat (``{ns}:load:{id}``)."""
         self._entries[worker_id] = (self._entries[worker_id][0], load)
         self._snapshot = None
+        self._reported.add(worker_id)
 
     def snapshot(self) -> Snapshot:
         if self._snapshot is None:
@@ -76,20 +82,30 @@ class SimRouter:
                                       taken_at_s=self._clock())
         return self._snapshot
 
+    def pool_view(self) -> PoolView:
+        """The relay's ``Relay.pool_view``: the snapshot's workers ranked by load. The relay builds one per
+        listing (every 0.5 s); here every heartbeat makes a new snapshot, so the view moves the workers that
+        reported since the last decision (the same ranking a fresh view would build, without the sort)."""
+        snapshot = self.snapshot()
+        if self._view is None:
+            self._view = PoolView(snapshot)
+        elif self._view.snapshot is not snapshot:
+            self._view.update(snapshot, self._reported)
+        self._reported.clear()
+        return self._view
+
     # ---- relay: _Flow._route (and _prefill's / _count_local_prefill's in-flight books) --------
     def route(self, request_id: str, hashes: Sequence[BlockHash], num_prompt_tokens: int,
               max_tokens: int) -> Routed:
         """Raises ``WorkerUnavailable`` / ``CapacityExceeded`` as the relay's routing stage does."""
         started = time.perf_counter()
-        snapshot, scheme = self.snapshot(), self._scheme
-        cached = self.index.lookup(hashes)
-        candidates = build_candidates(snapshot, scheme, cached, self.inflight,
-                                      self.inflight_prefills.backlogs(snapshot.workers, self.routing.rates),
-                                      self.pending_prefixes.lookup(hashes))
+        view, scheme = self.pool_view(), self.scheme
+        books = Books(self.inflight, self.inflight_prefills, self.pending_prefixes.lookup(hashes), self.routing.rates)
+        candidates, preselected = view.candidates(self.index.match(hashes), books, self.preselect, self.routing.rng)
         request = RouteRequest(num_prompt_tokens=num_prompt_tokens, block_size=scheme.block_size,
                                max_tokens=max_tokens)
         routing = time.perf_counter()
-        decision = route(request, candidates, self.policy, state=self.routing)
+        decision = route(request, candidates, self.policy, state=self.routing, preselected=preselected)
         ended = time.perf_counter()
         self.decision_s.append(ended - started)
         self.policy_s.append(ended - routing)

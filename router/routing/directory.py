@@ -24,6 +24,7 @@ from kv_transfer.workers import WorkerInfo, WorkerLoad
 from proto import baton_pb2_grpc as pb_grpc
 from proto.tls import PEER_CHANNEL_OPTIONS, TlsConfig, aio_channel
 from router.errors import WorkerUnavailable
+from router.routing.chain_match import PrefixMatch, TieredMatch
 from router.routing.mirror_sync import MirrorSync
 from router.routing.policy import Candidate
 
@@ -94,9 +95,10 @@ def build_candidates(
     snapshot: Snapshot, scheme: HashScheme, cached_blocks: Mapping[str, int],
     inflight: Mapping[str, int] | None = None,
     inflight_prefill_tokens: Mapping[str, int] | None = None, pending_blocks: Mapping[str, int] | None = None,
-    tiered_blocks: Mapping[str, int] | None = None,
+    tiered_blocks: Mapping[str, int] | None = None, workers: Sequence[WorkerEntry] | None = None,
 ) -> list[Candidate]:
-    """``cached_blocks``: the index's KV-pool (gpu) counts; ``tiered_blocks``: its pool-or-host counts."""
+    """``cached_blocks``: the index's KV-pool (gpu) counts; ``tiered_blocks``: its pool-or-host counts;
+    ``workers``: the snapshot's workers to build (pre-selected, ``router.routing.preselect``), else all."""
     inflight, prefill_tokens, pending = inflight or {}, inflight_prefill_tokens or {}, pending_blocks or {}
     tiered = tiered_blocks or {}
     return [
@@ -107,7 +109,7 @@ def build_candidates(
             inflight_prefill_tokens=prefill_tokens.get(info.worker_id, 0),
             pending_blocks=pending.get(info.worker_id, 0),
         )
-        for info, load in snapshot.workers
+        for info, load in (snapshot.workers if workers is None else workers)
         if scheme_of(info) == scheme
     ]
 
@@ -202,6 +204,13 @@ class WorkerDirectory:
             log.warning("KV index lookup failed, routing by load only for %.1f s: %r", self._redis_retry_s, exc)
             self._lookups_paused_until_s = self._clock() + self._redis_retry_s
             return TieredLookup()
+
+    async def match(self, hashes: list[bytes]) -> PrefixMatch:
+        """``lookup_tiers``' answer in the shape pre-selection reads: the mirror's walk while it is in sync
+        (holders named only on demand), else the Redis script's answer (or none)."""
+        if self.mirror is not None and (mirrored := self.mirror.match(hashes)) is not None:
+            return mirrored
+        return TieredMatch(await self.lookup_tiers(hashes))
 
     def stub(self, info: WorkerInfo) -> pb_grpc.WorkerStub:
         channel = self._channels.get(info.grpc_address)

@@ -30,16 +30,26 @@ from collections.abc import Sequence
 
 from kv_transfer.index_schema import EVENT_WORKER_DOWN, EVENT_WORKER_UP, IndexEvent, TieredLookup
 from kv_transfer.redis_index import KVIndex
+from router.routing.chain_match import ChainMatch
 from router.routing.index_mirror import IndexMirror
 
 log = logging.getLogger(__name__)
+
+# (block, holder) entries past which the mirror is dropped and lookups go to Redis: ~150 B each (docs/benchmarks.md,
+# "Index and router at 1,000 workers"), so about 2.4 GB
+DEFAULT_MIRROR_MAX_ENTRIES = 16_000_000
 
 
 class MirrorSync:
     """Keeps ``mirror`` equal to the index: per-holder snapshots, then one tail of every holder's stream."""
 
-    def __init__(self, index: KVIndex, *, block_ms: int = 1000, batch: int = 1000, retry_s: float = 1.0) -> None:
+    def __init__(self, index: KVIndex, *, block_ms: int = 1000, batch: int = 1000, retry_s: float = 1.0,
+                 max_entries: int = DEFAULT_MIRROR_MAX_ENTRIES) -> None:
+        """``max_entries``: past this many (block, holder) entries the mirror gives up (``over_limit``): its
+        memory is freed and lookups go to Redis, for good (a warning says so; restart with a larger limit)."""
         self.index = index
+        self.max_entries = max_entries
+        self.over_limit = False
         self.mirror = IndexMirror()
         self.ready = False
         self.control_id = "0-0"  # the newest control entry applied
@@ -64,6 +74,10 @@ class MirrorSync:
     def lookup_tiers(self, hashes: Sequence[bytes]) -> TieredLookup | None:
         """The mirror's answer per tier, or None while it is not in sync."""
         return self.mirror.lookup_tiers(hashes) if self.ready else None
+
+    def match(self, hashes: Sequence[bytes]) -> ChainMatch | None:
+        """The mirror's walk (``IndexMirror.match``), or None while it is not in sync."""
+        return self.mirror.match(hashes) if self.ready else None
 
     def start(self) -> None:
         if self._task is None:
@@ -172,13 +186,27 @@ class MirrorSync:
             return True
         return added < self.position + num_read or self.position < added - length
 
+    def within_limit(self) -> bool:
+        """False, and the mirror emptied for good, once it holds more than ``max_entries`` entries."""
+        if self.mirror.num_entries <= self.max_entries:
+            return True
+        log.warning("KV index mirror: %d entries, more than --index-mirror-max-entries %d; dropping it, routing "
+                    "reads the index in Redis from now on", self.mirror.num_entries, self.max_entries)
+        self.over_limit, self.ready = True, False
+        self.mirror = IndexMirror()
+        return False
+
     async def _run(self) -> None:
         while not self._stopping:
             try:
                 await self.sync()
+                if not self.within_limit():
+                    return
                 self.ready = True
                 while not self._stopping:
                     await self.catch_up(block_ms=self._block_ms)
+                    if not self.within_limit():
+                        return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis down or restarted: fall back, retry, resync

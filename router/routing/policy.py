@@ -162,13 +162,16 @@ def route(
     *,
     exclude: Collection[str] = (),
     state: RoutingState | None = None,
+    preselected: bool = False,
 ) -> RouteDecision:
     """Decode worker first (it holds the request for its whole life), then where its prompt is computed.
 
-    ``state`` carries rates and randomness across calls; without one, defaults and a fixed seed."""
+    ``state`` carries rates and randomness across calls; without one, defaults and a fixed seed.
+    ``preselected``: ``candidates`` are the few that can win in a large pool (``router.routing.preselect``):
+    the cost policy prices every one of them (no power-of-two sampling on top)."""
     state = RoutingState.for_config(config, seed=0) if state is None else state
     if config.policy == "cost":
-        return route_by_cost(request, candidates, config, state, exclude)
+        return route_by_cost(request, candidates, config, state, exclude, preselected=preselected)
     if config.policy == "least_loaded":
         return route_least_loaded(request, candidates, config, exclude)
     return _route_baseline(request, candidates, config, state, exclude)
@@ -195,9 +198,10 @@ def route_least_loaded(
 
 def route_by_cost(
     request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig, state: RoutingState,
-    exclude: Collection[str] = (),
+    exclude: Collection[str] = (), *, preselected: bool = False,
 ) -> RouteDecision:
-    """Price each decode worker that fits (two of them in a large pool) with its best prefill plan."""
+    """Price each decode worker that fits (two of them in a large pool not ``preselected``) with its best
+    prefill plan."""
     # a prefix hit may only be pulled from a worker that holds it now (the index), but is priced on one that
     # is computing it too: the second request waits for those blocks and computes its tail
     source = cost_model.prefix_source(request, [c for c in candidates if c.worker_id not in exclude])
@@ -208,7 +212,7 @@ def route_by_cost(
     fits, note = _fitting_decodes(request, candidates, exclude)
     prefills, no_remote_reason = _usable_prefills(candidates, config, exclude, request)
     quotes = cost_model.quote_prefills(request, prefills, state.rates, config.cost)
-    sampled = cost_model.sample_decodes(fits, config.cost, state.rng)
+    sampled = fits if preselected else cost_model.sample_decodes(fits, config.cost, state.rng)
     priced = [
         cost_model.price_decode(request, decode, quotes, state.rates, config.cost, source=source,
                                 floor_tokens=config.disagg_threshold_tokens, no_remote_reason=no_remote_reason)
@@ -216,6 +220,8 @@ def route_by_cost(
     ]
     best = cost_model.choose(priced, config.cost, state.rng)
     sampled_note = f" ({len(sampled)} of {len(fits)} decode workers priced)" if len(sampled) < len(fits) else ""
+    if preselected:
+        sampled_note = f" ({len(sampled)} pre-selected decode workers priced)"
     others = sorted((p for p in priced if p is not best), key=lambda p: p.cost_s)
     runner_up = ""
     if others:  # what the choice was weighed against

@@ -824,3 +824,36 @@ def test_layerwise_first_token_that_finishes_cancels_the_waiting_decode(layerwis
     request_id = p0.prefill_requests[0].request_id
     wait_until(lambda: d0.aborts == [request_id])
     wait_until(lambda: p0.releases == [f"lease-{request_id}"])
+
+
+def test_a_large_pool_prices_only_the_preselected(loop, model_dir, redis_server, cluster, tokenizer):
+    """Past ``--preselect-above`` workers the relay prices the least loaded and the prefix holders, not everyone:
+    the reason says so, and the idle decode worker among ten busy ones is chosen."""
+    from router.routing.preselect import PreselectConfig
+
+    idle = cluster.add("d-idle", "decode")
+    busy = cluster.add("d-busy0", "decode", running=30)
+    address = _address_of(cluster, busy)
+    for i in range(1, 10):  # the same server: never called, only priced (or not)
+        cluster.add(f"d-busy{i}", "decode", running=30 + i, address=address)
+    prefill = cluster.add("p0", "prefill")
+    config = router_config(model_dir, redis_server.url, preselect=PreselectConfig(above=4, holders=1,
+                                                                                  least_loaded=1, sampled=0))
+    running = loop.run(start_router(config))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            request = pb.GenerateRequest(prompt=LONG_PROMPT, sampling=pb.SamplingParams(max_tokens=3))
+            final = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=30))[-1]
+        assert "(1 pre-selected decode workers priced)" in final.timings.route_reason, final.timings.route_reason
+        assert final.timings.decode_worker == "d-idle" and idle.decode_requests and not busy.decode_requests
+        assert prefill.prefill_requests or final.timings.route_kind == "local"
+    finally:
+        loop.run(running.stop(0.5))
+
+
+def _address_of(cluster: Cluster, worker: FakeWorker) -> str:
+    async def read(registry: Registry) -> str:
+        return next(info.grpc_address for info, _ in await registry.list_workers()
+                    if info.worker_id == worker.worker_id)
+
+    return cluster.run(read)

@@ -51,3 +51,12 @@ def test_prefill_and_decode_workers_may_have_their_own_tensor_parallel_size():
     decode = worker_parser("decode").parse_args(["--redis-url", "redis://x", *worker, *role_flags(args, "decode")])
     prefill = worker_parser("prefill").parse_args(["--redis-url", "redis://x", *worker, *role_flags(args, "prefill")])
     assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 1)
+
+
+def test_the_index_mirror_is_on_by_default_and_its_flags_pass_through(tmp_path):
+    assert config_from_args(router_parser().parse_args(["--model", str(tmp_path)])).index_mirror
+    for typed, on in ((["--no-index-mirror"], False), (["--index-mirror"], True)):
+        _, router = flags([*typed, "--index-mirror-max-entries", "1000", "--preselect-above", "8"])
+        assert router == [*typed, "--index-mirror-max-entries", "1000", "--preselect-above", "8"]
+        config = config_from_args(router_parser().parse_args(["--model", str(tmp_path), *router]))
+        assert (config.index_mirror, config.index_mirror_max_entries, config.preselect.above) == (on, 1000, 8)
