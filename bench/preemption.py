@@ -51,7 +51,7 @@ def run(model: str, mode: str, prompts: list[list[int]], args: argparse.Namespac
     stats, host = engine.stats(), engine.kv_cache_manager.host
     return {"mode": mode, "seconds": seconds, "tokens_per_s": len(prompts) * args.output_tokens / seconds,
             "preemptions": stats.num_preemptions, "recomputed_tokens": forward_tokens[0] - once,
-            "swapped_out": host.num_swapped_out, "outputs": [outputs[i] for i in range(len(prompts))]}
+            "swapped_out": host.num_swapped_out if host is not None else 0, "outputs": [outputs[i] for i in range(len(prompts))]}
 
 
 def main(argv: list[str] | None = None) -> int:
