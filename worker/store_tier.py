@@ -152,8 +152,11 @@ class StoreTier:
         what was done) or None when the store has nothing for it (queue it as usual)."""
         if not self.connected or not self._free_reads:
             return None
-        num_local, hashes = await self.node.async_engine.call(
-            lambda e: e.store.candidates(prompt + outputs, kwargs.get("cache_salt", "")))
+        # Read on this thread, not through the engine thread: a hop there waits for the running step (tens of ms
+        # for every local request, most of which the store has nothing for). The answer is a hint, read from
+        # dicts the engine thread may be changing (each lookup is atomic under the GIL): the reservation below
+        # recounts what is local, and the fetch verifies what the store returns.
+        num_local, hashes = self.node.engine.store.candidates(prompt + outputs, kwargs.get("cache_salt", ""))
         if not hashes:
             return None
         try:
