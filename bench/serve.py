@@ -34,23 +34,13 @@ from bench.client import PROTOCOLS, Planned, Result, http_model_card, model_info
 from bench.workload import sharegpt_like
 from proto import baton_pb2 as pb
 from proto import tls
+from sim.metrics import percentile  # noqa: F401 - part of this module's interface (tests, bench.compare)
 
 WORKLOADS = ("sharegpt", "shared-prefix", "long-prompt")
 PERCENTILES = (50, 90, 99)
 
 
 # ---- statistics (pure) --------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation between order statistics (numpy's default)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def tpot_s(result: Result) -> float | None:
     """Time per output token after the first; None for a request with fewer than two tokens."""
     if result.output_tokens < 2:

@@ -56,7 +56,8 @@ class RequestRecord:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default), as ``bench.serve.percentile``."""
+    """The q-th percentile (0-100), linear interpolation between order statistics (numpy's default); the one
+    percentile of the benches and the simulator."""
     if not values:
         return math.nan
     ordered = sorted(values)

@@ -6,6 +6,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from sim.metrics import percentile
+
 _STORE_REASON = re.compile(r"fetched (\d+) prefix tokens from the store")
 
 
@@ -26,16 +28,6 @@ class Outcome:
     queue_ms: float = 0.0  # the router's timings: the engine queue before the prompt's first step
     prefill_ms: float = 0.0  # the prefilling worker's queue + compute (P's includes its store fetch, D's does not)
     transfer_ms: float = 0.0  # D's pull of the prompt's KV from P (remote prefills)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def summarize(outcomes: list[Outcome], duration_s: float, reusable: set[int] | None = None) -> dict:
