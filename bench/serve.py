@@ -34,7 +34,7 @@ from bench.client import PROTOCOLS, Planned, Result, http_model_card, model_info
 from bench.workload import sharegpt_like
 from proto import baton_pb2 as pb
 from proto import tls
-from sim.metrics import percentile  # noqa: F401 - part of this module's interface (tests, bench.compare)
+from bench.stats import percentile  # noqa: F401 - part of this module's interface (tests, bench.compare)
 
 WORKLOADS = ("sharegpt", "shared-prefix", "long-prompt")
 PERCENTILES = (50, 90, 99)

@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from bench.stats import percentile
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -53,18 +55,6 @@ class RequestRecord:
         tpot = self.tpot_s
         return (self.finished_s is not None and self.ttft_s is not None and self.ttft_s <= slo.ttft_s
                 and (tpot is None or tpot <= slo.tpot_s))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), linear interpolation between order statistics (numpy's default); the one
-    percentile of the benches and the simulator."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def weighted_percentile(counts: Mapping[float, int], q: float) -> float:
