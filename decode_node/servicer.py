@@ -72,6 +72,7 @@ class DecodeServicer(WorkerServicer):
         kwargs = dict(priority=request.priority, cache_salt=request.cache_salt)
         timings = pb.Timings(decode_worker=node.worker_id)
         start = lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs, **kwargs)  # noqa: E731
+        fetched = None
         if request.HasField("prefix_handle"):
             _check_prefix_request(request)
             imported = await self._import_prefix(request, prompt, outputs, params, kwargs, timings, marks)
@@ -81,13 +82,16 @@ class DecodeServicer(WorkerServicer):
             start = await self._import_kv(request, prompt, outputs, params, kwargs, timings, marks, context) or start
         elif request.first_token_pending:
             raise InvalidRequest("first_token_pending needs a KV handle")
-        elif fetched := await node.admit_from_store(rid, prompt, outputs, params, **kwargs):
-            start, timings.route_reason = fetched  # part of the prefix came from the store tier
+        elif fetched := await node.admit_from_store(rid, prompt, outputs, params, store_blocks=_hint(request),
+                                                    **kwargs):
+            start = fetched  # part of the prefix came from the store tier
         marks.timings, marks.started_s = timings, time.perf_counter()
         first = True
         async for delta in node.async_engine.stream(rid, start):
             if first:
                 marks.first_token_s = time.perf_counter()
+                if fetched:
+                    timings.route_reason = fetched.why  # what the start did (set on the engine thread before)
                 timings.lease_released = await _released(marks.release)
                 if delta.queue_s is not None:
                     timings.queue_ms = delta.queue_s * 1e3
@@ -290,3 +294,8 @@ def decode_spans(tracer: Any, parent: Any, marks: _Marks, **ids: str) -> None:
     if marks.error is not None:
         tracing.fail(span, marks.error)
     span.end(end_time=instants.ns(time.perf_counter()))
+
+
+def _hint(request: pb.DecodeRequest) -> int | None:
+    """The router's index: leading blocks of the prompt the store holds (None: not said; ask the store)."""
+    return request.store_blocks if request.HasField("store_blocks") else None

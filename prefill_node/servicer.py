@@ -47,9 +47,10 @@ class PrefillServicer(WorkerServicer):
             rid, list(request.token_ids), first_params, priority=request.priority,
             cache_salt=request.cache_salt, hold_blocks=True)
         fetched = await node.admit_from_store(rid, list(request.token_ids), [], first_params, hold_blocks=True,
-                                              priority=request.priority, cache_salt=request.cache_salt)
+                                              priority=request.priority, cache_salt=request.cache_salt,
+                                              store_blocks=_hint(request))
         if fetched is not None:
-            add = fetched[0]  # part of the prefix came from the store tier: the request starts with it cached
+            add = fetched  # part of the prefix came from the store tier: the request starts with it cached
         deltas = [d async for d in node.async_engine.stream(rid, add)]
         prefill_ms, ended_unix_ms = (time.perf_counter() - started) * 1e3, time.time() * 1e3
         last = deltas[-1]
@@ -121,3 +122,8 @@ def _real_finish(engine_finish, params, num_prompt_tokens: int, max_model_len: i
     if params.max_tokens == 1 or num_prompt_tokens + 1 >= max_model_len:
         return FinishReason.LENGTH
     return None
+
+
+def _hint(request) -> int | None:
+    """The router's index: leading blocks of the prompt the store holds (None: not said; ask the store)."""
+    return request.store_blocks if request.HasField("store_blocks") else None

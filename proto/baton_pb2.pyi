@@ -276,20 +276,22 @@ class ModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "decode_worker_id", "priority")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "decode_worker_id", "priority", "store_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     cache_salt: str
     decode_worker_id: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    store_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., priority: _Optional[int] = ..., store_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "logprobs", "handle", "timings", "finish_reason", "num_cached_tokens", "kv_pending")
@@ -310,7 +312,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., kv_pending: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "handle", "num_output_tokens_so_far", "priority", "prompt_len", "first_token_pending", "prefix_handle")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "handle", "num_output_tokens_so_far", "priority", "prompt_len", "first_token_pending", "prefix_handle", "store_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +323,7 @@ class DecodeRequest(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_PENDING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -331,7 +334,8 @@ class DecodeRequest(_message.Message):
     prompt_len: int
     first_token_pending: bool
     prefix_handle: KVHandle
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_output_tokens_so_far: _Optional[int] = ..., priority: _Optional[int] = ..., prompt_len: _Optional[int] = ..., first_token_pending: _Optional[bool] = ..., prefix_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+    store_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_output_tokens_so_far: _Optional[int] = ..., priority: _Optional[int] = ..., prompt_len: _Optional[int] = ..., first_token_pending: _Optional[bool] = ..., prefix_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., store_blocks: _Optional[int] = ...) -> None: ...
 
 class LeasePrefixRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "min_tokens")

@@ -178,6 +178,7 @@ class _Flow:
         self._early_decode: Any = None  # layer-wise: D's Decode call, started on P's handle, not yet read
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
         self._decision: RouteDecision | None = None
+        self._store_hint: int | None = None  # the index's store blocks of the prompt (None: no index answer)
         self._local_prefill: str | None = None  # D, while counted in relay.inflight_prefills
         self._migrations = Migrations(relay.max_migrations)  # moves to another D after tokens were streamed
 
@@ -245,6 +246,7 @@ class _Flow:
                       relay.routing.rates)
         candidates, self._preselected = view.candidates(match, books, relay.preselect, relay.routing.rng)
         self._store_blocks = match.store  # the shared store's leading blocks (priced as a fetch)
+        self._store_hint = match.store if match.answered else None  # told to the worker that computes the prompt
         return candidates, scheme.block_size, hashes
 
     async def _route(self) -> RouteDecision:
@@ -325,6 +327,7 @@ class _Flow:
         request = pb.PrefillRequest(
             request_id=job.worker_request_id, token_ids=job.prompt_token_ids, sampling=self._sampling,
             cache_salt=job.cache_salt, decode_worker_id=decision.decode_id, priority=job.priority,
+            store_blocks=self._store_hint,
         )
         self._prefill_worker, self._prefill_pending = worker, True
         inflight = self._relay.inflight_prefills
@@ -534,6 +537,7 @@ class _Flow:
             request_id=job.worker_request_id, token_ids=[*job.prompt_token_ids, *self._output_ids],
             sampling=self._sampling, cache_salt=job.cache_salt, num_output_tokens_so_far=len(self._output_ids),
             priority=job.priority, prompt_len=len(job.prompt_token_ids), first_token_pending=first_token_pending,
+            store_blocks=self._store_hint,
         )
         self._decode_has_lease = self._lease is not None and self._lease.give(request)
         return request

@@ -69,6 +69,10 @@ class WorkerMetrics:
         self._store_fetch_failures = Counter(
             "baton:kv_store_fetch_failures_total", "Prefix blocks the store listed that were recomputed instead, by "
             "why: missing, corrupt, failed, timeout, no_free_blocks", ["worker_id", "reason"], registry=r)
+        self._store_lookups = Counter(
+            "baton:kv_store_lookups_total", "Requests whose prefix past this worker's own was looked for in the store, "
+            "by who said what it holds: index (the router's hint, no store call) or store (a batch_is_exist call)",
+            ["worker_id", "source"], registry=r)
         self._store_stuck = Gauge("baton:kv_store_stuck_calls", "Store client threads (reads; the rest) running a "
                                   "call past its deadline: new calls on them are refused until it returns", w,
                                   registry=r)
@@ -131,6 +135,9 @@ class WorkerMetrics:
 
     def kv_store_fetched(self, num_blocks: int) -> None:
         self._store_fetched.labels(self.worker_id).inc(num_blocks)
+
+    def kv_store_lookup(self, source: str) -> None:
+        self._store_lookups.labels(worker_id=self.worker_id, source=source).inc()
 
     def kv_store_fetch_failed(self, reason: str, num_blocks: int) -> None:
         self._store_fetch_failures.labels(worker_id=self.worker_id, reason=reason).inc(num_blocks)

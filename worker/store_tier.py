@@ -7,12 +7,13 @@ them, puts them (sealed with their checksum), hands the slots back once the put 
 timeout), and publishes the blocks the store now holds (``KVIndex.publish_store``).
 
 Reads (``admit``, both roles, before a request is queued): the prompt's blocks past what this worker holds (pool,
-host tier) are looked up in the store (one ``batch_is_exist``); if it holds a leading run, the request's blocks
-are reserved (``Engine.add_prefix_request``, which loads the host-tier part), that run is read into read slots
-and verified, the verified leading blocks are copied into the reservation, and the request starts with them
-counted as cached (``activate_prefix``). A block missing, corrupt (removed from the store at once) or a call that
-fails or times out ends the run: the rest is recomputed, counted by reason. Nothing waits longer than the
-store's deadline; with no free read slot, or the store down, requests simply compute.
+host tier) are looked up: the router's index says how many leading blocks the store holds (``store_blocks`` on the
+request), or, without it, one ``batch_is_exist`` asks the store. A leading run it holds is read into read slots and
+verified, then one engine hop (``StoreStart``) reserves the request's blocks (``Engine.add_prefix_request``, which
+loads the host-tier part), copies the verified leading blocks in and starts the request with them counted as
+cached (``activate_prefix``). A block missing, corrupt (removed from the store at once) or a call that fails or
+times out ends the run: the rest is recomputed, counted by reason. Nothing waits longer than the store's
+deadline; with no free read slot, or the store down, requests simply compute.
 
 Staleness: the store evicts on its own (it says nothing); a read that finds a listed block gone unpublishes it,
 and the auditor walks the index's store entries (``scan_store``) a chunk at a time and unpublishes those the
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kv_transfer.bounded_thread import CallTimeout, ThreadStuck
@@ -147,58 +148,53 @@ class StoreTier:
 
     # ---- reads -------------------------------------------------------------------------------
     async def admit(self, rid: str, prompt: list[int], outputs: list[int], params, *, hold_blocks: bool = False,
-                    **kwargs) -> tuple[Callable, str] | None:
-        """Fetch the store's part of this request's prefix into a reservation; returns (how to start the request,
-        what was done) or None when the store has nothing for it (queue it as usual)."""
+                    store_blocks: int | None = None, **kwargs) -> StoreStart | None:
+        """Read the store's part of this request's prefix; returns how to start the request with it (one engine
+        hop: reserve, copy in, activate), or None when the store has nothing for it (queue it as usual).
+
+        ``store_blocks``: the router's index says the store holds that many leading blocks of the prompt, so the
+        store is not asked first (a round trip on every request, most of which it has nothing for); None (no
+        router, or its index did not answer): one ``batch_is_exist`` says."""
         if not self.connected or not self._free_reads:
             return None
         # Read on this thread, not through the engine thread: a hop there waits for the running step (tens of ms
         # for every local request, most of which the store has nothing for). The answer is a hint, read from
-        # dicts the engine thread may be changing (each lookup is atomic under the GIL): the reservation below
+        # dicts the engine thread may be changing (each lookup is atomic under the GIL): the reservation
         # recounts what is local, and the fetch verifies what the store returns.
         num_local, hashes = self.node.engine.store.candidates(prompt + outputs, kwargs.get("cache_salt", ""))
+        if store_blocks is not None:
+            hashes = hashes[:max(store_blocks - num_local, 0)]
         if not hashes:
             return None
-        try:
-            present = await self.client.exists(hashes)
-        except KVTransferError as exc:
-            self.node.metrics.kv_store_fetch_failed(_failure(exc), 1)
-            logger.info("request_id=%s store lookup failed (%s); computing", rid, exc)
-            return None
-        run = next((i for i, here in enumerate(present) if not here), len(present))
-        if run == 0:
-            return None
-        lease = _ReadSlots(self._free_reads, min(run, len(self._free_reads)))
-        try:
-            reservation = await self.node.async_engine.call(
-                lambda e: e.add_prefix_request(rid, prompt, outputs, params, hold_blocks=hold_blocks, **kwargs))
-            if reservation is None:
-                self.node.metrics.kv_store_fetch_failed("no_free_blocks", run)
-                return None
+        if store_blocks is not None:
+            self.node.metrics.kv_store_lookup("index")
+        else:
+            self.node.metrics.kv_store_lookup("store")
             try:
-                return await self._fetch(rid, reservation, num_local + run, lease)
-            except BaseException:
-                self.node.async_engine.abort(rid)  # cancelled mid-fetch: free the reservation
-                raise
-        finally:
+                present = await self.client.exists(hashes)
+            except KVTransferError as exc:
+                self.node.metrics.kv_store_fetch_failed(_failure(exc), 1)
+                logger.info("request_id=%s store lookup failed (%s); computing", rid, exc)
+                return None
+            hashes = hashes[:next((i for i, here in enumerate(present) if not here), len(present))]
+            if not hashes:
+                return None
+        lease = _ReadSlots(self._free_reads, min(len(hashes), len(self._free_reads)))
+        try:
+            want = hashes[:len(lease.slots)]
+            verdicts = await self._read(want, lease)
+            good = next((i for i, v in enumerate(verdicts) if v != FETCHED), len(verdicts))
+            if good < len(want):
+                await self._after_read(rid, want[good:], verdicts[good:])
+        except BaseException:
             lease.release()
-
-    async def _fetch(self, rid: str, reservation, end: int, lease: _ReadSlots) -> tuple[Callable, str]:
-        """Read blocks [num_local_blocks, end) of the reservation's chain (as many as there are slots), verify
-        them, copy the verified leading run in; the request starts with it counted as cached."""
-        first, size, slots = reservation.num_local_blocks, self.node.layout.block_size, lease.slots
-        want = list(reservation.block_hashes[first:min(end, first + len(slots))])
-        verdicts = await self._read(want, lease) if want else []
-        good = next((i for i, v in enumerate(verdicts) if v != FETCHED), len(verdicts))
-        if good:
-            targets = list(reservation.block_ids[first:first + good])
-            await self.node.async_engine.call(lambda e: e.store.fill(slots[:good], targets, want[:good]))
-        self.node.metrics.kv_store_fetched(good)
-        why = f"fetched {good * size} prefix tokens from the store"
-        if good < len(want):
-            why += f"; recomputed {len(want) - good} blocks past them ({verdicts[good]})"
-            await self._after_read(rid, want[good:], verdicts[good:])
-        return (lambda e: e.activate_prefix(rid, (first + good) * size)), why
+            raise
+        if not good:
+            lease.release()
+            return None
+        broken = f"; recomputed {len(want) - good} blocks past them ({verdicts[good]})" if good < len(want) else ""
+        return StoreStart(self, rid, (prompt, outputs, params, hold_blocks, kwargs), num_local, want[:good], lease,
+                          broken)
 
     async def _read(self, want: list[bytes], lease: _ReadSlots) -> list[str]:
         """Per block FETCHED, MISSING, CORRUPT, or for all of them why the call failed (``timeout``, ``failed``)."""
@@ -228,6 +224,48 @@ class StoreTier:
             except KVTransferError as exc:
                 logger.warning("store tier: removing %d corrupt blocks failed (%s)", len(corrupt), exc)
         self._lost(corrupt + bad.get(MISSING, []))
+
+
+class StoreStart:
+    """Starts a request with the blocks read from the store, on the engine thread in one hop: reserve its blocks
+    (``Engine.add_prefix_request``, which also loads its host-tier part), copy the verified read slots into
+    those past what is local now, count them as cached (``activate_prefix``). The read ran from ``num_local``:
+    blocks cached here since are skipped, and a block evicted since breaks the run (nothing from the store is
+    used). With no free blocks the request is queued to compute it all. ``why`` says what happened (set before
+    the request's first step). The read slots go back to the store tier once the copies are made."""
+
+    def __init__(self, tier: StoreTier, rid: str, request: tuple, num_local: int, hashes: list[bytes],
+                 lease: _ReadSlots, broken: str = "") -> None:
+        self.tier, self.rid, self.request = tier, rid, request
+        self.num_local, self.hashes, self.lease, self.broken = num_local, hashes, lease, broken
+        self.loop = asyncio.get_running_loop()
+        self.why = f"fetched {len(hashes) * tier.node.layout.block_size} prefix tokens from the store{broken}"
+
+    def __call__(self, engine) -> None:  # the engine thread
+        prompt, outputs, params, hold_blocks, kwargs = self.request
+        try:
+            reservation = engine.add_prefix_request(self.rid, prompt, outputs, params, hold_blocks=hold_blocks,
+                                                    **kwargs)
+            if reservation is None:
+                self.tier.node.metrics.kv_store_fetch_failed("no_free_blocks", len(self.hashes))
+                self.why = "the store's blocks found no free blocks here; computing"
+                engine.add_request(self.rid, prompt, params, output_token_ids=outputs, hold_blocks=hold_blocks,
+                                   **kwargs)
+                return
+            first, size = reservation.num_local_blocks, self.tier.node.layout.block_size
+            skip = first - self.num_local  # < 0: a local block was evicted since the read: the run is broken
+            use = 0
+            if skip >= 0:
+                chain = reservation.block_hashes[first:first + len(self.hashes) - skip]
+                use = next((i for i, (a, b) in enumerate(zip(chain, self.hashes[skip:])) if a != b), len(chain))
+            if use:
+                engine.store.fill(self.lease.slots[skip:skip + use], list(reservation.block_ids[first:first + use]),
+                                  self.hashes[skip:skip + use])
+            self.tier.node.metrics.kv_store_fetched(use)
+            self.why = f"fetched {use * size} prefix tokens from the store{self.broken}"
+            engine.activate_prefix(self.rid, (first + use) * size)
+        finally:
+            self.loop.call_soon_threadsafe(self.lease.release)
 
 
 class _ReadSlots:

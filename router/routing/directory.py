@@ -196,21 +196,25 @@ class WorkerDirectory:
         when Redis cannot answer. From the mirror while it is in sync, else one round trip to Redis."""
         if self.mirror is not None and (mirrored := self.mirror.lookup_tiers(hashes)) is not None:
             return mirrored
+        return await self._ask_redis(hashes) or TieredLookup()
+
+    async def match(self, hashes: list[bytes]) -> PrefixMatch:
+        """``lookup_tiers``' answer in the shape pre-selection reads: the mirror's walk while it is in sync
+        (holders named only on demand), else the Redis script's answer (or none: ``answered`` False)."""
+        if self.mirror is not None and (mirrored := self.mirror.match(hashes)) is not None:
+            return mirrored
+        answer = await self._ask_redis(hashes)
+        return TieredMatch(answer or TieredLookup(), answered=answer is not None)
+
+    async def _ask_redis(self, hashes: list[bytes]) -> TieredLookup | None:
         if self._redis_silent or self._clock() < self._lookups_paused_until_s:
-            return TieredLookup()
+            return None
         try:
             return await asyncio.wait_for(self._registry.index.lookup_tiers(hashes), self._redis_wait_s)
         except Exception as exc:  # noqa: BLE001 - any Redis failure (or silence) degrades routing, never fails it
             log.warning("KV index lookup failed, routing by load only for %.1f s: %r", self._redis_retry_s, exc)
             self._lookups_paused_until_s = self._clock() + self._redis_retry_s
-            return TieredLookup()
-
-    async def match(self, hashes: list[bytes]) -> PrefixMatch:
-        """``lookup_tiers``' answer in the shape pre-selection reads: the mirror's walk while it is in sync
-        (holders named only on demand), else the Redis script's answer (or none)."""
-        if self.mirror is not None and (mirrored := self.mirror.match(hashes)) is not None:
-            return mirrored
-        return TieredMatch(await self.lookup_tiers(hashes))
+            return None
 
     def stub(self, info: WorkerInfo) -> pb_grpc.WorkerStub:
         channel = self._channels.get(info.grpc_address)

@@ -109,9 +109,10 @@ def stub(cluster, worker_id: str) -> pb_grpc.WorkerStub:
     return pb_grpc.WorkerStub(grpc.insecure_channel(proc.address))
 
 
-def decode(cluster, worker_id: str, tokens: list[int], salt: str) -> list[pb.DecodeResponse]:
+def decode(cluster, worker_id: str, tokens: list[int], salt: str, store_blocks: int | None = None
+           ) -> list[pb.DecodeResponse]:
     request = pb.DecodeRequest(request_id=f"r-{time.monotonic_ns()}", token_ids=tokens, sampling=GREEDY,
-                               prompt_len=len(tokens), cache_salt=salt)
+                               prompt_len=len(tokens), cache_salt=salt, store_blocks=store_blocks)
     return list(stub(cluster, worker_id).Decode(request, timeout=60))
 
 
@@ -193,6 +194,36 @@ def test_a_prefix_that_left_one_worker_is_served_from_the_store_to_another(clust
     assert "fetched 48 prefix tokens from the store" in responses[0].timings.route_reason
     assert metric(cluster, "wb", "baton:kv_store_blocks_fetched_total") - fetched == 12
     assert metric(cluster, "wa", "baton:kv_store_blocks_written_total") >= 12
+    assert_pools_full(cluster)
+
+
+def test_the_routers_store_hint_replaces_the_store_lookup(cluster, expected):  # noqa: F811
+    """A request carrying the index's count of the store's blocks (``store_blocks``, as the router sends it) is
+    read without asking the store first; a count of 0 skips the store; a count the store no longer backs
+    (here: blocks never written) reads them, finds them missing and recomputes."""
+    lookups = lambda source: metric(cluster, "wb", "baton:kv_store_lookups_total", source=source)  # noqa: E731
+    fetched = lambda: metric(cluster, "wb", "baton:kv_store_blocks_fetched_total")  # noqa: E731
+    prompt = PROMPTS[PROMPT]
+    salts = fresh_salt(), fresh_salt()
+    for salt in salts:
+        push_out_of_wa(cluster, expected, salt)
+        wait_for(lambda: store_prefix(cluster, hashes_of(cluster, prompt, salt)) == 12, "the store's blocks")
+    asked, hinted, got = lookups("store"), lookups("index"), fetched()
+
+    responses = decode(cluster, "wb", prompt, salts[0], store_blocks=12)
+    assert tokens_of(responses) == expected[PROMPT] and responses[-1].num_cached_tokens == 48
+    assert "fetched 48 prefix tokens from the store" in responses[0].timings.route_reason
+    assert (lookups("store") - asked, lookups("index") - hinted, fetched() - got) == (0, 1, 12)
+
+    responses = decode(cluster, "wb", prompt, salts[1], store_blocks=0)  # the store holds it; the hint says not
+    assert tokens_of(responses) == expected[PROMPT] and responses[-1].num_cached_tokens == 0
+    assert (lookups("store") - asked, lookups("index") - hinted, fetched() - got) == (0, 1, 12)
+
+    missing = metric(cluster, "wb", "baton:kv_store_fetch_failures_total", reason="missing")
+    responses = decode(cluster, "wb", prompt, fresh_salt(), store_blocks=12)  # a stale hint
+    assert tokens_of(responses) == expected[PROMPT] and responses[-1].num_cached_tokens == 0
+    assert metric(cluster, "wb", "baton:kv_store_fetch_failures_total", reason="missing") - missing == 12
+    assert (lookups("store") - asked, lookups("index") - hinted) == (0, 2)
     assert_pools_full(cluster)
 
 

@@ -20,6 +20,7 @@ import redis
 
 from engine.tiny import build_model
 from tests.integration.cluster import ROOT, free_port, interrupt
+from tests.integration.test_metrics import scrape
 from tests.integration.test_scaling import _alive, decode_workers, generate, prefill_workers, wait_for
 from tests.redis_server import require_redis_server
 
@@ -73,21 +74,22 @@ def platform(tmp_path_factory):
     model_dir = build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
     port, log_dir = free_port(), tmp_path_factory.mktemp("up")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    metrics_port = free_port()  # the router's; the workers take the next two
     cmd = [sys.executable, "-m", "deploy.cli", "up", "--model", str(model_dir), "--port", str(port),
-           "--metrics-port", str(free_port()), "--http-port", "0", "--log-dir", str(log_dir), "--kv-store",
+           "--metrics-port", str(metrics_port), "--http-port", "0", "--log-dir", str(log_dir), "--kv-store",
            "--kv-store-memory", "64 MB", "--kv-store-write", "through", "--calibrate-tokens", "0", "--block-size", "4"]
     with (log_dir / "up.out").open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     address = f"127.0.0.1:{port}"
     try:
         wait_for(lambda: _serving(address), 90, proc, log_dir)
-        yield address, proc, log_dir
+        yield address, proc, log_dir, metrics_port
     finally:
         interrupt(proc)
 
 
 def test_up_starts_a_store_the_workers_write_through_to(platform):
-    address, proc, log_dir = platform
+    address, proc, log_dir, metrics_port = platform
     said = (log_dir / "up.out").read_text()
     assert re.search(r"kv store +mooncake://127\.0\.0\.1:\d+\?metadata=127\.0\.0\.1:\d+", said), said
     redis_url = re.search(r"redis +(redis://\S+)", said).group(1)
@@ -96,6 +98,10 @@ def test_up_starts_a_store_the_workers_write_through_to(platform):
     client = redis.Redis.from_url(redis_url)
     wait_for(lambda: client.hlen("baton:kv-of:store") >= 27, 30, proc, log_dir)  # 3 x 9 blocks of 4 tokens
     assert (log_dir / "store-client.log").exists() and (log_dir / "store-master.log").exists()
+    # every request came with the router's count of the store's blocks: no worker asked the store what it holds
+    asked = [v for port in (metrics_port + 1, metrics_port + 2) for k, v in scrape(port).items()
+             if k.startswith("baton:kv_store_lookups_total") and 'source="store"' in k]
+    assert sum(asked) == 0, asked
 
 
 def _store_processes(processes: dict[int, str]) -> list[int]:
@@ -103,7 +109,7 @@ def _store_processes(processes: dict[int, str]) -> list[int]:
 
 
 def test_the_store_and_the_workers_listen_on_loopback_but_the_transfer_engines_own(platform):
-    _, proc, _ = platform
+    _, proc, _, _ = platform
     processes = _descendants(proc.pid)
     workers = [pid for pid, cmd in processes.items() if "deploy.cli prefill" in cmd or "deploy.cli decode" in cmd]
     listeners = _listeners(set(_store_processes(processes) + workers))
@@ -117,7 +123,7 @@ def test_the_store_and_the_workers_listen_on_loopback_but_the_transfer_engines_o
 
 
 def test_ctrl_c_stops_the_store_too(tmp_path_factory, platform):
-    _, proc, _ = platform
+    _, proc, _, _ = platform
     processes = _descendants(proc.pid)
     store = _store_processes(processes)
     assert len(store) == 3, processes
