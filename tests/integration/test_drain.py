@@ -12,13 +12,13 @@ import time
 import grpc
 import pytest
 
-from engine.tiny import build_model
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.integration.test_e2e import _wait_serving
 from tests.redis_server import RedisServer, require_redis_server
+from tests.tiny_model import shared_tiny
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 LONG = 1200  # output tokens of the stream in flight while its worker drains
@@ -28,7 +28,7 @@ STEP_DELAY_S = 0.005  # d-exit's steps are slowed: LONG tokens take >= 6 s howev
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     require_redis_server()
-    model_dir = build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    model_dir = shared_tiny(tmp_path_factory)
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("logs"))
     try:

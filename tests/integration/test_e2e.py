@@ -16,11 +16,11 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from engine.tiny import build_model
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.redis_server import RedisServer, require_redis_server
+from tests.tiny_model import shared_tiny
 
 PROMPTS = [[(7 * i + 3 * j) % 3000 + 10 for j in range(n)] for i, n in enumerate(
     (3, 5, 8, 12, 16, 17, 20, 24, 31, 33, 40, 47, 50, 64, 65, 70, 81, 90, 100, 111, 128, 130, 150, 160))]
@@ -29,7 +29,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

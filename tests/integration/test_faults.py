@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tiny import build_model
 from tests.integration.fault_scenarios import SCENARIOS
 from tests.integration.faults_lib import FaultPlatform, Reference
 from tests.integration.test_e2e import assert_pools_full
+from tests.tiny_model import shared_tiny
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from engine.tiny import build_model
 from kv_transfer.registry import Registry, connect
 from kv_transfer.tcp_wire import HEADER, HELLO, MAGIC, READ, VERSION, encode_frame
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.test_e2e import assert_pools_full, generate, start_cluster
+from tests.tiny_model import shared_tiny
 
 PROMPT = [(5 * j) % 3000 + 10 for j in range(37)]  # over the 8-token threshold: prefilled remotely
 MAX_TOKENS = 8
@@ -43,7 +43,7 @@ CONTROL = st.text(st.characters(categories=["Cc"]), min_size=1, max_size=20)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

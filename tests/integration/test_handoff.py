@@ -13,11 +13,11 @@ import time
 import grpc
 import pytest
 
-from engine.tiny import build_model
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.redis_server import RedisServer, require_redis_server
+from tests.tiny_model import shared_tiny
 
 PROMPT = list(range(5, 5 + 120))  # well over the disaggregation threshold: always prefilled remotely
 DECODE_STEP_DELAY_S = 1.5
@@ -26,7 +26,7 @@ PREFILL_STEP_DELAY_S = 3.0
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ import urllib.request
 import grpc
 import pytest
 
-from engine.tiny import build_model
 from tests.integration.cluster import Cluster, free_port
 from tests.integration.test_e2e import _wait_serving, generate
 from tests.redis_server import RedisServer, require_redis_server
+from tests.tiny_model import shared_tiny
 
 LONG_PROMPT = [(11 * j) % 3000 + 10 for j in range(40)]  # > threshold 8: prefilled on p0, pulled by d0
 SHORT_PROMPT = [12, 13, 14]  # local prefill on d0
@@ -22,7 +22,7 @@ OTHER_PROMPT = LONG_PROMPT[:8] + [(7 * j) % 3000 + 3100 for j in range(22)]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

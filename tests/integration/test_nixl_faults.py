@@ -19,12 +19,12 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from engine.tiny import build_model
 from kv_transfer.nixl import installed as nixl_installed
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster, Proc, free_port
 from tests.redis_server import RedisServer, require_redis_server
+from tests.tiny_model import shared_tiny
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("BATON_TEST_NIXL") != "1" or not nixl_installed(),
@@ -39,7 +39,7 @@ NIXL = ("--kv-transport", "nixl")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

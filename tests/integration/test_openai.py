@@ -14,12 +14,12 @@ import grpc
 import openai
 import pytest
 
-from engine.tiny import build_model
 from engine.tokenizer import Tokenizer
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import free_port
 from tests.integration.test_e2e import assert_pools_full, start_cluster
+from tests.tiny_model import shared_tiny
 
 MAX_TOKENS = 12
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and then runs far away into the forest"]
@@ -31,7 +31,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 # Every process prints its trace spans (proto.tracing's console exporter) to its log, flushed every 100 ms.

@@ -9,14 +9,14 @@ import json
 import pytest
 import redis as redis_lib
 
-from engine.tiny import build_model
 from router.admin import cli as admin_cli
 from tests.integration.test_e2e import start_cluster
+from tests.tiny_model import shared_tiny
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    model_dir = build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    model_dir = shared_tiny(tmp_path_factory)
     cluster, redis = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=1, decode=1)
     yield cluster
     cluster.stop_all()

@@ -13,19 +13,19 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from engine.tiny import build_model
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.integration.test_e2e import _wait_serving, assert_pools_full, start_cluster
 from tests.redis_server import RedisServer, require_redis_server
+from tests.tiny_model import shared_tiny
 
 PREFIX = [(13 * j) % 2500 + 20 for j in range(120)]  # 30 blocks of 4
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

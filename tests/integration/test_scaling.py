@@ -14,17 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from engine.tiny import build_model
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import ROOT, free_port, interrupt
 from tests.redis_server import require_redis_server
+from tests.tiny_model import shared_tiny
 
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
     require_redis_server()
-    model_dir = build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    model_dir = shared_tiny(tmp_path_factory)
     port, log_dir = free_port(), tmp_path_factory.mktemp("up")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "deploy.cli", "up", "--model", str(model_dir), "--port", str(port),

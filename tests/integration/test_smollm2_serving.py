@@ -10,6 +10,7 @@ import grpc
 import openai
 import pytest
 
+from engine.model_source import resolve_model
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster, free_port
@@ -23,13 +24,14 @@ THRESHOLD = 8  # prompts with more uncached tokens are prefilled on p0
 
 
 @pytest.fixture(scope="module")
-def platform(smollm2_reference, tmp_path_factory):
+def platform(request, tmp_path_factory):
     require_redis_server()
     redis = RedisServer.start()
-    cluster = Cluster(redis.url, smollm2_reference.path, tmp_path_factory.mktemp("smollm2-logs"))
+    cluster = Cluster(redis.url, resolve_model("smollm2").path, tmp_path_factory.mktemp("smollm2-logs"))
     try:
         cluster.workers = [cluster.start_worker(role, num_blocks=256, block_size=BLOCK, worker_id=name)
                            for role, name in (("prefill", "p0"), ("decode", "d0"))]
+        request.getfixturevalue("smollm2_reference")  # transformers' reference computes while the workers load
         cluster.wait_for_workers({"p0", "d0"}, timeout_s=240)
         http_port = free_port()
         cluster.router = cluster.start_router("--disagg-threshold-tokens", str(THRESHOLD), "--policy", "least_loaded",

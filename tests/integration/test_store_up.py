@@ -18,11 +18,11 @@ import grpc
 import pytest
 import redis
 
-from engine.tiny import build_model
 from tests.integration.cluster import ROOT, free_port, interrupt
 from tests.integration.test_metrics import scrape
 from tests.integration.test_scaling import _alive, decode_workers, generate, prefill_workers, wait_for
 from tests.redis_server import require_redis_server
+from tests.tiny_model import shared_tiny
 
 pytest.importorskip("mooncake", reason="the store tier needs mooncake-transfer-engine-non-cuda")
 LOOPBACK = ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]")
@@ -71,7 +71,7 @@ def _serving(address: str) -> bool:
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
     require_redis_server()
-    model_dir = build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    model_dir = shared_tiny(tmp_path_factory)
     port, log_dir = free_port(), tmp_path_factory.mktemp("up")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     metrics_port = free_port()  # the router's; the workers take the next two

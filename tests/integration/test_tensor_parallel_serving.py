@@ -16,7 +16,6 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from engine.tiny import build_model
 from kv_transfer.tp_plane import uri_rank
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
@@ -24,6 +23,7 @@ from tests.integration.cluster import Cluster
 from tests.integration.test_e2e import _wait_serving, generate
 from tests.integration.test_workers import PROMPTS, greedy, stub
 from tests.redis_server import RedisServer, require_redis_server
+from tests.tiny_model import shared_tiny
 from worker.convert import layout_from_pb
 
 TP2 = ("--tensor-parallel-size", "2", "--calibrate-tokens", "0")
@@ -31,7 +31,7 @@ TP2 = ("--tensor-parallel-size", "2", "--calibrate-tokens", "0")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.tiny import build_model
 from kv_transfer.workers import WorkerInfo
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from proto import tls
@@ -29,6 +28,7 @@ from router import generate_cli
 from router.admin.convert import worker_rates
 from tests.integration.cluster import Cluster, Proc, free_port
 from tests.redis_server import RedisServer, RedisTls, require_redis_server
+from tests.tiny_model import shared_tiny
 from tests.tls_certs import KeyPair, Pki, make_pki
 
 PROMPT = [(5 * j) % 300 + 10 for j in range(21)]
@@ -65,7 +65,7 @@ def _wait_serving(proc: Proc, config: TlsConfig, timeout_s: float = 60.0) -> Non
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 def _offline(model_dir, prompt: list[int]) -> list[int]:

@@ -11,18 +11,18 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from engine.tiny import build_model
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.redis_server import RedisServer, require_redis_server
+from tests.tiny_model import shared_tiny
 
 PROMPTS = [list(range(5, 5 + n)) for n in (1, 3, 4, 7, 16, 33, 60)]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ from engine.core.request import RequestStatus
 from engine.engine import Engine
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
-from engine.tiny import build_model
+from tests.tiny_model import shared_tiny
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    folder = build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    folder = shared_tiny(tmp_path_factory)
     return Engine(EngineConfig(model=str(folder), num_blocks=64, block_size=4))
 
 

@@ -77,14 +77,14 @@ def test_parse_rejects_a_layout_without_decode_cores():
 
 
 @pytest.mark.slow
-def test_tiny_compare_writes_json_whose_counts_match_the_requests_sent(tmp_path):
-    from engine.tiny import build_model
+def test_tiny_compare_writes_json_whose_counts_match_the_requests_sent(tmp_path, tmp_path_factory):
+    from tests.tiny_model import shared_tiny
     from tests.redis_server import require_redis_server
 
     require_redis_server()
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores (one per worker)")
-    model_dir = build_model("tiny", tmp_path / "tiny", train_steps=20, progress=lambda _: None)
+    model_dir = shared_tiny(tmp_path_factory)
     out = tmp_path / "out"
     rc = compare.main(["--model", str(model_dir), "--rates", "2,4", "--num-requests", "5", "--max-output-len", "6",
                        "--long-tokens", "128", "--long-fraction", "0.5", "--policy", "least_loaded",

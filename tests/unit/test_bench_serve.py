@@ -114,12 +114,12 @@ def _planned() -> list[Planned]:
     return serve.build(args, serve.pb.ModelInfoResponse(vocab_size=4096, max_model_len=2048))
 
 
-def test_tiny_run_writes_json_whose_counts_match_the_requests_sent_grpc_and_http(tmp_path):
-    from engine.tiny import build_model
+def test_tiny_run_writes_json_whose_counts_match_the_requests_sent_grpc_and_http(tmp_path, tmp_path_factory):
+    from tests.tiny_model import shared_tiny
     from tests.integration.cluster import free_port
     from tests.integration.test_e2e import start_cluster
 
-    model_dir = build_model("tiny", tmp_path / "tiny", train_steps=20, progress=lambda _: None)
+    model_dir = shared_tiny(tmp_path_factory)
     (tmp_path / "logs").mkdir()
     http_port = free_port()
     cluster, redis = start_cluster(model_dir, tmp_path / "logs", prefill=1, decode=1,

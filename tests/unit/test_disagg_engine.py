@@ -10,14 +10,14 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
-from engine.tiny import build_model
+from tests.tiny_model import shared_tiny
 
 BLOCK = 4
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 def make_engine(model_dir, num_blocks=128) -> Engine:

@@ -13,17 +13,17 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from engine.tiny import build_model
 from kv_transfer.errors import KVTransferError, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.progress import LayerProgress
 from kv_transfer.transport import make_server, streams_layers
 from prefill_node.layerwise import LayerwiseHooks
+from tests.tiny_model import shared_tiny
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    folder = build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    folder = shared_tiny(tmp_path_factory)
     return Engine(EngineConfig(model=str(folder), num_blocks=64, block_size=4, max_num_batched_tokens=16))
 
 

@@ -10,13 +10,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequest
-from engine.tiny import build_model
+from tests.tiny_model import shared_tiny
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     # A briefly trained tiny model: same architecture and tokenizer as `baton model tiny`, built fast.
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None)
+    return shared_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.speculation import SpeculativeConfig, Speculator, accepted, ngram_drafts
 from engine.errors import InvalidRequest
 from engine.tiny import build_model
+from tests.tiny_model import shared_tiny
 
 
 # ---- proposer and verification ----------------------------------------------------------------
@@ -134,7 +135,7 @@ SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, probe_to
 @pytest.fixture(scope="module")
 def trained_tiny(tmp_path_factory) -> str:
     """`baton model tiny`, briefly trained: its greedy outputs fall into loops, which n-gram drafts predict."""
-    return str(build_model("tiny", tmp_path_factory.mktemp("tiny"), train_steps=20, progress=lambda _: None))
+    return str(shared_tiny(tmp_path_factory))
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral-swa", "qwen3"])
