@@ -78,6 +78,15 @@ class RedisKeys:
         """STRING: the holder's last sequence number (INCR'd by every entry of its stream)."""
         return f"{self.ns}:events-seq:{holder}"
 
+    @property
+    def routers(self) -> str:
+        """SET of router ids that published books (pruned by readers when a router's books expired)."""
+        return f"{self.ns}:routers"
+
+    def router_books(self, router_id: str) -> str:
+        """STRING (JSON, ``router.routing.shared_books.BooksDoc``): a router's in-flight books, with a short TTL."""
+        return f"{self.ns}:router-books:{router_id}"
+
     def pool_desired(self, role: str) -> str:
         return f"{self.ns}:pool:{role}:desired"
 

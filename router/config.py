@@ -18,6 +18,7 @@ from router.admin.planner import PlannerConfig
 from router.routing.mirror_sync import DEFAULT_MIRROR_MAX_ENTRIES
 from router.routing.policy import PolicyConfig
 from router.routing.preselect import PreselectConfig
+from router.routing.shared_books import SharedBooksConfig
 
 DEFAULT_PORT = 50051
 DEFAULT_ROUTER_ADDRESS = f"localhost:{DEFAULT_PORT}"
@@ -49,6 +50,9 @@ class RouterConfig:
     kv_layerwise: bool = False  # remote prefills stream KV layer by layer to D while P computes (PrefillStream)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     preselect: PreselectConfig = field(default_factory=PreselectConfig)  # who is priced in a large pool
+    # publish this router's in-flight books and price the other routers' beside them (docs/architecture.md, "Several
+    # routers"); None: this router's books only
+    shared_books: SharedBooksConfig | None = field(default_factory=SharedBooksConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -19,6 +19,7 @@ from router.admin.planner import PlannerConfig
 from router.routing.mirror_sync import DEFAULT_MIRROR_MAX_ENTRIES
 from router.routing.policy import POLICIES, PolicyConfig
 from router.routing.preselect import PreselectConfig
+from router.routing.shared_books import SharedBooksConfig
 from router.server import start_router
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,15 @@ def add_routing_options(group) -> None:
     group.add_argument("--preselect-above", type=int, default=PreselectConfig().above,
                        help="with more served workers than this, price only the prefix holders, the least loaded "
                        "and a few sampled per role, not everyone (default: %(default)s)")
+    group.add_argument("--shared-books", action=argparse.BooleanOptionalAction, default=True,
+                       help="publish this router's in-flight books (streams, prompts to compute, prefixes being "
+                       "computed) in Redis and price the other routers' beside them, so several routers in front "
+                       "of the same workers do not pile a burst onto one (default: on; one router alone reads "
+                       "nothing and writes only while it has requests in flight)")
+    group.add_argument("--shared-books-period-s", type=float, default=SharedBooksConfig().period_s,
+                       help="publish and read the routers' books this often (default: %(default)s)")
+    group.add_argument("--router-id", default=None,
+                       help="this router's id in the shared books (default: host, pid and a random suffix)")
     group.add_argument("--router-temperature", type=float, default=0.0,
                        help="softmax temperature in seconds over the cost policy's per-worker costs; "
                        "0 picks the cheapest (default: %(default)s)")
@@ -143,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror,
         index_mirror_max_entries=args.index_mirror_max_entries, kv_layerwise=args.kv_layerwise,
         preselect=PreselectConfig(above=args.preselect_above),
+        shared_books=SharedBooksConfig(period_s=args.shared_books_period_s, router_id=args.router_id)
+        if args.shared_books else None,
         max_inflight_requests=args.max_inflight_requests, max_migrations=args.max_migrations,
         planner=PlannerConfig(max_workers=args.planner_max_workers, down_cooldown_s=args.planner_down_cooldown_s),
         policy=PolicyConfig(disagg_threshold_tokens=args.disagg_threshold_tokens,

@@ -68,6 +68,7 @@ from router.routing.policy import (
 )
 from router.routing.preselect import Books, PoolView, PreselectConfig, preselect_for
 from router.routing.prefix_reuse import lease_prefix
+from router.routing.shared_books import NO_OTHERS, OtherBooks, with_others
 from router.trace import RequestTrace
 from router.tracing import RequestSpans
 
@@ -105,6 +106,7 @@ class Relay:
         self.routing = RoutingState.for_config(policy)  # learned rates, RNG, round-robin cursor
         # prompts sent to a worker to compute, until the index shows their blocks
         self.pending_prefixes = PendingPrefixes()
+        self.other_books: OtherBooks = NO_OTHERS  # other routers' books, as last read (router.routing.books_sync)
         self.tracer = tracer if tracer is not None else current_tracer()  # None: no spans at all
 
     def pool_view(self, snapshot: Snapshot) -> PoolView:
@@ -242,8 +244,8 @@ class _Flow:
         root = root_hash(scheme.fingerprint, scheme.block_size, self._job.cache_salt)
         hashes = hash_blocks(tokens, scheme.block_size, root)
         match = await relay.directory.match(hashes)
-        books = Books(relay.inflight, relay.inflight_prefills, relay.pending_prefixes.lookup(hashes),
-                      relay.routing.rates)
+        books = with_others(Books(relay.inflight, relay.inflight_prefills, relay.pending_prefixes.lookup(hashes),
+                                  relay.routing.rates), relay.other_books, hashes)
         candidates, self._preselected = view.candidates(match, books, relay.preselect, relay.routing.rng)
         self._store_blocks = match.store  # the shared store's leading blocks (priced as a fetch)
         self._store_hint = match.store if match.answered else None  # told to the worker that computes the prompt

@@ -29,6 +29,7 @@ from proto.malformed import MalformedRequestInterceptor
 from proto.metrics_http import MetricsServer, serve_metrics
 from router.admin.servicer import ADMIN_SERVICE, AdminServicer
 from router.config import ModelCard, RouterConfig, resolve_max_model_len
+from router.routing.books_sync import BooksSync
 from router.routing.directory import WorkerDirectory, served_scheme
 from router.routing.mirror_sync import MirrorSync
 from router.errors import WorkerUnavailable, retry_metadata, status_for
@@ -153,6 +154,7 @@ class RunningRouter:
     redis: Any
     metrics_server: MetricsServer | None = None  # None: no /metrics endpoint
     http_server: HttpServer | None = None  # None: no OpenAI-compatible HTTP front
+    books_sync: BooksSync | None = None  # None: this router does not share its books
 
     @property
     def metrics(self) -> RouterMetrics:
@@ -166,6 +168,8 @@ class RunningRouter:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.relay.control.drain(timeout_s=grace_s)
+        if self.books_sync is not None:
+            await self.books_sync.stop()
         if self.directory.mirror is not None:
             await self.directory.mirror.stop()
         await self.directory.close()
@@ -204,6 +208,10 @@ async def start_router(
                   control_rpc_timeout_s=config.control_rpc_timeout_s, metrics=metrics,
                   max_inflight_requests=config.max_inflight_requests, kv_layerwise=config.kv_layerwise,
                   preselect=config.preselect)
+    books_sync = None
+    if config.shared_books is not None:
+        books_sync = BooksSync(redis, registry.keys, relay, lambda: directory.last_snapshot, config.shared_books)
+        books_sync.start()
     frontend = Frontend(tokenizer, limits)
     servicer = GenerationServicer(frontend, relay, directory, card, request_timeout_s=config.request_timeout_s)
     server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), ErrorInterceptor(metrics)])
@@ -225,4 +233,5 @@ async def start_router(
     http_server = await serve_openai(OpenAIHandlers(frontend, relay, request_timeout_s=config.request_timeout_s,
                                                     metrics_registry=metrics.registry),
                                      config.host, http_port, tls)
-    return RunningRouter(server, port, health_servicer, relay, directory, redis, metrics_server, http_server)
+    return RunningRouter(server, port, health_servicer, relay, directory, redis, metrics_server, http_server,
+                         books_sync)

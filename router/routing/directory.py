@@ -175,6 +175,11 @@ class WorkerDirectory:
         assert self._snapshot is not None
         return self._snapshot
 
+    @property
+    def last_snapshot(self) -> Snapshot | None:
+        """The last listing, however old (None before the first); never waits on Redis."""
+        return self._snapshot
+
     def _mark_silent(self, why: str) -> None:
         """Redis did not answer (in time): requests route by load only (no lookups) until a listing succeeds."""
         if not self._redis_silent:

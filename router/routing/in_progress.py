@@ -31,25 +31,63 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kv_transfer.hashing import BlockHash
 from kv_transfer.workers import WorkerInfo, WorkerLoad
 from router.routing.rates import Rates
 
 
+class PrefillBook(Protocol):
+    """What pricing reads of prompts sent to compute: this router's (``InflightPrefills``), or this router's with
+    the other routers' beside them (``router.routing.shared_books.SharedPrefills``)."""
+
+    def __contains__(self, worker_id: object) -> bool: ...
+
+    def backlog(self, worker_id: str, tokens_per_s: float) -> int: ...
+
+    def backlogs(self, workers: Iterable[tuple[WorkerInfo, WorkerLoad | None]], rates: Rates) -> dict[str, int]: ...
+
+
+def backlogs_of(book: PrefillBook, workers: Iterable[tuple[WorkerInfo, WorkerLoad | None]],
+                rates: Rates) -> dict[str, int]:
+    """Per worker with prompts in ``book``, what is left of them at its learned prefill rate."""
+    out = {}
+    for info, load in workers:
+        if info.worker_id in book:
+            rate = rates.prefill_tokens_per_s(info.worker_id, load, on_decode=info.role == "decode")
+            out[info.worker_id] = book.backlog(info.worker_id, rate)
+    return out
+
+
+def queue_left(sent: Iterable[tuple[int, float]], now: float, tokens_per_s: float) -> int:
+    """What is left of prompts ``(tokens, sent_s)`` at ``tokens_per_s``: the largest, over each prompt, of the
+    tokens sent since it minus what the worker computed since (a queue served in order; at most every token
+    sent)."""
+    left, since = 0.0, 0
+    for tokens, sent_s in sorted(sent, key=lambda e: -e[1]):  # newest first
+        since += tokens
+        left = max(left, since - (now - sent_s) * tokens_per_s)
+    return math.ceil(left)
+
+
 @dataclass(slots=True)
 class InflightPrefills:
     clock: Callable[[], float] = time.monotonic
     _sent: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)  # worker -> request -> (tokens, sent)
+    changes: int = 0  # bumped by every add and remove (the shared books republish on a change)
 
     def add(self, worker_id: str, request_id: str, tokens: int) -> None:
         self._sent.setdefault(worker_id, {})[request_id] = (tokens, self.clock())
+        self.changes += 1
 
     def remove(self, worker_id: str, request_id: str) -> None:
         """The worker answered (or the request ended): the prompt is no longer its queue."""
         sent = self._sent.get(worker_id)
-        if sent is not None and sent.pop(request_id, None) is not None and not sent:
-            del self._sent[worker_id]
+        if sent is not None and sent.pop(request_id, None) is not None:
+            self.changes += 1
+            if not sent:
+                del self._sent[worker_id]
 
     def __contains__(self, worker_id: str) -> bool:
         return worker_id in self._sent
@@ -60,24 +98,15 @@ class InflightPrefills:
 
     def backlogs(self, workers: Iterable[tuple[WorkerInfo, WorkerLoad | None]], rates: Rates) -> dict[str, int]:
         """Per worker with prompts in flight, what is left of them at its learned prefill rate."""
-        out = {}
-        for info, load in workers:
-            if info.worker_id in self._sent:
-                rate = rates.prefill_tokens_per_s(info.worker_id, load, on_decode=info.role == "decode")
-                out[info.worker_id] = self.backlog(info.worker_id, rate)
-        return out
+        return backlogs_of(self, workers, rates)
 
-    def backlog(self, worker_id: str, tokens_per_s: float) -> int:
-        """What is left of them at ``tokens_per_s``: the largest, over each prompt, of the tokens sent since it
-        minus what the worker computed since (a queue served in order; at most every token sent)."""
+    def backlog(self, worker_id: str, tokens_per_s: float, also: Sequence[tuple[int, float]] = ()) -> int:
+        """What is left of them at ``tokens_per_s`` (``queue_left``), in one queue with ``also``: other routers'
+        prompts ``(tokens, sent_s)`` on this clock."""
         sent = self._sent.get(worker_id)
-        if not sent:
+        if not sent and not also:
             return 0
-        now, left, since = self.clock(), 0.0, 0
-        for tokens, sent_s in sorted(sent.values(), key=lambda e: -e[1]):  # newest first
-            since += tokens
-            left = max(left, since - (now - sent_s) * tokens_per_s)
-        return math.ceil(left)
+        return queue_left([*sent.values(), *also] if sent else also, self.clock(), tokens_per_s)
 
 
 @dataclass(slots=True)
@@ -94,6 +123,7 @@ class PendingPrefixes:
     _entries: dict[str, _Entry] = field(default_factory=dict)  # request id -> its prompt's blocks
     _held: dict[str, Counter[BlockHash]] = field(default_factory=dict)  # worker -> pending hash -> requests
     _expiry: list[tuple[float, str]] = field(default_factory=list)  # heap of (expires_s, request id)
+    changes: int = 0  # bumped whenever a worker starts or stops holding a request's blocks
 
     def add(self, request_id: str, worker_id: str, hashes: Sequence[BlockHash]) -> None:
         """``worker_id`` is computing the prompt whose full blocks are ``hashes``."""
@@ -138,15 +168,39 @@ class PendingPrefixes:
             out[worker_id] = n
         return out
 
+    def newest(self, max_hashes: int) -> dict[str, list[BlockHash]]:
+        """Per worker, its pending blocks, the newest requests' first, at most ``max_hashes`` in all (a request's
+        leading blocks first: a lookup walks a chain from its first block); what other routers are told."""
+        self._purge()
+        out: dict[str, list[BlockHash]] = {}
+        seen: dict[str, set[BlockHash]] = {}
+        room = max_hashes
+        for entry in reversed(self._entries.values()):
+            for worker_id in entry.workers:
+                if room <= 0:
+                    return out
+                have = seen.setdefault(worker_id, set())
+                new = [h for h in entry.hashes if h not in have][:room]
+                have.update(new)
+                out.setdefault(worker_id, []).extend(new)
+                room -= len(new)
+        return out
+
+    def expire(self) -> None:
+        """Forget the settled requests whose grace is over (the other methods do so first)."""
+        self._purge()
+
     def __len__(self) -> int:
         return len(self._entries)
 
     def _hold(self, entry: _Entry, worker_id: str) -> None:
         entry.workers.append(worker_id)
         self._held.setdefault(worker_id, Counter()).update(entry.hashes)
+        self.changes += 1
 
     def _forget(self, request_id: str) -> None:
         entry = self._entries.pop(request_id)
+        self.changes += 1
         for worker_id in entry.workers:
             held = self._held[worker_id]
             for h in entry.hashes:  # one pass: drop a hash with its last request

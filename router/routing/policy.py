@@ -59,15 +59,17 @@ class Candidate:
     cached_blocks: int = 0  # leading blocks of this prompt's hash chain the worker holds in its KV pool
     tiered_blocks: int = 0  # ... in its KV pool or its host tier (the index's gpu_or_cpu; >= cached_blocks)
     draining: bool = False
-    inflight: int = 0  # requests this router sent here and that have not finished
-    inflight_prefill_tokens: int = 0  # prompt tokens this router sent here to compute (either role), not yet answered
-    # leading blocks of this prompt the worker is computing for a request this router sent it, not yet in the
-    # index (router.routing.in_progress.PendingPrefixes); the cost policy prices them as cached, behind its backlog
+    # requests this router sent here and that have not finished (plus the other routers', as of their last publish:
+    # router.routing.shared_books)
+    inflight: int = 0
+    inflight_prefill_tokens: int = 0  # prompt tokens the routers sent here to compute (either role), not yet answered
+    # leading blocks of this prompt the worker is computing for a request this router (or another) sent it, not yet in
+    # the index (router.routing.in_progress.PendingPrefixes); the cost policy prices them as cached, behind its backlog
     pending_blocks: int = 0
 
     @property
     def num_active(self) -> int:
-        """Running + waiting as last reported, or this router's own in-flight count when higher
+        """Running + waiting as last reported, or the routers' in-flight count when higher
         (the report lags a burst by up to a heartbeat)."""
         reported = 0 if self.load is None else self.load.running + self.load.waiting
         return max(reported, self.inflight)
@@ -82,7 +84,7 @@ class Candidate:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        """As last reported, or this router's own unanswered prefills when more (reports lag a burst)."""
+        """As last reported, or the routers' unanswered prefills when more (reports lag a burst)."""
         reported = 0 if self.load is None else self.load.queued_prefill_tokens
         return max(reported, self.inflight_prefill_tokens)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from kv_transfer.workers import WorkerLoad
 from router.routing.chain_match import PrefixMatch
 from router.routing.directory import HashScheme, Snapshot, WorkerEntry, build_candidates, scheme_of, served_scheme
-from router.routing.in_progress import InflightPrefills
+from router.routing.in_progress import PrefillBook
 from router.routing.policy import Candidate, PolicyConfig
 from router.routing.rates import Rates
 
@@ -62,10 +62,11 @@ def preselect_for(policy: PolicyConfig, config: PreselectConfig) -> PreselectCon
 
 @dataclass(slots=True)
 class Books:
-    """What this router sent and has not seen finish (``router.relay``'s books), as pre-selection reads them."""
+    """What this router sent and has not seen finish (``router.relay``'s books), as pre-selection reads them; with
+    several routers, the others' beside them (``router.routing.shared_books.with_others``)."""
 
     inflight: Mapping[str, int]  # decode worker -> requests in flight
-    prefills: InflightPrefills  # prompt tokens sent to compute
+    prefills: PrefillBook  # prompt tokens sent to compute
     pending: Mapping[str, int]  # worker -> leading blocks of this prompt it is computing (PendingPrefixes.lookup)
     rates: Rates
 

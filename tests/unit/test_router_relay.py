@@ -221,8 +221,12 @@ def loop() -> Iterator[LoopThread]:
 
 
 def router_config(model_dir: Path, redis_url: str, **overrides: Any) -> RouterConfig:
+    """Each test's router prices its own books only: the module's router (``stub``) runs beside it, and its books
+    name fake workers that each test starts afresh under the same ids (tests/unit/test_router_shared_books.py
+    covers routers sharing their books)."""
     return RouterConfig(model_path=model_dir, redis_url=redis_url, ns=NS, host="127.0.0.1", port=0,
-                        worker_list_ttl_s=0.0, policy=PolicyConfig(disagg_threshold_tokens=64), **overrides)
+                        worker_list_ttl_s=0.0, policy=PolicyConfig(disagg_threshold_tokens=64),
+                        **{"shared_books": None, **overrides})
 
 
 @pytest.fixture(scope="module")
