@@ -1,18 +1,23 @@
 """KV-aware routing with real processes (1 prefill + 3 decode workers): a request that repeats a long
 prefix lands on the decode worker that holds it; another tenant's salt never reuses it. And (1 prefill +
 1 decode worker with a small chunk budget, as decode workers run to protect their ITL) a prompt that goes
-remote while the prefill pool is idle goes local while it is saturated, and remote again after."""
+remote while the prefill pool is idle goes local while it is saturated, and remote again after. And (3 decode
+workers, 3 routers in front of them) a burst split across routers that share their in-flight books spreads over
+the workers, where routers that do not pile it onto the one that looked idle."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
+from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
@@ -190,3 +195,92 @@ def test_a_saturated_prefill_pool_makes_prompts_go_local(chunked):
             future.result(timeout=120)
     wait_for_route(chunked, "remote")  # P idle again: back to remote
     assert_pools_full(chunked)
+
+
+# --- several routers in front of the same workers ---------------------------------------------------
+
+BURST, BURST_GAP_S = 12, 0.06  # 4 per router, one every 60 ms (each router publishes and reads every 50 ms)
+
+
+@pytest.fixture(scope="module")
+def routers(model_dir, tmp_path_factory):
+    """3 decode workers; in front of them 3 routers that share their books and 3 that do not."""
+    require_redis_server()
+    redis = RedisServer.start()
+    cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("routers-logs"))
+    try:
+        cluster.workers = [cluster.start_worker("decode", worker_id=f"d{i}", num_blocks=2048) for i in range(3)]
+        # least loaded: the decision turns on the books alone, not on rates learned on a busy machine
+        cluster.shared = [cluster.start_router("--policy", "least_loaded") for _ in range(3)]
+        cluster.alone = [cluster.start_router("--policy", "least_loaded", "--no-shared-books") for _ in range(3)]
+        cluster.wait_for_workers({"d0", "d1", "d2"})
+        for router in cluster.shared + cluster.alone:
+            _wait_serving(router.address)
+        yield cluster
+    finally:
+        for proc in cluster.procs:  # all at once, then each waited for
+            proc.popen.terminate()
+        cluster.stop_all()
+        redis.stop()
+
+
+def reported_running(cluster) -> dict[str, int]:
+    return {info.worker_id: load.running + load.waiting if load else 0
+            for info, load in asyncio.run(_list_workers(cluster))}
+
+
+async def _list_workers(cluster):
+    redis = connect(cluster.redis_url)
+    try:
+        return await Registry(redis, cluster.namespace).list_workers()
+    finally:
+        await redis.aclose()
+
+
+def keep_busy(cluster, streams_per_worker: int = 3) -> list:
+    """Another client's long streams on d1 and d2, sent straight to them: their heartbeats report 3 running each
+    while d0 reports none, so every router sees d0 as the idle one."""
+    params = pb.SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
+    calls = []
+    for worker in cluster.workers[1:]:
+        stub = pb_grpc.WorkerStub(grpc.insecure_channel(worker.address))
+        for i in range(streams_per_worker):
+            request = pb.DecodeRequest(request_id=f"busy-{worker.name}-{i}-{time.monotonic_ns()}", prompt_len=4,
+                                       token_ids=[30 + i, 31, 32, 33], sampling=params)
+            calls.append(stub.Decode(request, timeout=60))
+    deadline = time.monotonic() + 15
+    while reported_running(cluster) != {"d0": 0, "d1": streams_per_worker, "d2": streams_per_worker}:
+        assert time.monotonic() < deadline, reported_running(cluster)
+        time.sleep(0.1)
+    time.sleep(0.6)  # the routers' listings (0.5 s) catch up with the heartbeats
+    return calls
+
+
+def burst(cluster, routers) -> tuple[Counter, list[str]]:
+    """``BURST`` long prompts sent round-robin through ``routers``, one every ``BURST_GAP_S``: where each was
+    decoded, and why."""
+    def send(i: int) -> pb.GenerateResponse:
+        time.sleep(i * BURST_GAP_S)
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(routers[i % len(routers)].address))
+        params = pb.SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=fresh_prompt(300)), sampling=params)
+        return list(stub.Generate(request, timeout=60))[-1]
+
+    calls = keep_busy(cluster)
+    try:
+        with ThreadPoolExecutor(max_workers=BURST) as pool:
+            finals = list(pool.map(send, range(BURST)))
+    finally:
+        for call in calls:
+            call.cancel()
+    return Counter(f.timings.decode_worker for f in finals), [f.timings.route_reason for f in finals]
+
+
+def test_routers_sharing_their_books_spread_a_burst_that_routers_alone_pile_onto_one_worker(routers):
+    shared, why_shared = burst(routers, routers.shared)
+    alone, why_alone = burst(routers, routers.alone)
+    # alone, each router sends d0 (the one idle worker in the last heartbeat) its 4 before its own books make d0
+    # look busier than the others' 3 streams: d0 takes the whole burst, until a heartbeat shows it more than 3
+    assert alone["d0"] >= 9, (alone, why_alone)
+    # sharing, each router counts the others' sends: d0 takes about its share, and the burst spreads over all three
+    assert shared["d0"] <= 7 and max(shared.values()) <= 7 and len(shared) == 3, (shared, alone, why_shared)
