@@ -14,6 +14,7 @@ _BENCHMARKS = {
     "index-lookup": "bench.index_lookup",
     "routing": "bench.routing",
     "routing-sweep": "bench.routing_sweep",
+    "routers": "bench.routers",
     "serve": "bench.serve",
     "compare": "bench.compare",
     "faults": "bench.faults",

@@ -5,7 +5,8 @@ on it and the decision reads only memory.
 Keys (DESIGN.md "KV index and registry in Redis"; ``kv_transfer.index_schema.RedisKeys``):
 
 - ``{ns}:router-books:{router_id}`` STRING, a ``BooksDoc`` in JSON, ``PX`` = ``ttl_s``: rewritten when the books
-  changed, its TTL extended when not, deleted when they are empty (an idle router costs the others nothing);
+  changed, its TTL extended when not, deleted when they are empty (an idle router only reads, and costs the
+  others nothing);
 - ``{ns}:routers`` SET of router ids; a reader drops the ids whose document expired.
 
 One script does both halves: write (or extend, or delete) this router's document, then return every other
@@ -34,12 +35,13 @@ from router.routing.shared_books import NO_OTHERS, OtherBooks, RouterBooks, Shar
 log = logging.getLogger(__name__)
 
 # KEYS[1]: {ns}:routers. ARGV: the document key's prefix, this router's id, the TTL in ms, and its document:
-# '' (no books: delete it), '=' (unchanged since the last write: extend it) or the JSON. Returns {1 if this
-# router's document is in Redis (0: it expired, write it again), every other router's document...}.
+# '' (no books: delete it), '-' (none, already deleted), '=' (unchanged since the last write: extend it) or the
+# JSON. Returns {1 if this router's document is in Redis (0: it expired, write it again), every other router's...}.
 _SYNC_LUA = """
 local prefix, me, ttl, doc = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local mine, kept = prefix .. me, 1
-if doc == '' then
+if doc == '-' then
+elseif doc == '' then
   redis.call('DEL', mine)
   redis.call('SREM', KEYS[1], me)
 elseif doc == '=' then
@@ -85,6 +87,7 @@ class BooksSync:
         self._keys, self._owner, self._snapshot = keys, owner, snapshot
         self._clock, self._wall_ms = clock, wall_ms
         self._written: tuple | None = None  # what the document in Redis was built from (None: write it)
+        self._deleted = False  # no books, and the document is deleted
         self._docs: dict[str, RouterBooks] = {}  # the others' documents last read, parsed
         self._last_read_s = clock()
         self._task: asyncio.Task | None = None
@@ -135,8 +138,11 @@ class BooksSync:
         queued = prefills.backlogs(snapshot.workers, owner.routing.rates) if snapshot else prefills.tokens()
         doc = own_doc(self.router_id, self._wall_ms(), owner.inflight, queued,
                       owner.pending_prefixes.newest(self.config.max_pending_hashes))
-        self._written = None if doc.empty else built_from  # an empty one is deleted, never extended
-        return "" if doc.empty else doc.encode()
+        if doc.empty:  # deleted (once), never extended
+            deleted, self._deleted, self._written = self._deleted, True, None
+            return "-" if deleted else ""
+        self._deleted, self._written = False, built_from
+        return doc.encode()
 
     def _install(self, docs: list[str]) -> None:
         if docs == list(self._docs):
@@ -173,7 +179,7 @@ class BooksSync:
                 if not self._failing:
                     log.warning("router books sync failed (pricing this router's books only after %.1f s): %r",
                                 self.config.ttl_s, exc)
-                self._failing, self._written = True, None
+                self._failing, self._written, self._deleted = True, None, False
                 if self._clock() - self._last_read_s > self.config.ttl_s and self._docs:
                     self._owner.other_books, self._docs = NO_OTHERS, {}
                 await asyncio.sleep(min(1.0, period_s * 10))

@@ -40,7 +40,7 @@ HASH_BYTES = 8  # of a block hash, what other routers are told (16 hex character
 class SharedBooksConfig:
     period_s: float = 0.05  # publish this router's books and read the others' this often
     ttl_s: float = 2.0  # a router's books expire this long after its last publish (it died, or lost Redis)
-    max_pending_hashes: int = 4096  # pending blocks published per router (32 KB of hex at most)
+    max_pending_hashes: int = 2048  # pending blocks published per router (32 KB of hex at most)
     router_id: str | None = None  # None: host, pid and a random suffix (books_sync)
 
     def __post_init__(self) -> None:

@@ -280,7 +280,8 @@ def test_routers_sharing_their_books_spread_a_burst_that_routers_alone_pile_onto
     shared, why_shared = burst(routers, routers.shared)
     alone, why_alone = burst(routers, routers.alone)
     # alone, each router sends d0 (the one idle worker in the last heartbeat) its 4 before its own books make d0
-    # look busier than the others' 3 streams: d0 takes the whole burst, until a heartbeat shows it more than 3
-    assert alone["d0"] >= 9, (alone, why_alone)
-    # sharing, each router counts the others' sends: d0 takes about its share, and the burst spreads over all three
-    assert shared["d0"] <= 7 and max(shared.values()) <= 7 and len(shared) == 3, (shared, alone, why_shared)
+    # look busier than the others' 3 streams: d0 takes the whole burst, unless a heartbeat shows it busier first
+    assert alone["d0"] >= 8, (alone, why_alone)
+    # sharing, each router counts the others' sends (as of their last publish, <= 100 ms old): d0 takes about its
+    # share (4, or 5 when a send is missed within a period) and the burst spreads over all three
+    assert shared["d0"] <= 6 and max(shared.values()) <= 6 and len(shared) == 3, (shared, alone, why_shared)
