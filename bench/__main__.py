@@ -15,6 +15,7 @@ _BENCHMARKS = {
     "routing": "bench.routing",
     "routing-sweep": "bench.routing_sweep",
     "routers": "bench.routers",
+    "books-cost": "bench.books_cost",
     "serve": "bench.serve",
     "compare": "bench.compare",
     "faults": "bench.faults",

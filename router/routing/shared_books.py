@@ -17,8 +17,10 @@ load as its own books, exact and immediate, plus the others' as of their last pu
   is named by its hash's first ``HASH_BYTES`` bytes (a false match costs a mis-priced request, never wrong
   output), at most ``max_pending_hashes`` per router, the newest requests' and each one's leading blocks first.
 
-A router whose document expired (``ttl_s`` after its last publish: it died, or lost Redis) counts for nothing.
-Pure logic: documents in, documents out, an injected monotonic clock and wall clock (ms) for the ages.
+The sums meet a worker's heartbeat as one router's books did: the larger of the two (``policy.Candidate``), since
+the heartbeat counts the routers' requests too once it catches up. Within a period the routers do not see each
+other's latest sends. A router whose document expired (``ttl_s`` after its last publish: it died, or lost Redis)
+counts for nothing. Pure logic: documents in, documents out, an injected monotonic clock and wall clock (ms) for the ages.
 """
 
 from __future__ import annotations
