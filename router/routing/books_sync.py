@@ -89,6 +89,8 @@ class BooksSync:
         self._written: tuple | None = None  # what the document in Redis was built from (None: write it)
         self._deleted = False  # no books, and the document is deleted
         self._docs: dict[str, RouterBooks] = {}  # the others' documents last read, parsed
+        self._malformed: set[str] = set()  # the others' documents last read that did not parse
+        self._seen: set[str] = set()  # every other router whose books were read
         self._last_read_s = clock()
         self._task: asyncio.Task | None = None
         self._failing = False
@@ -145,24 +147,27 @@ class BooksSync:
         return doc.encode()
 
     def _install(self, docs: list[str]) -> None:
-        if docs == list(self._docs):
+        if docs == [*self._docs, *self._malformed]:
             return  # nobody published anything new: the merged books stand (their backlogs drain by the clock)
-        now_s, now_ms, parsed = self._clock(), self._wall_ms(), {}
+        now_s, now_ms = self._clock(), self._wall_ms()
+        parsed: dict[str, RouterBooks | None] = {}
         for doc in docs:
             books = self._docs.get(doc)
             if books is None:
                 try:
                     books = decode(doc, now_s, now_ms)
                 except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                    log.warning("ignoring another router's malformed books: %r", exc)
+                    if doc not in self._malformed:  # warned once per document, not every period
+                        log.warning("ignoring another router's malformed books: %r", exc)
+                    parsed[doc] = None
                     continue
             parsed[doc] = books
-        before = self.others
-        self._docs = parsed
-        self._owner.other_books = OtherBooks.merge(list(parsed.values())) if parsed else NO_OTHERS
-        if self.others != before:
-            log.info("router_id=%s counts the books of %d other routers: %s", self.router_id, len(self.others),
-                     ", ".join(self.others) or "none")
+        self._docs = {doc: books for doc, books in parsed.items() if books is not None}
+        self._malformed = {doc for doc, books in parsed.items() if books is None}
+        self._owner.other_books = OtherBooks.merge(list(self._docs.values())) if self._docs else NO_OTHERS
+        if new := set(self.others) - self._seen:  # a router with nothing in flight publishes nothing: say it once
+            self._seen |= new
+            log.info("router_id=%s prices the books of other routers too: %s", self.router_id, ", ".join(sorted(new)))
 
     async def _run(self) -> None:
         period_s = self.config.period_s

@@ -237,9 +237,12 @@ def test_routers_see_each_others_books_through_redis_until_they_stop_or_die(redi
             b.inflight["d1"] += 1
             for sync in syncs:
                 await sync.sync_once()
+            await redis.set(keys.router_books("bad"), "{not json", px=5000)  # a router of another version, say
+            await redis.sadd(keys.routers, "bad")
             for sync in syncs:  # everyone read what everyone wrote
                 await sync.sync_once()
             assert c.other_books.routers == ("ra", "rb") and c.other_books.streams == {"d0": 2, "d1": 1}
+            await redis.delete(keys.router_books("bad"))
             assert c.other_books.pending_lookup(chain(1)) == {"d0": len(chain(1))}
             assert b.other_books.routers == ("ra",)  # c has no books: it wrote nothing
             assert await redis.exists(keys.router_books("rc")) == 0
