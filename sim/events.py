@@ -20,6 +20,8 @@ class Kind(enum.Enum):
     DECODE_STEP = "decode_step"  # D's steps up to here are done (a segment ends or a change is due)
     HEARTBEAT = "heartbeat"  # a worker reports its load
     PUBLISH = "publish"  # a worker's block events reach the index
+    PLAN = "plan"  # the planner runs (a planner-driven run)
+    WORKER_UP = "worker_up"  # a worker the planner asked for has started and registers
 
 
 @dataclass(frozen=True, slots=True)

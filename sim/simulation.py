@@ -60,6 +60,7 @@ class SimResult:
     decision_ms: dict[str, float] = field(default_factory=dict)  # lookup + candidates + route()
     policy_ms: dict[str, float] = field(default_factory=dict)  # route() alone
     learned: dict[str, dict[str, float]] = field(default_factory=dict)  # the router's rates at the end
+    plan_history: list[dict] = field(default_factory=list)  # a planner-driven run's plans (sim/elastic.py)
 
 
 class Simulation:
@@ -73,8 +74,8 @@ class Simulation:
                       for r in requests}
         self.records = [f.record for f in self.flows.values()]
         self.max_events = max_events if max_events is not None else 1_000_000 + 500 * len(requests)
-        for r in requests:
-            self.events.at(r.arrival_s, Kind.ARRIVAL, r.request_id)
+        for r in requests:  # the router decides router_s after the client sent (its TTFT counts from the send)
+            self.events.at(r.arrival_s + config.router_s, Kind.ARRIVAL, r.request_id)
         self._handlers = {Kind.ARRIVAL: self._arrival, Kind.PREFILL_IN: self._prefill_in,
                           Kind.FIRST_TOKEN: self._first_token, Kind.DECODE_IN: self._decode_in,
                           Kind.PULL_DONE: self._pull_done, Kind.PUBLISH: self.cluster.publish,
@@ -92,11 +93,17 @@ class Simulation:
                 self._decode_step(event.target, event.version)
             else:
                 self._handlers[event.kind](event.target)
-        summary = summarize(self.records, self.cluster.itl, self.slo, gpus=self.config.num_gpus,
-                            busy_gpu_s=self.cluster.busy_gpu_s())
-        return SimResult(self.records, summary, self.cluster, self.events.processed, time.perf_counter() - started,
-                         _decision_ms(self.router.decision_s), _decision_ms(self.router.policy_s),
-                         self.router.learned())
+            self._after_event()
+        return SimResult(self.records, self._summary(), self.cluster, self.events.processed,
+                         time.perf_counter() - started, _decision_ms(self.router.decision_s),
+                         _decision_ms(self.router.policy_s), self.router.learned())
+
+    def _after_event(self) -> None:
+        """A hook for runs whose pools change (``sim/elastic.py``)."""
+
+    def _summary(self) -> dict:
+        return summarize(self.records, self.cluster.itl, self.slo, gpus=self.config.num_gpus,
+                         busy_gpu_s=self.cluster.busy_gpu_s())
 
     # ---- routing -------------------------------------------------------------------------------
     def _arrival(self, request_id: str) -> None:
