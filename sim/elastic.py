@@ -23,6 +23,7 @@ from bench.stats import percentile
 from router.admin import traffic as traffic_mod
 from router.admin.planner import DecodeProfile, PlannerConfig, PoolState, PrefillProfile, Traffic, plan_pools
 from router.admin.planner import Slo as PlannerSlo
+from router.metrics import TOKEN_BUCKETS
 from sim.cluster import Cluster, ClusterConfig
 from sim.events import Kind
 from sim.metrics import RequestRecord, Slo
@@ -51,11 +52,13 @@ def window_of(records: Sequence[RequestRecord], now_s: float, window_s: float) -
     n = len(done)
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
+    lengths = [float(r.prompt_tokens) for r in done]
     return traffic_mod.Window(
         span_s=span_s, num_requests=n, rate_per_s=n / span_s,
-        mean_isl=sum(r.prompt_tokens for r in done) / n if n else None,
+        mean_isl=sum(lengths) / n if n else None,
         mean_osl=sum(r.output_tokens for r in done) / n if n else None,
-        ttft=_percentiles(ttfts, len(ttfts)), itl=_percentiles(tpots, sum(r.output_tokens - 1 for r in done)))
+        ttft=_percentiles(ttfts, len(ttfts)), itl=_percentiles(tpots, sum(r.output_tokens - 1 for r in done)),
+        isl_mix=traffic_mod.isl_mix_of(traffic_mod.histogram_of(lengths, TOKEN_BUCKETS)))
 
 
 def _percentiles(values: list[float], count: int) -> traffic_mod.Percentiles | None:
@@ -90,7 +93,7 @@ class PoolPlanner:
         entry = {"t_s": now_s, "window_requests": window.num_requests, "rate_per_s": window.rate_per_s}
         if window.num_requests and window.mean_isl and window.mean_osl:
             traffic = Traffic(rate_per_s=window.rate_per_s, mean_isl=max(window.mean_isl, 1.0),
-                              mean_osl=max(window.mean_osl, 1.0))
+                              mean_osl=max(window.mean_osl, 1.0), isl_mix=window.isl_mix)  # as the servicer does
             corrections, _ = traffic_mod.corrections(window, self.prefill, self.decode,
                                                      prefill_workers=len(self.live("prefill")),
                                                      decode_workers=len(self.live("decode")))

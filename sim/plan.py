@@ -16,6 +16,8 @@ from typing import Any
 from router.admin.planner import (DecodeProfile, Plan, PlannerConfig, PrefillProfile, Traffic, itl_row_at_context,
                                   plan_pools)
 from router.admin.planner import Slo as PlannerSlo
+from router.admin.traffic import histogram_of, isl_mix_of
+from router.metrics import TOKEN_BUCKETS
 from sim.metrics import Slo
 from sim.timing import TimeModel, profiles_of
 from sim.workload import SimRequest
@@ -24,13 +26,16 @@ PROFILE_PROMPT_LENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 6553
 PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def traffic_of(requests: Sequence[SimRequest]) -> Traffic:
-    """Mean rate over the workload's span, mean prompt and output lengths."""
+def traffic_of(requests: Sequence[SimRequest], span_s: float | None = None) -> Traffic:
+    """Mean rate over the workload's span (or ``span_s``), mean prompt and output lengths, and the prompt lengths'
+    mix as the router's prompt-token histogram gives it to the planner (``router.admin.traffic.isl_mix_of``)."""
     n = len(requests)
-    span_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
-    return Traffic(rate_per_s=n / span_s if span_s > 0 else float(n),
-                   mean_isl=sum(r.prompt_tokens for r in requests) / n,
-                   mean_osl=sum(r.output_tokens for r in requests) / n)
+    if span_s is None:
+        span_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    lengths = [float(r.prompt_tokens) for r in requests]
+    return Traffic(rate_per_s=n / span_s if span_s > 0 else float(n), mean_isl=sum(lengths) / n,
+                   mean_osl=sum(r.output_tokens for r in requests) / n,
+                   isl_mix=isl_mix_of(histogram_of(lengths, TOKEN_BUCKETS)))
 
 
 def profiles_for(requests: Sequence[SimRequest], time_model: TimeModel, *,

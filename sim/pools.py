@@ -27,7 +27,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from router.admin.planner import PlannerConfig, Traffic, plan_pools
+from router.admin.planner import PlannerConfig, plan_pools
 from router.admin.planner import Slo as PlannerSlo
 from router.routing.cost_model import CostConfig
 from router.routing.policy import POLICIES, PolicyConfig
@@ -85,9 +85,7 @@ def window_plans(requests: list[SimRequest], profiles, slo: PlannerSlo, config: 
     while t <= end + interval_s:
         seen = [r for r in requests if t - window_s <= r.arrival_s < t]
         if seen:
-            span = min(window_s, t)
-            traffic = Traffic(rate_per_s=len(seen) / span, mean_isl=sum(r.prompt_tokens for r in seen) / len(seen),
-                              mean_osl=sum(r.output_tokens for r in seen) / len(seen))
+            traffic = traffic_of(seen, span_s=min(window_s, t))
             plan = plan_pools(slo, traffic, *profiles, config=config)
             out.append({"t_s": t, "rate_per_s": traffic.rate_per_s, "prefill": plan.prefill, "decode": plan.decode})
         t += interval_s

@@ -1,10 +1,17 @@
 """Pool sizing from SLOs: how many prefill and decode workers for this traffic (pure math, no I/O).
 
-Prefill (DistServe-style): requests arrive Poisson at ``rate_per_s`` and are spread over ``n`` prefill
-workers; each worker is an M/D/1 queue whose service time is ``isl / throughput(isl)`` from the profiled
-prefill curve. The p90 TTFT is the service time plus the p90 queueing wait. The wait uses the M/D/1 mean
-``rho * D / (2 (1 - rho))`` with an exponential tail behind the probability ``rho`` of waiting at all
-(Kingman), so ``W90 = D * ln(10 rho) / (2 (1 - rho))`` when ``rho > 0.1`` and 0 otherwise.
+Prefill (DistServe-style, M/G/n): requests arrive Poisson at ``rate_per_s``; the router sends each prompt to
+the prefill worker that frees first (the cost and least-loaded policies price each worker's queue), so the
+``n`` workers are one queue with ``n`` servers. A prompt of ``isl`` tokens takes ``S = isl / throughput(isl)``
+on the profiled prefill curve; ``Traffic.isl_mix`` gives the prompt lengths' spread (the router's prompt-token
+histogram), so the service time has a mean ``E[S]`` and a squared coefficient of variation ``cs2`` (0 when only
+the mean is known: every prompt at ``mean_isl``). A prompt waits with Erlang C's probability ``C(n, rate E[S])``
+and then for an exponential time of mean ``E[S] (1 + cs2) / (2 n (1 - rho))`` (Allen-Cunneen; with n = 1 and
+cs2 = 0 this is M/D/1's), and TTFT is its own service time plus that wait; the p90 is solved over the mix.
+Why not n separate M/D/1 queues at the mean prompt (this planner until issue 23): on Mooncake's conversation
+trace (prompts' service cv2 4.2 on an H200, attention grows with the square of the prompt) that predicted a TTFT
+p90 of 1.1 s on 2 prefill workers where the simulator, running the real router, measured 6.0 s (M/G/n: 6.0 s),
+and it sized 2 workers where 3 are the fewest that meet the SLO (``baton simulate pools``, docs/benchmarks.md).
 
 Decode (Dynamo-style throughput at ITL): the profiled ITL-vs-batch curve, scaled by the correction factor,
 gives the largest batch ``B*`` a worker can run within the ITL target (linear interpolation, no
@@ -24,6 +31,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequest
+from router.admin.queueing import prefill_ttft_p90_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +73,7 @@ class Traffic:
     rate_per_s: float  # requests per second
     mean_isl: float  # prompt tokens
     mean_osl: float  # output tokens
+    isl_mix: tuple[tuple[float, float], ...] = ()  # (prompt tokens, share of requests); (): every prompt at mean_isl
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,27 +162,30 @@ def plan_pools(slo: Slo, traffic: Traffic, prefill: PrefillProfile, decode: Deco
     return Plan(prefill=p_count, decode=d_count, prefill_plan=p_plan, decode_plan=d_plan, decisions=decisions)
 
 
-def prefill_ttft_p90_s(rate_per_s: float, service_s: float, workers: int) -> tuple[float, float]:
-    """(rho, p90 TTFT in s) of ``workers`` M/D/1 queues sharing Poisson traffic; inf when unstable."""
-    rho = rate_per_s / workers * service_s
-    if rho >= 1.0:
-        return rho, math.inf
-    wait_s = service_s * math.log(10 * rho) / (2 * (1 - rho)) if rho > 0.1 else 0.0
-    return rho, service_s + wait_s
+def service_mix(profile: PrefillProfile, mean_isl: float,
+                isl_mix: tuple[tuple[float, float], ...] = ()) -> tuple[tuple[float, float], ...]:
+    """(prefill seconds, share) of each prompt length of the mix (or of the mean alone), shares summing to 1."""
+    mix = isl_mix or ((mean_isl, 1.0),)
+    total = sum(share for _, share in mix)
+    return tuple((profile.service_time_s(isl), share / total) for isl, share in mix)
 
 
 def size_prefill(slo: Slo, traffic: Traffic, profile: PrefillProfile, correction: float,
                  config: PlannerConfig) -> PoolPlan:
-    service_s = profile.service_time_s(traffic.mean_isl)
+    services = service_mix(profile, traffic.mean_isl, traffic.isl_mix)
+    service_s = sum(s * w for s, w in services)
+    cs2 = max(sum(s * s * w for s, w in services) / service_s ** 2 - 1.0, 0.0)
+    spread = "over the prompt-length mix" if len(services) > 1 else "isl / throughput"
     terms = [Term(pool="prefill", name="throughput at isl", value=traffic.mean_isl / service_s, unit="tok/s"),
-             Term(pool="prefill", name="service time D", value=service_s * 1e3, unit="ms", note="isl / throughput"),
+             Term(pool="prefill", name="service time D", value=service_s * 1e3, unit="ms", note=f"mean, {spread}"),
+             Term(pool="prefill", name="service time cs2", value=cs2, unit="", note="variance / mean^2"),
              Term(pool="prefill", name="correction", value=correction, unit="x", note="measured / predicted TTFT")]
     for n in range(1, config.max_workers + 1):
-        rho, ttft_s = prefill_ttft_p90_s(traffic.rate_per_s, service_s, n)
+        rho, ttft_s = prefill_ttft_p90_s(traffic.rate_per_s, services, n)
         if ttft_s * correction <= slo.ttft_p90_s:
             terms += [Term(pool="prefill", name="utilization rho", value=rho, unit="", note=f"rate / n * D at n = {n}"),
                       Term(pool="prefill", name="predicted TTFT p90", value=ttft_s * correction * 1e3, unit="ms",
-                           note=f"M/D/1, <= SLO {slo.ttft_p90_s * 1e3:g} ms")]
+                           note=f"M/G/n, <= SLO {slo.ttft_p90_s * 1e3:g} ms")]
             return PoolPlan(raw=n, sticky=n, feasible=True, terms=tuple(terms))
     n = max(1, math.ceil(traffic.rate_per_s * service_s / config.infeasible_utilization))
     n = min(n, config.max_workers)
@@ -279,6 +291,9 @@ def _check_inputs(slo: Slo, traffic: Traffic, corrections: Corrections) -> None:
             raise InvalidRequest(f"{name} must be a positive number, got {value}")
     if not (traffic.rate_per_s >= 0 and math.isfinite(traffic.rate_per_s)):
         raise InvalidRequest(f"rate must be >= 0, got {traffic.rate_per_s}")
+    if any(not (isl > 0 and share > 0 and math.isfinite(isl) and math.isfinite(share))
+           for isl, share in traffic.isl_mix):
+        raise InvalidRequest(f"isl_mix needs positive (prompt tokens, share) pairs, got {traffic.isl_mix}")
 
 
 def _num(value: float) -> str:

@@ -258,4 +258,4 @@ def _traffic(request: pb.PlanRequest, window: traffic_mod.Window | None) -> plan
         raise InvalidRequest(f"no finished requests in the last {window.span_s:.0f} s of traffic: "
                              "plan with --rate/--isl/--osl instead")
     return planner.Traffic(rate_per_s=window.rate_per_s, mean_isl=max(window.mean_isl, 1.0),
-                           mean_osl=max(window.mean_osl, 1.0))
+                           mean_osl=max(window.mean_osl, 1.0), isl_mix=window.isl_mix)

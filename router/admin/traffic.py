@@ -7,8 +7,12 @@ now and the newest copy at least ``window_s`` old — or the router's start, whe
 reports the span it actually covers. Percentiles interpolate inside buckets the way PromQL's
 ``histogram_quantile`` does, so they match the dashboards (and share their bucket resolution).
 
+The window also gives the prompt lengths' spread (``isl_mix``: each non-empty bucket of the prompt-token
+histogram at its geometric middle, scaled so the mix's mean is the exact mean), which the planner's queue model
+needs (a mix of long and short prompts waits longer than prompts all of the mean length).
+
 Corrections (measured / predicted, ``1.0`` when there is too little data): prefill compares the measured
-TTFT p90 with the M/D/1 prediction for the current prefill pool at the observed rate and ISL; decode
+TTFT p90 with the M/G/n prediction for the current prefill pool at the observed rate and prompt mix; decode
 compares the measured ITL p90 with the profile's ITL at the batch each decode worker runs by Little's law
 (``rate * osl * measured ITL p50 / workers``).
 """
@@ -83,6 +87,7 @@ class Window:
     mean_osl: float | None
     ttft: Percentiles | None
     itl: Percentiles | None
+    isl_mix: tuple[tuple[float, float], ...] = ()  # (prompt tokens, share of requests): the planner's Traffic.isl_mix
 
 
 def read_histograms(registry) -> dict[str, Histogram]:
@@ -108,7 +113,29 @@ def window_between(new: Snapshot, old: Snapshot) -> Window:
     mean = lambda h: h.total / h.count if h.count > 0 else None  # noqa: E731
     return Window(span_s=span_s, num_requests=int(requests), rate_per_s=requests / span_s,
                   mean_isl=mean(delta["isl"]), mean_osl=mean(delta["osl"]),
-                  ttft=_percentiles(delta["ttft"]), itl=_percentiles(delta["itl"]))
+                  ttft=_percentiles(delta["ttft"]), itl=_percentiles(delta["itl"]), isl_mix=isl_mix_of(delta["isl"]))
+
+
+def histogram_of(values: list[float], bounds: tuple[float, ...]) -> Histogram:
+    """``values`` observed into a cumulative histogram with these finite upper bounds (and +inf)."""
+    edges = (*bounds, math.inf)
+    return Histogram(edges, tuple(float(sum(v <= b for v in values)) for b in edges), float(sum(values)))
+
+
+def isl_mix_of(histogram: Histogram) -> tuple[tuple[float, float], ...]:
+    """The prompt lengths' mix from a histogram of them: (geometric middle of each non-empty bucket, its share),
+    the middles scaled so the mix's mean equals the histogram's exact mean; () when it is empty."""
+    if histogram.count <= 0:
+        return ()
+    mix, lower, below = [], 0.0, 0.0
+    for bound, cumulative in zip(histogram.bounds, histogram.cumulative):
+        inside = cumulative - below
+        if inside > 0:
+            upper = 2 * lower if math.isinf(bound) else bound
+            mix.append((math.sqrt(max(lower, 1.0) * max(upper, 1.0)), inside / histogram.count))
+        lower, below = (bound if not math.isinf(bound) else lower), cumulative
+    scale = (histogram.total / histogram.count) / sum(x * w for x, w in mix)
+    return tuple((x * scale, w) for x, w in mix)
 
 
 def _percentiles(histogram: Histogram) -> Percentiles | None:
@@ -159,7 +186,8 @@ def _prefill_correction(window: Window, profile: planner.PrefillProfile, workers
         return 1.0, f"fewer than {MIN_REQUESTS} requests in the window"
     if workers < 1:
         return 1.0, "no prefill workers: TTFT came from local prefill"
-    _, predicted_s = planner.prefill_ttft_p90_s(window.rate_per_s, profile.service_time_s(window.mean_isl), workers)
+    services = planner.service_mix(profile, window.mean_isl, window.isl_mix)
+    _, predicted_s = planner.prefill_ttft_p90_s(window.rate_per_s, services, workers)
     if not math.isfinite(predicted_s) or predicted_s <= 0:
         return 1.0, f"the model predicts an unstable queue at {workers} workers"
     return window.ttft.p90_s / predicted_s, (f"TTFT p90 {window.ttft.p90_s * 1e3:.1f} ms measured / "

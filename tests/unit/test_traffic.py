@@ -13,9 +13,10 @@ import pytest
 
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.admin import cli as admin_cli, planner
-from router.metrics import RouterMetrics
+from router.metrics import TOKEN_BUCKETS, RouterMetrics
 from router.trace import RequestTrace
-from router.admin.traffic import Histogram, Percentiles, TrafficRecorder, Window, corrections
+from router.admin.traffic import (Histogram, Percentiles, TrafficRecorder, Window, corrections, histogram_of,
+                                  isl_mix_of)
 from tests.redis_server import RedisServer, require_redis_server
 from tests.unit.test_admin_server import NS, register, start, worker
 from tests.unit.test_router_server import LoopThread, make_model_folder
@@ -65,11 +66,25 @@ def window(**overrides) -> Window:
 
 def test_corrections_are_measured_over_predicted_latency():
     found, terms = corrections(window(), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
-    # prefill: 2 M/D/1 queues at rho 0.5, D 100 ms: 100 + 100 ln 5 / (2 * 0.5) = 260.9 ms predicted
-    assert found.prefill == pytest.approx(0.52 / (0.1 + 0.1 * math.log(5)))
+    # prefill: 2 workers behind one queue at rho 0.5, D 100 ms: Erlang C 1/3, 100 + 50 ln(10/3) = 160.2 ms predicted
+    assert found.prefill == pytest.approx(0.52 / (0.1 + 0.05 * math.log(10 / 3)))
     # decode: Little gives 10 * 200 * 12 ms / 2 = 12 seqs per worker; the profile's ITL there is 13.33 ms
     assert found.decode == pytest.approx(0.016 / 0.0133333333)
     assert [t.name for t in terms] == ["measured correction", "measured correction"]
+
+
+def test_the_prompt_mix_comes_from_the_histogram_with_the_exact_mean():
+    lengths = [300.0] * 6 + [3000.0] * 3 + [30_000.0]  # buckets (200, 500], (2000, 5000], (20000, 50000]
+    histogram = histogram_of(lengths, TOKEN_BUCKETS)
+    mix = isl_mix_of(histogram)
+    middles = (math.sqrt(200 * 500), math.sqrt(2000 * 5000), math.sqrt(20_000 * 50_000))
+    scale = (sum(lengths) / 10) / (0.6 * middles[0] + 0.3 * middles[1] + 0.1 * middles[2])
+    expected = [(m * scale, w) for m, w in zip(middles, (0.6, 0.3, 0.1))]
+    assert [x for pair in mix for x in pair] == pytest.approx([x for pair in expected for x in pair])
+    assert sum(x * w for x, w in mix) == pytest.approx(sum(lengths) / 10)  # the mean is exact
+    assert isl_mix_of(histogram_of([], TOKEN_BUCKETS)) == ()
+    past = isl_mix_of(histogram_of([200_000.0], TOKEN_BUCKETS))  # above the last bound: its double, scaled
+    assert past[0] == pytest.approx((200_000.0, 1.0))
 
 
 def test_too_little_data_or_no_pool_means_no_correction():
@@ -88,7 +103,7 @@ def test_a_known_window_gives_a_known_plan():
     assert (trusting.prefill, trusting.decode) == (2, 2)
     measured, _ = corrections(window(), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
     corrected = planner.plan_pools(slo, traffic, PREFILL, DECODE, corrections=measured)
-    # TTFT runs 2x the model: 2 workers now predict 520 ms > 500; decode's ITL 1.2x: 17 seqs fit, 36 run
+    # TTFT runs 3.2x the model: 2 workers now predict 520 ms > 500; decode's ITL 1.2x: 17 seqs fit, 36 run
     assert (corrected.prefill, corrected.decode) == (3, 3)
 
 
