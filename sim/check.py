@@ -7,7 +7,9 @@ workload, per routing policy (issue 23, item 2).
 
 1. Calibration (``sim/calibration.py`` says each term and what it is fitted from): a ``baton up`` of the same
    layout, idle; ``baton admin profile -o FILE`` measures its workers' curves; a few probe requests through the
-   router, one at a time, time the router's own share and the KV pull. The platform is stopped.
+   router, one at a time, time the router's own share and the KV pull; a training replay of the trace's next
+   ``--limit`` requests (none of those compared) times how the router's share grows with requests in flight.
+   The platform is stopped.
 2. Real: per policy a fresh ``baton up`` (``--policy``, the tiny model, 1 torch thread per worker, cold caches), the
    trace slice replayed open-loop at its scaled arrival times by ``bench trace``'s client (exact token ids), the
    platform stopped; the machine's load average before and after.
@@ -43,9 +45,11 @@ from bench.trace_replay.up import ROOT, Up
 from kv_transfer.hashing import hash_blocks, root_hash
 from router.routing.cost_model import CostConfig
 from router.routing.policy import POLICIES, PolicyConfig
-from sim.calibration import CPU, Calibration, Probe, calibrate, compare, figures_of_real, figures_of_sim
+from sim.calibration import (CPU, Calibration, Probe, calibrate, compare, figures_of_real, figures_of_sim,
+                             in_flight_at_send)
 from sim.check_report import ablations, print_check
 from sim.cluster import ClusterConfig
+from sim.cpu_load import RunnableSampler
 from sim.hardware import MODELS, WorkerShape
 from sim.metrics import Slo
 from sim.simulation import simulate
@@ -69,6 +73,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="also the cost policy's TTFT target")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="also the cost policy's ITL target")
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="cores the workers share")
+    p.add_argument("--passes", type=int, default=1, help="real runs per policy (every other pass in reverse order); "
+                   "each policy is compared on its run with the least load from other programs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reuse", type=Path, default=None, help="calibration and real runs from an earlier JSON")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sim_check")
@@ -80,8 +86,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ---- the workload, as the replay sends it and as the simulator takes it -----------------------------------------
-def replay_slice(args: argparse.Namespace) -> list[ReplayRequest]:
-    trace = load_trace(args.trace, limit=args.limit)
+def replay_slice(args: argparse.Namespace, start: int = 0) -> list[ReplayRequest]:
+    trace = load_trace(args.trace, limit=start + args.limit)[start:]
     scale = Scale(length_scale=args.length_scale, time_scale=args.time_scale)
     return scaled_requests(trace, scale, vocab_size=MODEL.vocab_size, max_model_len=MODEL.max_model_len)
 
@@ -118,8 +124,12 @@ def measure_calibration(args: argparse.Namespace) -> dict[str, Any]:
                "--batch-sizes", "1,2,4,8,16", "--contexts", "64,256,512,1024", "--repeats", "5"]
         subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         probes = _probes(up.grpc_address)
+        training = replay_slice(args, start=args.limit)  # the next requests: none of them is compared
+        outcomes, _ = asyncio.run(replay_grpc(up.grpc_address, training, vocab_size=MODEL.vocab_size,
+                                              request_timeout_s=120.0, max_run_s=180.0, label="training"))
         return {"profile": json.loads(profile_file.read_text()), "probes": [dataclasses.asdict(p) for p in probes],
-                "loadavg_before": load_before, "loadavg_after": loadavg()}
+                "training": training_samples(training, outcomes), "loadavg_before": load_before,
+                "loadavg_after": loadavg()}
     finally:
         up.stop()
 
@@ -132,20 +142,28 @@ def _probes(address: str, repeats: int = 3) -> list[Probe]:
     return [Probe(**p) for p in asyncio.run(probe(address, prompts))[len(PROBE_LENS):]]
 
 
+def training_samples(replay: list[ReplayRequest], outcomes) -> list[tuple[int, float]]:
+    """(requests in flight at its send, client TTFT - the worker's prefill_ms in s) of each request that finished."""
+    done = [(r, o) for r, o in zip(replay, outcomes) if o.ok]
+    flights = in_flight_at_send([(r.arrival_s, r.arrival_s + o.e2e_s) for r, o in done])
+    return [(n, o.ttft_s - o.prefill_ms * 1e-3) for n, (_, o) in zip(flights, done)]
+
+
 def run_real(args: argparse.Namespace, policy: str, replay: list[ReplayRequest]) -> dict[str, Any]:
     load_before = loadavg()
     up = _up(args, policy, policy)
     try:
-        outcomes, duration_s = asyncio.run(replay_grpc(up.grpc_address, replay, vocab_size=MODEL.vocab_size,
-                                                       request_timeout_s=120.0, max_run_s=180.0, label=policy))
+        with RunnableSampler({up.popen.pid}) as sampler:
+            outcomes, duration_s = asyncio.run(replay_grpc(up.grpc_address, replay, vocab_size=MODEL.vocab_size,
+                                                           request_timeout_s=120.0, max_run_s=180.0, label=policy))
     finally:
         up.stop()
     summary = summarize_replay(outcomes, duration_s)
-    summary.update(loadavg_before=load_before, loadavg_after=loadavg(),
+    summary.update(loadavg_before=load_before, loadavg_after=loadavg(), runnable=sampler.means(),
                    outcomes=[dataclasses.asdict(o) for o in outcomes])
     print(f"[{policy}] real: TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, p90 {summary['ttft_ms']['p90']:.1f} ms, "
           f"hit rate {summary['hit_rate']:.3f}, {summary['completed']}/{summary['requests']} done, load "
-          f"{load_before} -> {summary['loadavg_after']}", file=sys.stderr, flush=True)
+          f"{load_before} -> {summary['loadavg_after']}, runnable {summary['runnable']}", file=sys.stderr, flush=True)
     return summary
 
 
@@ -157,9 +175,19 @@ def cluster_config(args: argparse.Namespace, calibration: Calibration, policy: s
     return ClusterConfig(shape=shape, num_prefill=args.prefill, num_decode=args.decode,
                          policy=PolicyConfig(policy=policy, cost=cost), time_model=calibration.time_model(),
                          intra_link=calibration.link, inter_link=calibration.link, gpus_per_host=workers,
-                         placement="mixed", rpc_s=calibration.rpc_s, router_s=calibration.router_s,
-                         cores_per_host=calibration.cores, prefill_step_tokens=2048, decode_chunk_tokens=2048,
+                         placement="mixed", rpc_s=calibration.rpc_s, router_s=calibration.loaded_router_s(),
+                         router_per_stream_s=calibration.router_per_stream_s * calibration.sharing(),
+                         cores_per_host=calibration.cores, background_load=calibration.background,
+                         prefill_step_tokens=2048, decode_chunk_tokens=2048,
                          max_segment_steps=4, seed=args.seed)
+
+
+def background_of(real: dict[str, Any]) -> float:
+    """The runnable tasks beside ours during the run (``sim/cpu_load.py``); a run recorded without them: the
+    1-minute load average before its platform started (which may still hold our previous run)."""
+    if "runnable" in real:
+        return real["runnable"]["others"]
+    return float(str(real["loadavg_before"]).split()[0])
 
 
 def run_sim(args: argparse.Namespace, config: ClusterConfig, requests: list[SimRequest]) -> dict[str, Any]:
@@ -178,21 +206,29 @@ def main(argv: list[str] | None = None) -> int:
         measured, real = earlier["calibration"]["measured"], earlier["real"]
     else:
         measured = measure_calibration(args)
-        real = {name: run_real(args, name, replay) for name in policies}
-    calibration = calibrate(measured["profile"], [Probe(**p) for p in measured["probes"]], context_tokens=context,
-                            cores=args.cores)
-    sim = {name: run_sim(args, cluster_config(args, calibration, name), requests) for name in policies}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
+        for k in range(args.passes):
+            for name in policies if k % 2 == 0 else policies[::-1]:
+                runs[name].append(run_real(args, name, replay))
+        real = {name: min(rs, key=background_of) for name, rs in runs.items()}  # the quietest run of each
+    fitted = calibrate(measured["profile"], [Probe(**p) for p in measured["probes"]], context_tokens=context,
+                       cores=args.cores, training=[tuple(x) for x in measured.get("training", ())])
+    calibration = dataclasses.replace(fitted, router_per_stream_s=0.0)  # reported, not used: see the docs
+    loaded = {n: dataclasses.replace(calibration, background=background_of(real[n])) for n in policies}
+    sim = {n: run_sim(args, cluster_config(args, loaded[n], n), requests) for n in policies}
     comparison = compare({n: figures_of_real(real[n]) for n in policies}, {n: figures_of_sim(sim[n]) for n in policies})
-    variants = ablations(calibration)
+    variants = {n: ablations(loaded[n], fitted.router_per_stream_s) for n in policies}
     ablated = {label: compare({n: figures_of_real(real[n]) for n in policies},
-                              {n: figures_of_sim(run_sim(args, cluster_config(args, c, n), requests))
-                               for n in policies}) for label, c in variants.items()}
+                              {n: figures_of_sim(run_sim(args, cluster_config(args, variants[n][label], n), requests))
+                               for n in policies}) for label in variants[policies[0]]}
     doc = {"command": ["baton", "simulate", "check", *(sys.argv[1:] if argv is None else argv)],
            "workload": {"trace": str(args.trace), "limit": args.limit, "length_scale": args.length_scale,
                         "time_scale": args.time_scale, "requests": len(replay), "mean_context_tokens": context},
            "layout": {"prefill": args.prefill, "decode": args.decode, "num_blocks": args.num_blocks},
-           "calibration": {"measured": measured, "terms": calibration.terms()},
-           "real": real, "sim": sim, "comparison": comparison, "ablations": ablated}
+           "calibration": {"measured": measured, "terms": fitted.terms()},
+           "real": real, "sim": sim, "comparison": comparison, "ablations": ablated,
+           "real_passes": {n: [{k: v for k, v in r.items() if k != "outcomes"} for r in rs] for n, rs in runs.items()}
+           if args.reuse is None else earlier.get("real_passes", {})}
     print_check(doc, sys.stdout)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sim_check.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")

@@ -10,13 +10,17 @@ from typing import Any, TextIO
 from sim.calibration import FIGURES, Calibration
 
 
-def ablations(calibration: Calibration) -> dict[str, Calibration]:
-    """The calibrated model less one term at a time, and less all of them (the profile's curves as they are)."""
-    off = dict(step_overhead_s=0.0, router_s=0.0, cores=None)
+def ablations(calibration: Calibration, per_stream_s: float) -> dict[str, Calibration]:
+    """The calibrated model less one term at a time, less all of them (the profile's curves as they are), and plus
+    the router's growth with requests in flight as the training replay fitted it (``per_stream_s``: not in the
+    calibrated model, see docs/benchmarks.md)."""
+    off = dict(step_overhead_s=0.0, router_s=0.0, cores=None, background=0.0)
     out = {f"without {name}": dataclasses.replace(calibration, **{field: off[field]})
            for name, field in (("the step overhead", "step_overhead_s"), ("the router's time", "router_s"),
-                               ("shared cores", "cores"))}
+                               ("the background load", "background"), ("shared cores", "cores"))}
     out["curves only"] = dataclasses.replace(calibration, **off)
+    out["with the router's growth per request in flight"] = dataclasses.replace(calibration,
+                                                                                router_per_stream_s=per_stream_s)
     return out
 
 
@@ -69,12 +73,15 @@ def print_check(doc: dict[str, Any], out: TextIO) -> None:
               f"{w['time_scale']:g}) on {lay['prefill']} prefill + {lay['decode']} decode workers of the tiny model, "
               f"{lay['num_blocks']} KV blocks each\n\nfitted terms:\n")
     for term in doc["calibration"]["terms"]:
-        value = f"{term['cores']} cores" if "cores" in term else f"{term['value_ms']:.2f} ms"
+        value = (f"{term['cores']} cores" if "cores" in term else "per policy, see the loads below"
+                 if "background" in term else f"{term['value_ms']:.2f} ms")
         out.write(f"  {term['term']}: {value}  ({term['from']})\n")
     out.write("\n" + "\n".join(comparison_rows(doc["comparison"])) + "\n")
     out.write("\n".join(ranking_lines(doc["comparison"])) + "\n")
     out.write(f"worst TTFT p50 error: {_abs(doc['comparison']['worst_ttft_p50_error'])} (target within 20%)\n")
-    loads = {name: f"{r['loadavg_before']} -> {r['loadavg_after']}" for name, r in doc["real"].items()}
+    loads = {name: f"{r['loadavg_before']} -> {r['loadavg_after']}" + (
+        f" (runnable: ours {r['runnable']['ours']:.1f}, others {r['runnable']['others']:.1f})" if "runnable" in r
+        else "") for name, r in doc["real"].items()}
     out.write("load average during the real runs: " + "; ".join(f"{n} {v}" for n, v in loads.items()) + "\n")
-    out.write("\nwhat each calibrated term is worth (the simulator without it):\n")
+    out.write("\nwhat each calibrated term is worth (the simulator without it; the last row adds one it leaves out):\n")
     out.write("\n".join(ablation_rows(doc["ablations"], doc["comparison"])) + "\n")

@@ -9,7 +9,8 @@ them (``mixed``). A pull takes ``latency + bytes / bandwidth``; links are not sh
 ``cores_per_host`` makes the workers of a host share its compute (``sim/contention.py``: the CPU cores of the
 calibration machine); ``router_s`` is the router's own time per request before its first call (with the client's
 hops: measured by ``baton simulate check``, where Python routers and clients share the cores; 0 on a data-center
-router, whose hops are ``rpc_s``).
+router, whose hops are ``rpc_s``), plus ``router_per_stream_s`` for every request in flight when it is sent (the
+router and the client relay every token of every stream on one event loop each: measured there too).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class ClusterConfig:
     publish_s: float = 0.25
     rpc_s: float = 0.0005  # one gRPC hop inside a data center
     router_s: float = 0.0  # the router's own time per request, from the client's send to its first call
+    router_per_stream_s: float = 0.0  # ... and more per request in flight (streams the router and client relay)
     cores_per_host: int | None = None  # workers of a host share this many compute units (None: a device each)
+    background_load: float = 0.0  # runnable processes beside the workers on those cores (with cores_per_host)
     prefill_step_tokens: int = 8192  # P's token budget per step
     decode_chunk_tokens: int = 512  # prompt tokens a local prefill adds to one of D's steps
     max_segment_steps: int = 64
@@ -60,12 +63,12 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError(f"need >= 0 prefill and >= 1 decode workers, got {self.num_prefill}, {self.num_decode}")
-        if self.cores_per_host is not None and self.cores_per_host < 1:
-            raise ValueError(f"cores_per_host must be >= 1 or None, got {self.cores_per_host}")
+        if (self.cores_per_host is not None and self.cores_per_host < 1) or self.background_load < 0:
+            raise ValueError(f"cores_per_host must be >= 1 or None and background_load >= 0: {self}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if min(self.heartbeat_s, self.publish_s, self.prefill_step_tokens, self.decode_chunk_tokens,
-               self.max_segment_steps) <= 0 or self.rpc_s < 0 or self.router_s < 0:
+               self.max_segment_steps) <= 0 or min(self.rpc_s, self.router_s, self.router_per_stream_s) < 0:
             raise ValueError(f"ClusterConfig: periods, budgets and max_segment_steps must be > 0: {self}")
 
     @property
@@ -88,7 +91,8 @@ class Cluster:
         ids = [f"p{i}" for i in range(config.num_prefill)] + [f"d{i}" for i in range(config.num_decode)]
         self.host = self._place(ids)
         self.shared = (None if config.cores_per_host is None else
-                       SharedCores(config.cores_per_host, self.host, lambda w: self.worker(w).busy))
+                       SharedCores(config.cores_per_host, self.host, lambda w: self.worker(w).busy,
+                                   background=config.background_load))
         self.itl: Counter[float] = Counter()  # inter-token gaps (s, rounded to 10 us) -> tokens
         self.prefill = {w: self._prefill_worker(w) for w in ids if w.startswith("p")}
         self.decode = {w: self._decode_worker(w) for w in ids if w.startswith("d")}

@@ -4,8 +4,9 @@ A GPU worker has its device to itself, and the simulator needs none of this for 
 simulator is calibrated on (``baton simulate check``), every worker is a process with one torch thread and they
 all share 2 CPU cores: a profiled curve is a worker alone, and a step that runs while other workers compute takes
 longer. Processor sharing: a step that starts while ``k`` other workers on its host are in a step of theirs runs
-``max(1, (k + 1) / cores)`` times as long as alone. The factor is read once, when the step (or a decode segment)
-is planned: steps are short next to the changes of the load. Pure.
+``max(1, (k + 1 + background) / cores)`` times as long as alone, ``background`` being the runnable processes the
+simulator does not model (other programs on a shared machine: the load average before a real run). The factor is
+read once, when the step (or a decode segment) is planned: steps are short next to the changes of the load. Pure.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from sim.timing import Chunk, TimeModel
 
 
 class SharedCores:
-    def __init__(self, cores: int, host: dict[str, int], busy: Callable[[str], bool]) -> None:
-        if cores < 1:
-            raise ValueError(f"cores must be >= 1, got {cores}")
-        self.cores, self._busy = cores, busy
+    def __init__(self, cores: int, host: dict[str, int], busy: Callable[[str], bool], *,
+                 background: float = 0.0) -> None:
+        if cores < 1 or background < 0:
+            raise ValueError(f"cores must be >= 1 and background >= 0, got {cores}, {background}")
+        self.cores, self.background, self._busy = cores, background, busy
         self._peers = {w: [v for v in host if host[v] == h and v != w] for w, h in host.items()}
 
     def factor(self, worker_id: str) -> float:
         """How much longer than alone a step of ``worker_id`` that starts now takes."""
         others = sum(1 for peer in self._peers[worker_id] if self._busy(peer))
-        return max(1.0, (others + 1) / self.cores)
+        return max(1.0, (others + 1 + self.background) / self.cores)
 
 
 class SharedTimeModel:

@@ -57,15 +57,22 @@ def window_of(records: Sequence[RequestRecord], now_s: float, window_s: float) -
         span_s=span_s, num_requests=n, rate_per_s=n / span_s,
         mean_isl=sum(lengths) / n if n else None,
         mean_osl=sum(r.output_tokens for r in done) / n if n else None,
-        ttft=_percentiles(ttfts, len(ttfts)), itl=_percentiles(tpots, sum(r.output_tokens - 1 for r in done)),
+        ttft=_percentiles(ttfts, len(ttfts)), itl=_itl(done, tpots),
         isl_mix=traffic_mod.isl_mix_of(traffic_mod.histogram_of(lengths, TOKEN_BUCKETS)))
 
 
-def _percentiles(values: list[float], count: int) -> traffic_mod.Percentiles | None:
+def _percentiles(values: list[float], count: int, mean_s: float | None = None) -> traffic_mod.Percentiles | None:
     if not values:
         return None
     return traffic_mod.Percentiles(count=count, p50_s=percentile(values, 50), p90_s=percentile(values, 90),
-                                   p99_s=percentile(values, 99))
+                                   p99_s=percentile(values, 99), mean_s=mean_s)
+
+
+def _itl(done: list[RequestRecord], tpots: list[float]) -> traffic_mod.Percentiles | None:
+    """Percentiles of the requests' mean gaps; the mean over every gap (the histogram's sum / count)."""
+    gaps = sum(r.output_tokens - 1 for r in done if r.tpot_s is not None)
+    spans = sum(r.finished_s - r.first_token_s for r in done if r.tpot_s is not None)
+    return _percentiles(tpots, gaps, spans / gaps if gaps else None)
 
 
 class PoolPlanner:

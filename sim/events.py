@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 
 class Kind(enum.Enum):
+    SEND = "send"  # the client sends a request (when the router's time depends on its load)
     ARRIVAL = "arrival"  # a request reaches the router
     PREFILL_IN = "prefill_in"  # the Prefill call reaches P
     PREFILL_STEP = "prefill_step"  # P's step ends

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
-from router.admin.planner import PlannerConfig, plan_pools
+from router.admin.planner import (PlannerConfig, PrefillProfile, Traffic, plan_pools, prefill_ttft_p90_s,
+                                  service_mix)
 from router.admin.planner import Slo as PlannerSlo
 from router.routing.cost_model import CostConfig
 from router.routing.policy import POLICIES, PolicyConfig
@@ -92,14 +94,32 @@ def window_plans(requests: list[SimRequest], profiles, slo: PlannerSlo, config: 
     return out
 
 
+def md1_split_p90_s(rate_per_s: float, service_s: float, workers: int) -> float:
+    """The planner's prefill model before issue 23: ``workers`` separate M/D/1 queues at the mean prompt's time."""
+    rho = rate_per_s * service_s / workers
+    if rho >= 1:
+        return math.inf
+    return service_s + (service_s * math.log(10 * rho) / (2 * (1 - rho)) if rho > 0.1 else 0.0)
+
+
+def predicted(traffic: Traffic, prefill: PrefillProfile, workers: int) -> dict[str, float]:
+    """TTFT p90 the planner predicts for ``workers`` prefill workers: its M/G/n over the prompt mix, and the M/D/1s
+    it used before (the judge is the simulated TTFT p90 beside them)."""
+    services = service_mix(prefill, traffic.mean_isl, traffic.isl_mix)
+    mean_prompt_s = prefill.service_time_s(traffic.mean_isl)
+    return {"mgn_ms": prefill_ttft_p90_s(traffic.rate_per_s, services, workers)[1] * 1e3,
+            "md1_split_ms": md1_split_p90_s(traffic.rate_per_s, mean_prompt_s, workers) * 1e3}
+
+
 def sweep(base: ClusterConfig, requests: list[SimRequest], slo: Slo, prefill: list[int], decode: list[int],
-          out=sys.stderr) -> list[dict]:
+          profile: PrefillProfile, out=sys.stderr) -> list[dict]:
     """For each decode size, prefill sizes upward until the SLOs are met."""
-    rows = []
+    rows, traffic = [], traffic_of(requests)
     for d in decode:
         for p in prefill:
             result = simulate(dataclasses.replace(base, num_prefill=p, num_decode=d), requests, slo)
-            rows.append(row_of(f"fixed {p}P+{d}D", p, d, result.summary))
+            rows.append({**row_of(f"fixed {p}P+{d}D", p, d, result.summary),
+                         "planner_ttft_p90_ms": predicted(traffic, profile, p)})
             out.write(f"fixed {p}P+{d}D: attainment {result.summary['slo_attainment']:.1%} "
                       f"({result.wall_s:.0f} s)\n")
             if result.summary["slo_attainment"] >= slo.attainment:
@@ -117,12 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     model = base.build_time_model()
     kv_tokens = shape.num_blocks * shape.block_size
     profiles = profiles_for(requests, model, kv_tokens=kv_tokens)
-    planner_slo, planner_config = PlannerSlo(ttft_p90_s=slo.ttft_s, itl_p90_s=slo.tpot_s), PlannerConfig(max_workers=512)
+    planner_slo = PlannerSlo(ttft_p90_s=slo.ttft_s, itl_p90_s=slo.tpot_s)
+    planner_config = PlannerConfig(max_workers=512)
     mean_plan = plan_pools(planner_slo, traffic_of(requests), *profiles, config=planner_config)
     windows = window_plans(requests, profiles, planner_slo, planner_config, interval_s=args.interval_s,
                            window_s=args.window_s)
     peak = (max(w["prefill"] for w in windows), max(w["decode"] for w in windows))
-    rows = sweep(base, requests, slo, args.prefill, args.decode)
+    rows = sweep(base, requests, slo, args.prefill, args.decode, profiles[0])
     for label, (p, d) in (("plan (mean)", (mean_plan.prefill, mean_plan.decode)), ("plan (peak)", peak)):
         result = simulate(dataclasses.replace(base, num_prefill=p, num_decode=d), requests, slo)
         rows.append(row_of(label, p, d, result.summary))

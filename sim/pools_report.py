@@ -35,19 +35,25 @@ def print_pools(doc: dict, out: TextIO) -> None:
               f"{t['mean_isl']:,.0f}, output {t['mean_osl']:,.0f} tokens) on {c['tp']} x {c['gpu']} per worker "
               f"serving {c['model']}, policy {c['policy']}; SLO: {slo['attainment']:.0%} of requests within TTFT "
               f"{slo['ttft_s'] * 1e3:g} ms and TPOT {slo['tpot_s'] * 1e3:g} ms\n")
-    out.write("| pools | workers | GPU-h | SLO attainment | meets | TTFT p50 / p90 (ms) | TPOT p90 (ms) | hit rate |\n")
-    out.write("|---|---|---|---|---|---|---|---|\n")
+    out.write("| pools | workers | GPU-h | SLO attainment | meets | TTFT p50 / p90 (ms) | planner's TTFT p90: M/G/n / "
+              "old M/D/1 (ms) | TPOT p90 (ms) | hit rate |\n")
+    out.write("|---|---|---|---|---|---|---|---|---|\n")
     best = cheapest(doc["rows"], slo["attainment"])
     for r in doc["rows"]:
         name = f"**{r['label']}** (cheapest)" if r is best else r["label"]
         out.write(f"| {name} | {r['pools']} | {r['gpu_seconds'] / 3600:,.2f} | {r['slo_attainment']:.1%} | "
                   f"{'yes' if r['slo_attainment'] >= slo['attainment'] else 'no'} | {r['ttft_p50_ms']:,.0f} / "
-                  f"{r['ttft_p90_ms']:,.0f} | {r['tpot_p90_ms']:.1f} | {r['hit_rate']:.1%} |\n")
+                  f"{r['ttft_p90_ms']:,.0f} | {_predicted(r)} | {r['tpot_p90_ms']:.1f} | {r['hit_rate']:.1%} |\n")
     plans = doc["window_plans"]
     if plans:
         out.write(f"planner's raw sizes over {len(plans)} windows: prefill {min(w['prefill'] for w in plans)}-"
                   f"{max(w['prefill'] for w in plans)}, decode {min(w['decode'] for w in plans)}-"
                   f"{max(w['decode'] for w in plans)}\n")
+
+
+def _predicted(row: dict) -> str:
+    p = row.get("planner_ttft_p90_ms")
+    return "-" if p is None else f"{p['mgn_ms']:,.0f} / {p['md1_split_ms']:,.0f}"
 
 
 def plot(doc: dict, path: Path) -> Path:

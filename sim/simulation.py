@@ -74,9 +74,13 @@ class Simulation:
                       for r in requests}
         self.records = [f.record for f in self.flows.values()]
         self.max_events = max_events if max_events is not None else 1_000_000 + 500 * len(requests)
+        self._streams = 0 if config.router_per_stream_s > 0 else None  # requests sent and not ended
         for r in requests:  # the router decides router_s after the client sent (its TTFT counts from the send)
-            self.events.at(r.arrival_s + config.router_s, Kind.ARRIVAL, r.request_id)
-        self._handlers = {Kind.ARRIVAL: self._arrival, Kind.PREFILL_IN: self._prefill_in,
+            if self._streams is None:
+                self.events.at(r.arrival_s + config.router_s, Kind.ARRIVAL, r.request_id)
+            else:
+                self.events.at(r.arrival_s, Kind.SEND, r.request_id)
+        self._handlers = {Kind.SEND: self._send, Kind.ARRIVAL: self._arrival, Kind.PREFILL_IN: self._prefill_in,
                           Kind.FIRST_TOKEN: self._first_token, Kind.DECODE_IN: self._decode_in,
                           Kind.PULL_DONE: self._pull_done, Kind.PUBLISH: self.cluster.publish,
                           Kind.HEARTBEAT: self.cluster.heartbeat}
@@ -106,6 +110,16 @@ class Simulation:
                          busy_gpu_s=self.cluster.busy_gpu_s())
 
     # ---- routing -------------------------------------------------------------------------------
+    def _send(self, request_id: str) -> None:
+        """The client sends; the router takes longer the more streams it (and the client) relay."""
+        delay_s = self.config.router_s + self.config.router_per_stream_s * self._streams
+        self._streams += 1
+        self.events.after(delay_s, Kind.ARRIVAL, request_id)
+
+    def _ended(self) -> None:
+        if self._streams is not None:
+            self._streams -= 1
+
     def _arrival(self, request_id: str) -> None:
         flow = self.flows[request_id]
         request = flow.request
@@ -127,6 +141,7 @@ class Simulation:
 
     def _refuse(self, flow: Flow, why: str) -> None:
         flow.record.refused = why
+        self._ended()
         if flow.routed is not None:
             self.router.finished(flow.routed, ttft_s=None, prefill_ms=0.0, queue_ms=0.0, cached_tokens=0,
                                  decode_tokens_per_s=0.0, same_route=False)
@@ -249,6 +264,7 @@ class Simulation:
             self._finish(self.flows[request_id], at_s + rpc_s)
 
     def _finish(self, flow: Flow, at_s: float) -> None:
+        self._ended()
         record = flow.record
         record.finished_s = at_s
         decode_s = at_s - record.first_token_s

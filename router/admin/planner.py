@@ -78,10 +78,13 @@ class Traffic:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Corrections:
-    """Measured / predicted latency per pool; 1.0 trusts the profile as is."""
+    """Measured / predicted latency per pool; 1.0 trusts the profile as is. ``decode`` is the ITL p90's (the SLO's
+    percentile: it bounds the batch); ``decode_mean`` the mean ITL's, for Little's law (a sequence lives ``osl``
+    mean gaps, not ``osl`` p90 gaps); None: ``decode`` for both, as before the mean was measured."""
 
     prefill: float = 1.0
     decode: float = 1.0
+    decode_mean: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,8 +155,8 @@ def plan_pools(slo: Slo, traffic: Traffic, prefill: PrefillProfile, decode: Deco
     busier = replace(traffic, rate_per_s=traffic.rate_per_s * (1.0 + config.down_headroom))
     p_plan = replace(size_prefill(slo, traffic, prefill, corrections.prefill, config),
                      sticky=size_prefill(slo, busier, prefill, corrections.prefill, config).raw)
-    d_plan = replace(size_decode(slo, traffic, decode, corrections.decode, config),
-                     sticky=size_decode(slo, busier, decode, corrections.decode, config).raw)
+    d_plan = replace(size_decode(slo, traffic, decode, corrections.decode, config, corrections.decode_mean),
+                     sticky=size_decode(slo, busier, decode, corrections.decode, config, corrections.decode_mean).raw)
     since_s = None if state.last_change_s is None else now_s - state.last_change_s
     p_count, p_why = damp(state.prefill, p_plan, since_s, config)
     d_count, d_why = damp(state.decode, d_plan, since_s, config)
@@ -207,7 +210,7 @@ def max_batch_at_itl(profile: DecodeProfile, itl_target_s: float) -> float | Non
 
 
 def size_decode(slo: Slo, traffic: Traffic, profile: DecodeProfile, correction: float,
-                config: PlannerConfig) -> PoolPlan:
+                config: PlannerConfig, mean_correction: float | None = None) -> PoolPlan:
     batch = max_batch_at_itl(profile, slo.itl_p90_s / correction)
     feasible = batch is not None
     batch = batch if batch is not None else float(profile.batch_sizes[0])
@@ -220,11 +223,13 @@ def size_decode(slo: Slo, traffic: Traffic, profile: DecodeProfile, correction: 
         terms.append(Term(pool="decode", name="batch by KV capacity", value=kv_batch, unit="seqs",
                           note="kv tokens / (isl + osl)"))
         batch = max(1.0, min(batch, kv_batch))
-    itl_s = _interpolate(profile.batch_sizes, profile.itl_s, batch) * correction  # <= the target when feasible
+    profiled_s = _interpolate(profile.batch_sizes, profile.itl_s, batch)
+    itl_s = profiled_s * (correction if mean_correction is None else mean_correction)  # the mean gap at that batch
     concurrent = traffic.rate_per_s * traffic.mean_osl * itl_s
     n = min(config.max_workers, max(1, math.ceil(concurrent / batch - 1e-9)))
     terms += [Term(pool="decode", name="concurrent sequences", value=concurrent, unit="seqs",
-                   note="Little: rate * osl * ITL"),
+                   note="Little: rate * osl * mean ITL" + ("" if mean_correction is None else
+                                                            f" (profile x {mean_correction:.3g}, measured mean)")),
               Term(pool="decode", name="per-worker throughput", value=batch / itl_s, unit="tok/s",
                    note="batch / ITL"),
               Term(pool="decode", name="workers needed", value=concurrent / batch, unit="", note="ceil -> raw")]

@@ -76,6 +76,7 @@ class Percentiles:
     p50_s: float
     p90_s: float
     p99_s: float
+    mean_s: float | None = None  # the histogram's exact mean (sum / count)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,7 +143,8 @@ def _percentiles(histogram: Histogram) -> Percentiles | None:
     if histogram.count <= 0:
         return None
     p50, p90, p99 = (histogram.quantile(q) for q in (0.5, 0.9, 0.99))
-    return Percentiles(count=int(histogram.count), p50_s=p50, p90_s=p90, p99_s=p99)  # type: ignore[arg-type]
+    return Percentiles(count=int(histogram.count), p50_s=p50, p90_s=p90, p99_s=p99,  # type: ignore[arg-type]
+                       mean_s=histogram.total / histogram.count)
 
 
 class TrafficRecorder:
@@ -175,10 +177,13 @@ def corrections(window: Window, prefill: planner.PrefillProfile, decode: planner
                 prefill_workers: int, decode_workers: int) -> tuple[planner.Corrections, list[planner.Term]]:
     """Measured / predicted latency for each pool (1.0 and a note saying why, when it cannot be measured)."""
     p, p_note = _prefill_correction(window, prefill, prefill_workers)
-    d, d_note = _decode_correction(window, decode, decode_workers)
+    d, d_mean, d_note = _decode_correction(window, decode, decode_workers)
     terms = [planner.Term(pool="prefill", name="measured correction", value=p, unit="x", note=p_note),
              planner.Term(pool="decode", name="measured correction", value=d, unit="x", note=d_note)]
-    return planner.Corrections(prefill=p, decode=d), terms
+    if d_mean is not None:
+        terms.append(planner.Term(pool="decode", name="measured mean correction", value=d_mean, unit="x",
+                                  note="mean ITL measured / predicted: Little's law's"))
+    return planner.Corrections(prefill=p, decode=d, decode_mean=d_mean), terms
 
 
 def _prefill_correction(window: Window, profile: planner.PrefillProfile, workers: int) -> tuple[float, str]:
@@ -194,14 +199,19 @@ def _prefill_correction(window: Window, profile: planner.PrefillProfile, workers
                                              f"{predicted_s * 1e3:.1f} ms predicted at {workers} workers")
 
 
-def _decode_correction(window: Window, profile: planner.DecodeProfile, workers: int) -> tuple[float, str]:
+def _decode_correction(window: Window, profile: planner.DecodeProfile,
+                       workers: int) -> tuple[float, float | None, str]:
+    """(ITL p90 correction, mean ITL correction or None, note): each measured over the profile's ITL at the batch
+    each worker runs by Little's law (rate * osl * mean ITL / workers)."""
     if window.num_requests < MIN_REQUESTS or window.mean_osl is None:
-        return 1.0, f"fewer than {MIN_REQUESTS} requests in the window"
+        return 1.0, None, f"fewer than {MIN_REQUESTS} requests in the window"
     if window.itl is None or window.itl.count < MIN_GAPS:
-        return 1.0, f"fewer than {MIN_GAPS} inter-token gaps in the window"
+        return 1.0, None, f"fewer than {MIN_GAPS} inter-token gaps in the window"
     if workers < 1:
-        return 1.0, "no decode workers"
-    batch = max(1.0, window.rate_per_s * window.mean_osl * window.itl.p50_s / workers)
+        return 1.0, None, "no decode workers"
+    typical_s = window.itl.mean_s if window.itl.mean_s is not None else window.itl.p50_s
+    batch = max(1.0, window.rate_per_s * window.mean_osl * typical_s / workers)
     predicted_s = planner.interpolate(profile.batch_sizes, profile.itl_s, batch)
-    return window.itl.p90_s / predicted_s, (f"ITL p90 {window.itl.p90_s * 1e3:.2f} ms measured / "
-                                            f"{predicted_s * 1e3:.2f} ms predicted at batch {batch:.1f}")
+    mean = None if window.itl.mean_s is None else window.itl.mean_s / predicted_s
+    return window.itl.p90_s / predicted_s, mean, (f"ITL p90 {window.itl.p90_s * 1e3:.2f} ms measured / "
+                                                  f"{predicted_s * 1e3:.2f} ms predicted at batch {batch:.1f}")

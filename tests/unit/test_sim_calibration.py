@@ -4,13 +4,17 @@ probes, the tiny model's KV layout as the engine lays it out, and the comparison
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from bench.trace_replay.slice import ReplayRequest
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.layout import KVLayout
 from router.admin.planner import DecodeProfile, PrefillProfile
 from router.routing.policy import PolicyConfig
-from sim.calibration import CPU, Probe, calibrate, compare, fit_link, fit_router_s, pairs_in_order, ranking
+from sim.calibration import (CPU, Probe, calibrate, compare, fit_link, fit_per_stream_s, fit_router_s,
+                             in_flight_at_send, pairs_in_order, ranking)
 from sim.check import sim_requests
 from sim.cluster import ClusterConfig
 from sim.contention import SharedCores
@@ -19,7 +23,6 @@ from sim.plan import curves_from_profile
 from sim.simulation import simulate
 from sim.timing import Chunk, CurveTimeModel, fit_step_overhead_s
 from sim.workload import SimRequest
-from bench.trace_replay.slice import ReplayRequest
 
 LENS = (16, 64, 256, 1024, 2000)
 
@@ -64,6 +67,9 @@ def test_shared_cores_slow_a_step_by_the_workers_busy_beside_it():
     assert shared.factor("d1") == 1.0  # alone on its host
     with pytest.raises(ValueError):
         SharedCores(0, host, busy.__getitem__)
+    # three runnable tasks of other programs beside them: d1 alone on its 2 cores now runs at 2 / 4
+    loaded = SharedCores(2, host, busy.__getitem__, background=3.0)
+    assert loaded.factor("d1") == 2.0 and loaded.factor("d0") == 3.0
 
 
 def _two_prompts_at_once(**kw) -> list[float]:
@@ -82,9 +88,29 @@ def test_two_prefill_workers_on_one_core_take_turns():
     assert _two_prompts_at_once(cores_per_host=2) == pytest.approx([0.2, 0.2])
 
 
+def test_a_loaded_machine_slows_every_step_and_the_router():
+    assert _two_prompts_at_once(cores_per_host=2, background_load=2.0) == pytest.approx([0.3, 0.4])
+    calibration = calibrate({"prefill": {"prompt_lens": [16], "tokens_per_s": [1000.0]},
+                             "decode": {"batch_sizes": [1], "itl_ms": [1.0]}}, [], context_tokens=64, cores=2)
+    calibration = replace(calibration, router_s=0.004)
+    assert replace(calibration, background=3.0).loaded_router_s() == pytest.approx(0.008)  # (1 + 3) / 2
+    assert replace(calibration, background=0.5).loaded_router_s() == 0.004  # room on the cores: as idle
+    assert replace(calibration, cores=None, background=3.0).loaded_router_s() == 0.004
+
+
 def test_the_routers_time_is_in_every_ttft():
     base = _two_prompts_at_once()
     assert _two_prompts_at_once(router_s=0.05) == pytest.approx([t + 0.05 for t in base])
+
+
+def test_the_routers_time_grows_with_the_requests_in_flight():
+    # both sent at 0: the first finds no stream in flight, the second one (the first's)
+    assert _two_prompts_at_once(router_per_stream_s=0.03) == pytest.approx([0.2, 0.23])
+    samples = [(n, 0.005 + 0.002 * n) for n in (0, 2, 4, 8)]
+    assert fit_per_stream_s(samples) == pytest.approx(0.002)
+    assert fit_per_stream_s([(0, 0.01), (4, 0.005), (8, 0.001)]) == 0.0  # faster when busy: no term
+    assert fit_per_stream_s(samples[:2]) == 0.0  # too few to fit
+    assert in_flight_at_send([(0.0, 1.0), (0.5, 2.0), (1.5, 3.0)]) == [0, 1, 1]
 
 
 def test_router_time_and_pull_latency_are_fitted_from_probes():

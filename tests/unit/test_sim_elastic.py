@@ -49,7 +49,9 @@ def test_the_window_holds_the_requests_that_finished_in_it():
     assert window.num_requests == 4 and window.rate_per_s == 1.0 and window.span_s == 4.0
     assert window.mean_isl == pytest.approx((600 + 700 + 800 + 900) / 4) and window.mean_osl == 11
     assert window.ttft.p50_s == pytest.approx(0.5) and window.itl.p90_s == pytest.approx(0.1)
-    assert window.itl.count == 40  # 10 gaps each
+    assert window.itl.count == 40 and window.itl.mean_s == pytest.approx(0.1)  # 10 gaps each
+    assert sum(w for _, w in window.isl_mix) == pytest.approx(1.0)
+    assert sum(x * w for x, w in window.isl_mix) == pytest.approx(window.mean_isl)  # the histogram's mix
     assert window_of(records, 2.0, 300.0).span_s == 2.0  # younger than the window: the span it covers
 
 

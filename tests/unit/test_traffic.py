@@ -87,6 +87,24 @@ def test_the_prompt_mix_comes_from_the_histogram_with_the_exact_mean():
     assert past[0] == pytest.approx((200_000.0, 1.0))
 
 
+def test_littles_law_takes_the_mean_gap_and_the_batch_bound_the_p90():
+    # gaps: mean 12 ms (the profile's at the batch Little gives), p90 2x the profile: a tail, not a slower worker
+    itl = Percentiles(count=10_000, p50_s=0.011, p90_s=0.024, p99_s=0.05, mean_s=0.012)
+    found, terms = corrections(window(itl=itl), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
+    # Little with the mean: 10 * 200 * 12 ms / 2 = 12 seqs per worker, where the profile says 13.33 ms
+    assert found.decode == pytest.approx(0.024 / 0.0133333333)
+    assert found.decode_mean == pytest.approx(0.012 / 0.0133333333)
+    assert terms[-1].name == "measured mean correction"
+    slo = planner.Slo(ttft_p90_s=0.5, itl_p90_s=0.036)
+    traffic = planner.Traffic(rate_per_s=10.0, mean_isl=1000.0, mean_osl=200.0)
+    p90_only = planner.plan_pools(slo, traffic, PREFILL, DECODE,
+                                  corrections=planner.Corrections(decode=found.decode))
+    both = planner.plan_pools(slo, traffic, PREFILL, DECODE, corrections=found)
+    # the p90 bounds the batch (ITL x 1.8 <= 36 ms: 20 ms of profile, batch 32) in both; sequences live 200 mean
+    # gaps (0.9 x 20 ms = 18 ms): 10 * 200 * 18 ms = 36 of them, 2 workers -- not 200 p90 gaps (72 -> 3 workers)
+    assert (both.decode, p90_only.decode) == (2, 3)
+
+
 def test_too_little_data_or_no_pool_means_no_correction():
     few, _ = corrections(window(num_requests=3), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
     assert few == planner.Corrections(prefill=1.0, decode=1.0)
@@ -145,9 +163,11 @@ def test_plan_from_traffic_through_the_admin_service(router):
     assert "no prefill workers" in terms[("prefill", "measured correction")].note
     decode_correction = terms[("decode", "measured correction")].value
     assert decode_correction != 1.0 and "ITL p90" in terms[("decode", "measured correction")].note
+    mean_correction = terms[("decode", "measured mean correction")].value  # the ITL histogram's sum / count
     expected = planner.plan_pools(planner.Slo(ttft_p90_s=0.5, itl_p90_s=0.018),
                                   planner.Traffic(rate_per_s=plan.traffic.rate, mean_isl=1000, mean_osl=31),
-                                  PREFILL, DECODE, corrections=planner.Corrections(decode=decode_correction))
+                                  PREFILL, DECODE, corrections=planner.Corrections(decode=decode_correction,
+                                                                                   decode_mean=mean_correction))
     assert (plan.prefill_raw, plan.decode_raw) == (expected.prefill_plan.raw, expected.decode_plan.raw)
     out = io.StringIO()
     assert admin_cli.main(["--router", f"127.0.0.1:{running.port}", "--json", "plan", "--ttft-p90", "500",
