@@ -8,10 +8,7 @@ histogram), so the service time has a mean ``E[S]`` and a squared coefficient of
 the mean is known: every prompt at ``mean_isl``). A prompt waits with Erlang C's probability ``C(n, rate E[S])``
 and then for an exponential time of mean ``E[S] (1 + cs2) / (2 n (1 - rho))`` (Allen-Cunneen; with n = 1 and
 cs2 = 0 this is M/D/1's), and TTFT is its own service time plus that wait; the p90 is solved over the mix.
-Why not n separate M/D/1 queues at the mean prompt (this planner until issue 23): on Mooncake's conversation
-trace (prompts' service cv2 4.2 on an H200, attention grows with the square of the prompt) that predicted a TTFT
-p90 of 1.1 s on 2 prefill workers where the simulator, running the real router, measured 6.0 s (M/G/n: 6.0 s),
-and it sized 2 workers where 3 are the fewest that meet the SLO (``baton simulate pools``, docs/benchmarks.md).
+``router.admin.queueing`` says why not n separate M/D/1 queues at the mean prompt (this planner until issue 23).
 
 Decode (Dynamo-style throughput at ITL): the profiled ITL-vs-batch curve, scaled by the correction factor,
 gives the largest batch ``B*`` a worker can run within the ITL target (linear interpolation, no

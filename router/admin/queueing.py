@@ -1,6 +1,11 @@
 """The prefill pool as a queue (``router.admin.planner``'s model; pure math): M/G/n with Erlang C's probability of
 waiting and Allen-Cunneen's wait, TTFT = a prompt's own service time + its wait, the p90 solved over the mix of
-service times. The planner's module docstring says why this model and what it replaced."""
+service times (the planner's module docstring states the model).
+
+Why not n separate M/D/1 queues at the mean prompt (the planner until issue 23): on Mooncake's conversation trace
+(prompts' service cv2 4.2 on an H200: attention grows with the square of the prompt) that predicted a TTFT p90 of
+1.1 s on 2 prefill workers where the simulator, running the real router, measured 6.0 s (this model: 6.9 s), and
+it sized 2 workers where 3 are the fewest that meet the SLO (``baton simulate pools``, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
