@@ -8,7 +8,9 @@
 list sweeps the request rate, and with more than one the DistServe goodput (the highest rate served with
 ``--attainment`` of requests inside both SLOs) is reported per policy. Prints a table; ``--json`` writes
 every figure with the configuration and the time model's terms. ``--profile`` prices steps from curves
-``baton admin profile -o FILE`` measured instead of the roofline.
+``baton admin profile -o FILE`` measured instead of the roofline (a step's fixed cost fitted from them, paid once
+per step). Subcommands: ``baton simulate check`` (the simulator calibrated here and checked against real runs,
+``sim/check.py``) and ``baton simulate pools`` (the planner judged at scale, ``sim/pools.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from sim.metrics import Slo, distserve_goodput
 from sim.plan import curves_from_profile, plan_dict, plan_for
 from sim.report import plot, print_report, write_json
 from sim.simulation import simulate
-from sim.timing import Chunk, CurveTimeModel, Efficiency, TimeModel
+from sim.timing import Chunk, CurveTimeModel, Efficiency, TimeModel, fit_step_overhead_s
 from sim.workload import SYNTHETIC, SimRequest, from_trace, synthetic
 
 
@@ -57,6 +59,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bandwidth-efficiency", type=float, default=Efficiency().memory)
     p.add_argument("--step-overhead-ms", type=float, default=Efficiency().step_overhead_s * 1e3)
     p.add_argument("--profile", type=Path, default=None, help="price steps from measured curves (admin profile -o)")
+    p.add_argument("--cores-per-host", type=int, default=None, help="workers of a host share this many compute units "
+                   "(CPU cores: this machine's workers; default: a device each)")
+    p.add_argument("--router-ms", type=float, default=0.0, help="the router's own time per request (default: 0)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--attainment", type=float, default=0.9)
@@ -105,7 +110,7 @@ def time_model_of(args: argparse.Namespace, base: ClusterConfig) -> TimeModel:
     if args.profile is None:
         return base.build_time_model()
     prefill, decode = curves_from_profile(json.loads(args.profile.read_text(encoding="utf-8")))
-    return CurveTimeModel(prefill, decode)
+    return CurveTimeModel(prefill, decode, overhead_s=fit_step_overhead_s(prefill))
 
 
 def explain_of(model: TimeModel, shape: WorkerShape, requests: list[SimRequest]) -> dict:
@@ -161,11 +166,19 @@ def setup(args: argparse.Namespace) -> tuple[ClusterConfig, list[SimRequest], Sl
                          efficiency=Efficiency(compute=args.mfu, memory=args.bandwidth_efficiency,
                                                step_overhead_s=args.step_overhead_ms * 1e-3),
                          inter_link=LINKS[args.link], gpus_per_host=args.gpus_per_host, placement=args.placement,
-                         seed=args.seed)
+                         cores_per_host=args.cores_per_host, router_s=args.router_ms * 1e-3, seed=args.seed)
     return dataclasses.replace(base, time_model=time_model_of(args, base)), requests, slo
 
 
+SUBCOMMANDS = {"check": "sim.check", "pools": "sim.pools"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        return int(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]) or 0)
     args = parse(argv)
     try:
         base, requests, slo = setup(args)
@@ -175,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"baton simulate: {exc}", file=sys.stderr)
         return 2
     runs = run_all(args, base, requests, slo)
-    doc = {"command": ["baton", "simulate", *(sys.argv[2:] if argv is None else argv)],
+    doc = {"command": ["baton", "simulate", *argv],
            "config": config_dict(args, base, slo), "explain": explain_of(base.time_model, base.shape, requests),
            "planner": plan_dict(plan, traffic), "runs": [run for run, _ in runs]}
     if len({run["time_scale"] for run, _ in runs}) > 1:
@@ -188,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None:
         plot(runs, args.plot)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

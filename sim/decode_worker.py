@@ -79,6 +79,17 @@ class DecodeWorker:
         self.busy_s = 0.0
         self.num_segments = 0
 
+    @property
+    def idle(self) -> bool:
+        """Nothing running, joining, queued or computing, no block held: a drained worker may leave."""
+        return (not (self.running or self.inbox or self.queue) and self.active is None and self._seg is None
+                and self.pool.num_free_blocks == self.pool.num_blocks)
+
+    @property
+    def busy(self) -> bool:
+        """A segment of steps is in flight."""
+        return self._seg is not None
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 
 class Kind(enum.Enum):
+    SEND = "send"  # the client sends a request (when the router's time depends on its load)
     ARRIVAL = "arrival"  # a request reaches the router
     PREFILL_IN = "prefill_in"  # the Prefill call reaches P
     PREFILL_STEP = "prefill_step"  # P's step ends
@@ -20,6 +21,8 @@ class Kind(enum.Enum):
     DECODE_STEP = "decode_step"  # D's steps up to here are done (a segment ends or a change is due)
     HEARTBEAT = "heartbeat"  # a worker reports its load
     PUBLISH = "publish"  # a worker's block events reach the index
+    PLAN = "plan"  # the planner runs (a planner-driven run)
+    WORKER_UP = "worker_up"  # a worker the planner asked for has started and registers
 
 
 @dataclass(frozen=True, slots=True)

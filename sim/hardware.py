@@ -6,7 +6,10 @@ H100 989 TFLOP/s, 3.35 TB/s, 80 GB; H200 989 TFLOP/s, 4.8 TB/s, 141 GB; B200 2,2
 Links (one direction, per GPU): NVLink 4 900 GB/s both ways -> 450; RDMA at 400 Gb/s (NDR InfiniBand / a
 ConnectX-7 per GPU) -> 50 GB/s; TCP over 100 GbE -> 12.5 GB/s. Models: the shapes of SmolLM2-135M, Llama-3-8B
 and Llama-3-70B (Llama 3.1's 131,072-token context), bf16. A worker is ``tp`` GPUs (tensor parallel): FLOP/s,
-bandwidth and memory scale by ``tp`` (ideal; its collectives are not modelled).
+bandwidth and memory scale by ``tp`` (ideal; its collectives are not modelled). For the calibration against this
+machine (``baton simulate check``): the ``tiny`` model ``baton model tiny`` builds (float32) and a ``loopback`` link
+(Baton's tcp transport between two processes here: raw TCP's 2.8 GB/s, NOTES.md; the check replaces its latency
+with the one it measures), with the KV pool given in blocks (a worker's ``--num-blocks``), not left by a GPU.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ LINKS: dict[str, LinkSpec] = {k.name: k for k in (
     LinkSpec(name="nvlink", gb_per_s=450.0, latency_s=5e-6),
     LinkSpec(name="rdma", gb_per_s=50.0, latency_s=20e-6),
     LinkSpec(name="tcp", gb_per_s=12.5, latency_s=200e-6),
+    LinkSpec(name="loopback", gb_per_s=2.8, latency_s=1e-3),
 )}
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec(name="smollm2-135m", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -97,6 +101,9 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
               intermediate_size=14336, vocab_size=128256, tied_embeddings=False, max_model_len=131072),
     ModelSpec(name="llama-3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
               intermediate_size=28672, vocab_size=128256, tied_embeddings=False, max_model_len=131072),
+    ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+              intermediate_size=192, vocab_size=4096, tied_embeddings=False, max_model_len=2048, dtype="float32",
+              dtype_bytes=4),
 )}
 
 
@@ -109,6 +116,7 @@ class WorkerShape:
     tp: int
     block_size: int
     memory_utilization: float = 0.9  # of HBM the engine may use (vLLM's gpu_memory_utilization)
+    kv_blocks: int | None = None  # the KV pool in blocks when set (a real worker's --num-blocks), else what HBM leaves
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.block_size < 1 or not 0 < self.memory_utilization <= 1:
@@ -128,6 +136,8 @@ class WorkerShape:
 
     @property
     def num_blocks(self) -> int:
+        if self.kv_blocks is not None:
+            return self.kv_blocks
         return self.kv_pool_bytes // self.layout.bytes_per_block
 
 

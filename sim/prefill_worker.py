@@ -51,6 +51,17 @@ class PrefillWorker:
         self.busy_s = 0.0
         self.num_steps = 0
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, computing or leased, no block held: a drained worker may leave."""
+        return (not (self.waiting or self.running or self.leases) and self._step is None
+                and self.pool.num_free_blocks == self.pool.num_blocks)
+
+    @property
+    def busy(self) -> bool:
+        """A step is in flight."""
+        return self._step is not None
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

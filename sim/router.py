@@ -59,6 +59,7 @@ class SimRouter:
         self.index = IndexMirror()
         self._clock = clock
         self._entries: dict[str, tuple[WorkerInfo, WorkerLoad | None]] = {w.worker_id: (w, None) for w in workers}
+        self._draining: set[str] = set()
         self._snapshot: Snapshot | None = None
         self._view: PoolView | None = None
         self._reported: set[str] = set()  # workers whose load changed since the view was last brought up to date
@@ -76,9 +77,32 @@ class SimRouter:
         self._snapshot = None
         self._reported.add(worker_id)
 
+    # ---- the registry's membership: a worker registers, drains, leaves (its index entries pruned) --------------
+    def add(self, info: WorkerInfo, load: WorkerLoad) -> None:
+        self._entries[info.worker_id] = (info, load)
+        self._membership_changed()
+
+    def drain(self, worker_id: str) -> None:
+        self._draining.add(worker_id)
+        self._membership_changed()
+
+    def remove(self, worker_id: str) -> None:
+        del self._entries[worker_id]
+        self._draining.discard(worker_id)
+        self.index.drop(worker_id)
+        self._membership_changed()
+
+    def idle(self, worker_id: str) -> bool:
+        """No request this router sent there is in flight."""
+        return not self.inflight.get(worker_id) and worker_id not in self.inflight_prefills
+
+    def _membership_changed(self) -> None:
+        self._snapshot, self._view = None, None  # a fresh view: PoolView.update keeps the same workers only
+        self._reported.clear()
+
     def snapshot(self) -> Snapshot:
         if self._snapshot is None:
-            self._snapshot = Snapshot(workers=tuple(self._entries.values()), draining=frozenset(),
+            self._snapshot = Snapshot(workers=tuple(self._entries.values()), draining=frozenset(self._draining),
                                       taken_at_s=self._clock())
         return self._snapshot
 

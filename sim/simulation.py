@@ -60,6 +60,7 @@ class SimResult:
     decision_ms: dict[str, float] = field(default_factory=dict)  # lookup + candidates + route()
     policy_ms: dict[str, float] = field(default_factory=dict)  # route() alone
     learned: dict[str, dict[str, float]] = field(default_factory=dict)  # the router's rates at the end
+    plan_history: list[dict] = field(default_factory=list)  # a planner-driven run's plans (sim/elastic.py)
 
 
 class Simulation:
@@ -73,9 +74,13 @@ class Simulation:
                       for r in requests}
         self.records = [f.record for f in self.flows.values()]
         self.max_events = max_events if max_events is not None else 1_000_000 + 500 * len(requests)
-        for r in requests:
-            self.events.at(r.arrival_s, Kind.ARRIVAL, r.request_id)
-        self._handlers = {Kind.ARRIVAL: self._arrival, Kind.PREFILL_IN: self._prefill_in,
+        self._streams = 0 if config.router_per_stream_s > 0 else None  # requests sent and not ended
+        for r in requests:  # the router decides router_s after the client sent (its TTFT counts from the send)
+            if self._streams is None:
+                self.events.at(r.arrival_s + config.router_s, Kind.ARRIVAL, r.request_id)
+            else:
+                self.events.at(r.arrival_s, Kind.SEND, r.request_id)
+        self._handlers = {Kind.SEND: self._send, Kind.ARRIVAL: self._arrival, Kind.PREFILL_IN: self._prefill_in,
                           Kind.FIRST_TOKEN: self._first_token, Kind.DECODE_IN: self._decode_in,
                           Kind.PULL_DONE: self._pull_done, Kind.PUBLISH: self.cluster.publish,
                           Kind.HEARTBEAT: self.cluster.heartbeat}
@@ -92,13 +97,29 @@ class Simulation:
                 self._decode_step(event.target, event.version)
             else:
                 self._handlers[event.kind](event.target)
-        summary = summarize(self.records, self.cluster.itl, self.slo, gpus=self.config.num_gpus,
-                            busy_gpu_s=self.cluster.busy_gpu_s())
-        return SimResult(self.records, summary, self.cluster, self.events.processed, time.perf_counter() - started,
-                         _decision_ms(self.router.decision_s), _decision_ms(self.router.policy_s),
-                         self.router.learned())
+            self._after_event()
+        return SimResult(self.records, self._summary(), self.cluster, self.events.processed,
+                         time.perf_counter() - started, _decision_ms(self.router.decision_s),
+                         _decision_ms(self.router.policy_s), self.router.learned())
+
+    def _after_event(self) -> None:
+        """A hook for runs whose pools change (``sim/elastic.py``)."""
+
+    def _summary(self) -> dict:
+        return summarize(self.records, self.cluster.itl, self.slo, gpus=self.config.num_gpus,
+                         busy_gpu_s=self.cluster.busy_gpu_s())
 
     # ---- routing -------------------------------------------------------------------------------
+    def _send(self, request_id: str) -> None:
+        """The client sends; the router takes longer the more streams it (and the client) relay."""
+        delay_s = self.config.router_s + self.config.router_per_stream_s * self._streams
+        self._streams += 1
+        self.events.after(delay_s, Kind.ARRIVAL, request_id)
+
+    def _ended(self) -> None:
+        if self._streams is not None:
+            self._streams -= 1
+
     def _arrival(self, request_id: str) -> None:
         flow = self.flows[request_id]
         request = flow.request
@@ -120,6 +141,7 @@ class Simulation:
 
     def _refuse(self, flow: Flow, why: str) -> None:
         flow.record.refused = why
+        self._ended()
         if flow.routed is not None:
             self.router.finished(flow.routed, ttft_s=None, prefill_ms=0.0, queue_ms=0.0, cached_tokens=0,
                                  decode_tokens_per_s=0.0, same_route=False)
@@ -242,6 +264,7 @@ class Simulation:
             self._finish(self.flows[request_id], at_s + rpc_s)
 
     def _finish(self, flow: Flow, at_s: float) -> None:
+        self._ended()
         record = flow.record
         record.finished_s = at_s
         decode_s = at_s - record.first_token_s

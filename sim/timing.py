@@ -15,7 +15,7 @@ Prefill is compute-bound (FLOPs), decode memory-bound (weights + KV bytes); the 
 ``Efficiency`` holds the knobs a calibration fits (MFU, achieved bandwidth, per-step overhead). Alternatively
 ``CurveTimeModel`` interpolates the curves ``baton admin profile`` measures (the planner's ``PrefillProfile`` /
 ``DecodeProfile``): a prompt chunk at the profiled tokens/s of its length, a decode step at the profiled ITL of
-its batch. Pure: no I/O.
+its batch, a step's fixed cost paid once (fitted from the prefill curve). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -108,24 +108,67 @@ class Roofline:
 
 
 class CurveTimeModel:
-    """Steps priced from measured curves (``baton admin profile``): each chunk at the profiled prefill tokens/s
-    of a prompt as long as its context + new tokens, plus the profiled ITL at the step's decode batch."""
+    """Steps priced from measured curves (``baton admin profile``): each chunk at the profiled prefill time of a
+    prompt as long as its context + new tokens (its share: new / (context + new)), plus the profiled ITL at the
+    step's decode batch.
 
-    def __init__(self, prefill: PrefillProfile, decode: DecodeProfile) -> None:
-        self.prefill, self.decode = prefill, decode
+    Each profiled point is a step of its own, so it holds one step's fixed cost (scheduling, the forward's launch,
+    sampling's sync; on CPU a few ms of Python). ``overhead_s`` is that cost: taken out of every chunk's share and
+    paid once per step (in a step with a decode batch the ITL already holds it), so a step of several prompts does
+    not pay it once per prompt. ``fit_step_overhead_s`` fits it from the prefill curve; 0 prices each chunk at its
+    curve's rate as is."""
 
-    def _parts(self, decode_seqs: int, chunks: Sequence[Chunk]) -> tuple[float, float]:
-        prefill_s = sum(c.new / interpolate(self.prefill.prompt_lens, self.prefill.tokens_per_s, c.context + c.new)
-                        for c in chunks)
+    def __init__(self, prefill: PrefillProfile, decode: DecodeProfile, *, overhead_s: float = 0.0) -> None:
+        if overhead_s < 0:
+            raise ValueError(f"overhead_s must be >= 0, got {overhead_s}")
+        self.prefill, self.decode, self.overhead_s = prefill, decode, overhead_s
+
+    def _parts(self, decode_seqs: int, chunks: Sequence[Chunk]) -> tuple[float, float, float]:
+        prefill_s = 0.0
+        for c in chunks:
+            n = c.context + c.new
+            alone_s = n / interpolate(self.prefill.prompt_lens, self.prefill.tokens_per_s, n)
+            prefill_s += max(alone_s - self.overhead_s, 0.0) * c.new / n
         decode_s = interpolate(self.decode.batch_sizes, self.decode.itl_s, decode_seqs) if decode_seqs else 0.0
-        return prefill_s, decode_s
+        overhead_s = self.overhead_s if chunks and not decode_seqs else 0.0
+        return prefill_s, decode_s, overhead_s
 
     def step_s(self, decode_seqs: int, decode_context: int, chunks: Sequence[Chunk] = ()) -> float:
         return sum(self._parts(decode_seqs, chunks))
 
     def explain(self, decode_seqs: int, decode_context: int, chunks: Sequence[Chunk] = ()) -> dict[str, float | str]:
-        prefill_s, decode_s = self._parts(decode_seqs, chunks)
-        return {"prefill_curve_s": prefill_s, "decode_curve_s": decode_s, "step_s": prefill_s + decode_s}
+        prefill_s, decode_s, overhead_s = self._parts(decode_seqs, chunks)
+        return {"prefill_curve_s": prefill_s, "decode_curve_s": decode_s, "overhead_s": overhead_s,
+                "step_s": prefill_s + decode_s + overhead_s}
+
+
+def fit_step_overhead_s(prefill: PrefillProfile) -> float:
+    """The fixed cost of a prefill step: the intercept of ``t(n) = a + b n + c n^2`` fitted to the curve's points
+    (``t = n / tokens_per_s``; least squares on relative error, so the short prompts, where the intercept shows,
+    weigh as much as the long ones), kept within [0, the shortest point's time]. Fewer than 3 points: 0."""
+    lens = [float(n) for n in prefill.prompt_lens]
+    if len(lens) < 3:
+        return 0.0
+    times = [n / r for n, r in zip(lens, prefill.tokens_per_s)]
+    rows = [[1.0 / t, n / t, n * n / t] for n, t in zip(lens, times)]  # each row / t: relative error
+    a = _least_squares(rows, [1.0] * len(rows))[0]
+    return min(max(a, 0.0), min(times))
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """x minimizing |A x - y| through the normal equations (3 unknowns, solved by Cramer's rule)."""
+    k = len(rows[0])
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    aty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(k)]
+    det = _det3(ata)
+    if abs(det) < 1e-300:
+        return [0.0] * k
+    return [_det3([[aty[r] if c == i else ata[r][c] for c in range(k)] for r in range(k)]) / det for i in range(k)]
+
+
+def _det3(m: list[list[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
 
 
 def profiles_of(model: TimeModel, *, prompt_lens: Sequence[int], batch_sizes: Sequence[int], context: int,

@@ -94,3 +94,25 @@ class _Progress:
         if self.done % self.every == 0 or self.done == self.total:
             print(f"[{self.label}] {self.done}/{self.total} done, {time.perf_counter() - self.start:.0f} s",
                   file=sys.stderr, flush=True)
+
+
+async def probe(address: str, prompts: list[list[int]], *, max_tokens: int = 2,
+                request_timeout_s: float = 60.0) -> list[dict]:
+    """Requests sent one at a time (nothing else in flight): per request the client's TTFT and what the router's
+    timings say of it (route, the computing worker's queue + compute, the KV pull). The simulator's calibration
+    times the router's own share and the pull with these (``sim/check.py``)."""
+    import grpc
+
+    from bench.client import greedy_request, stream_generate
+    from proto import baton_pb2_grpc as pb_grpc
+
+    out = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for prompt in prompts:
+            stream = await stream_generate(stub, greedy_request(prompt, max_tokens), request_timeout_s)
+            t = stream.last.timings
+            out.append({"prompt_tokens": len(prompt), "ttft_s": stream.token_times_s[0] - stream.sent_s,
+                        "route_kind": t.route_kind, "prefill_ms": t.prefill_ms, "transfer_ms": t.transfer_ms,
+                        "transfer_bytes": t.transfer_bytes})
+    return out

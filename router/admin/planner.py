@@ -1,10 +1,14 @@
 """Pool sizing from SLOs: how many prefill and decode workers for this traffic (pure math, no I/O).
 
-Prefill (DistServe-style): requests arrive Poisson at ``rate_per_s`` and are spread over ``n`` prefill
-workers; each worker is an M/D/1 queue whose service time is ``isl / throughput(isl)`` from the profiled
-prefill curve. The p90 TTFT is the service time plus the p90 queueing wait. The wait uses the M/D/1 mean
-``rho * D / (2 (1 - rho))`` with an exponential tail behind the probability ``rho`` of waiting at all
-(Kingman), so ``W90 = D * ln(10 rho) / (2 (1 - rho))`` when ``rho > 0.1`` and 0 otherwise.
+Prefill (DistServe-style, M/G/n): requests arrive Poisson at ``rate_per_s``; the router sends each prompt to
+the prefill worker that frees first (the cost and least-loaded policies price each worker's queue), so the
+``n`` workers are one queue with ``n`` servers. A prompt of ``isl`` tokens takes ``S = isl / throughput(isl)``
+on the profiled prefill curve; ``Traffic.isl_mix`` gives the prompt lengths' spread (the router's prompt-token
+histogram), so the service time has a mean ``E[S]`` and a squared coefficient of variation ``cs2`` (0 when only
+the mean is known: every prompt at ``mean_isl``). A prompt waits with Erlang C's probability ``C(n, rate E[S])``
+and then for an exponential time of mean ``E[S] (1 + cs2) / (2 n (1 - rho))`` (Allen-Cunneen; with n = 1 and
+cs2 = 0 this is M/D/1's), and TTFT is its own service time plus that wait; the p90 is solved over the mix.
+``router.admin.queueing`` says why not n separate M/D/1 queues at the mean prompt (this planner until issue 23).
 
 Decode (Dynamo-style throughput at ITL): the profiled ITL-vs-batch curve, scaled by the correction factor,
 gives the largest batch ``B*`` a worker can run within the ITL target (linear interpolation, no
@@ -24,6 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequest
+from router.admin.queueing import prefill_ttft_p90_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,14 +70,18 @@ class Traffic:
     rate_per_s: float  # requests per second
     mean_isl: float  # prompt tokens
     mean_osl: float  # output tokens
+    isl_mix: tuple[tuple[float, float], ...] = ()  # (prompt tokens, share of requests); (): every prompt at mean_isl
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Corrections:
-    """Measured / predicted latency per pool; 1.0 trusts the profile as is."""
+    """Measured / predicted latency per pool; 1.0 trusts the profile as is. ``decode`` is the ITL p90's (the SLO's
+    percentile: it bounds the batch); ``decode_mean`` the mean ITL's, for Little's law (a sequence lives ``osl``
+    mean gaps, not ``osl`` p90 gaps); None: ``decode`` for both, as before the mean was measured."""
 
     prefill: float = 1.0
     decode: float = 1.0
+    decode_mean: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,8 +152,8 @@ def plan_pools(slo: Slo, traffic: Traffic, prefill: PrefillProfile, decode: Deco
     busier = replace(traffic, rate_per_s=traffic.rate_per_s * (1.0 + config.down_headroom))
     p_plan = replace(size_prefill(slo, traffic, prefill, corrections.prefill, config),
                      sticky=size_prefill(slo, busier, prefill, corrections.prefill, config).raw)
-    d_plan = replace(size_decode(slo, traffic, decode, corrections.decode, config),
-                     sticky=size_decode(slo, busier, decode, corrections.decode, config).raw)
+    d_plan = replace(size_decode(slo, traffic, decode, corrections.decode, config, corrections.decode_mean),
+                     sticky=size_decode(slo, busier, decode, corrections.decode, config, corrections.decode_mean).raw)
     since_s = None if state.last_change_s is None else now_s - state.last_change_s
     p_count, p_why = damp(state.prefill, p_plan, since_s, config)
     d_count, d_why = damp(state.decode, d_plan, since_s, config)
@@ -153,27 +162,30 @@ def plan_pools(slo: Slo, traffic: Traffic, prefill: PrefillProfile, decode: Deco
     return Plan(prefill=p_count, decode=d_count, prefill_plan=p_plan, decode_plan=d_plan, decisions=decisions)
 
 
-def prefill_ttft_p90_s(rate_per_s: float, service_s: float, workers: int) -> tuple[float, float]:
-    """(rho, p90 TTFT in s) of ``workers`` M/D/1 queues sharing Poisson traffic; inf when unstable."""
-    rho = rate_per_s / workers * service_s
-    if rho >= 1.0:
-        return rho, math.inf
-    wait_s = service_s * math.log(10 * rho) / (2 * (1 - rho)) if rho > 0.1 else 0.0
-    return rho, service_s + wait_s
+def service_mix(profile: PrefillProfile, mean_isl: float,
+                isl_mix: tuple[tuple[float, float], ...] = ()) -> tuple[tuple[float, float], ...]:
+    """(prefill seconds, share) of each prompt length of the mix (or of the mean alone), shares summing to 1."""
+    mix = isl_mix or ((mean_isl, 1.0),)
+    total = sum(share for _, share in mix)
+    return tuple((profile.service_time_s(isl), share / total) for isl, share in mix)
 
 
 def size_prefill(slo: Slo, traffic: Traffic, profile: PrefillProfile, correction: float,
                  config: PlannerConfig) -> PoolPlan:
-    service_s = profile.service_time_s(traffic.mean_isl)
+    services = service_mix(profile, traffic.mean_isl, traffic.isl_mix)
+    service_s = sum(s * w for s, w in services)
+    cs2 = max(sum(s * s * w for s, w in services) / service_s ** 2 - 1.0, 0.0)
+    spread = "over the prompt-length mix" if len(services) > 1 else "isl / throughput"
     terms = [Term(pool="prefill", name="throughput at isl", value=traffic.mean_isl / service_s, unit="tok/s"),
-             Term(pool="prefill", name="service time D", value=service_s * 1e3, unit="ms", note="isl / throughput"),
+             Term(pool="prefill", name="service time D", value=service_s * 1e3, unit="ms", note=f"mean, {spread}"),
+             Term(pool="prefill", name="service time cs2", value=cs2, unit="", note="variance / mean^2"),
              Term(pool="prefill", name="correction", value=correction, unit="x", note="measured / predicted TTFT")]
     for n in range(1, config.max_workers + 1):
-        rho, ttft_s = prefill_ttft_p90_s(traffic.rate_per_s, service_s, n)
+        rho, ttft_s = prefill_ttft_p90_s(traffic.rate_per_s, services, n)
         if ttft_s * correction <= slo.ttft_p90_s:
             terms += [Term(pool="prefill", name="utilization rho", value=rho, unit="", note=f"rate / n * D at n = {n}"),
                       Term(pool="prefill", name="predicted TTFT p90", value=ttft_s * correction * 1e3, unit="ms",
-                           note=f"M/D/1, <= SLO {slo.ttft_p90_s * 1e3:g} ms")]
+                           note=f"M/G/n, <= SLO {slo.ttft_p90_s * 1e3:g} ms")]
             return PoolPlan(raw=n, sticky=n, feasible=True, terms=tuple(terms))
     n = max(1, math.ceil(traffic.rate_per_s * service_s / config.infeasible_utilization))
     n = min(n, config.max_workers)
@@ -195,7 +207,7 @@ def max_batch_at_itl(profile: DecodeProfile, itl_target_s: float) -> float | Non
 
 
 def size_decode(slo: Slo, traffic: Traffic, profile: DecodeProfile, correction: float,
-                config: PlannerConfig) -> PoolPlan:
+                config: PlannerConfig, mean_correction: float | None = None) -> PoolPlan:
     batch = max_batch_at_itl(profile, slo.itl_p90_s / correction)
     feasible = batch is not None
     batch = batch if batch is not None else float(profile.batch_sizes[0])
@@ -208,11 +220,13 @@ def size_decode(slo: Slo, traffic: Traffic, profile: DecodeProfile, correction: 
         terms.append(Term(pool="decode", name="batch by KV capacity", value=kv_batch, unit="seqs",
                           note="kv tokens / (isl + osl)"))
         batch = max(1.0, min(batch, kv_batch))
-    itl_s = _interpolate(profile.batch_sizes, profile.itl_s, batch) * correction  # <= the target when feasible
+    profiled_s = _interpolate(profile.batch_sizes, profile.itl_s, batch)
+    itl_s = profiled_s * (correction if mean_correction is None else mean_correction)  # the mean gap at that batch
     concurrent = traffic.rate_per_s * traffic.mean_osl * itl_s
     n = min(config.max_workers, max(1, math.ceil(concurrent / batch - 1e-9)))
     terms += [Term(pool="decode", name="concurrent sequences", value=concurrent, unit="seqs",
-                   note="Little: rate * osl * ITL"),
+                   note="Little: rate * osl * mean ITL" + ("" if mean_correction is None else
+                                                            f" (profile x {mean_correction:.3g}, measured mean)")),
               Term(pool="decode", name="per-worker throughput", value=batch / itl_s, unit="tok/s",
                    note="batch / ITL"),
               Term(pool="decode", name="workers needed", value=concurrent / batch, unit="", note="ceil -> raw")]
@@ -279,6 +293,9 @@ def _check_inputs(slo: Slo, traffic: Traffic, corrections: Corrections) -> None:
             raise InvalidRequest(f"{name} must be a positive number, got {value}")
     if not (traffic.rate_per_s >= 0 and math.isfinite(traffic.rate_per_s)):
         raise InvalidRequest(f"rate must be >= 0, got {traffic.rate_per_s}")
+    if any(not (isl > 0 and share > 0 and math.isfinite(isl) and math.isfinite(share))
+           for isl, share in traffic.isl_mix):
+        raise InvalidRequest(f"isl_mix needs positive (prompt tokens, share) pairs, got {traffic.isl_mix}")
 
 
 def _num(value: float) -> str:

@@ -109,9 +109,11 @@ class AdminServicer(pb_grpc.AdminServicer):
             live = [info.role for info, _ in await self._registry.list_workers()]
             measured, extra = traffic_mod.corrections(window, prefill, decode, prefill_workers=live.count("prefill"),
                                                       decode_workers=live.count("decode"))
+            given = request.HasField("decode_correction")  # an operator's decode correction stands for both
             corrections = planner.Corrections(
                 prefill=corrections.prefill if request.HasField("prefill_correction") else measured.prefill,
-                decode=corrections.decode if request.HasField("decode_correction") else measured.decode)
+                decode=corrections.decode if given else measured.decode,
+                decode_mean=None if given else measured.decode_mean)
             extra = traffic_terms(window) + extra
         state = planner.PoolState(prefill=await self._current("prefill"), decode=await self._current("decode"),
                                   last_change_s=self._last_change_s)
@@ -258,4 +260,4 @@ def _traffic(request: pb.PlanRequest, window: traffic_mod.Window | None) -> plan
         raise InvalidRequest(f"no finished requests in the last {window.span_s:.0f} s of traffic: "
                              "plan with --rate/--isl/--osl instead")
     return planner.Traffic(rate_per_s=window.rate_per_s, mean_isl=max(window.mean_isl, 1.0),
-                           mean_osl=max(window.mean_osl, 1.0))
+                           mean_osl=max(window.mean_osl, 1.0), isl_mix=window.isl_mix)

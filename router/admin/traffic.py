@@ -7,8 +7,12 @@ now and the newest copy at least ``window_s`` old — or the router's start, whe
 reports the span it actually covers. Percentiles interpolate inside buckets the way PromQL's
 ``histogram_quantile`` does, so they match the dashboards (and share their bucket resolution).
 
+The window also gives the prompt lengths' spread (``isl_mix``: each non-empty bucket of the prompt-token
+histogram at its geometric middle, scaled so the mix's mean is the exact mean), which the planner's queue model
+needs (a mix of long and short prompts waits longer than prompts all of the mean length).
+
 Corrections (measured / predicted, ``1.0`` when there is too little data): prefill compares the measured
-TTFT p90 with the M/D/1 prediction for the current prefill pool at the observed rate and ISL; decode
+TTFT p90 with the M/G/n prediction for the current prefill pool at the observed rate and prompt mix; decode
 compares the measured ITL p90 with the profile's ITL at the batch each decode worker runs by Little's law
 (``rate * osl * measured ITL p50 / workers``).
 """
@@ -72,6 +76,7 @@ class Percentiles:
     p50_s: float
     p90_s: float
     p99_s: float
+    mean_s: float | None = None  # the histogram's exact mean (sum / count)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +88,7 @@ class Window:
     mean_osl: float | None
     ttft: Percentiles | None
     itl: Percentiles | None
+    isl_mix: tuple[tuple[float, float], ...] = ()  # (prompt tokens, share of requests): the planner's Traffic.isl_mix
 
 
 def read_histograms(registry) -> dict[str, Histogram]:
@@ -108,14 +114,37 @@ def window_between(new: Snapshot, old: Snapshot) -> Window:
     mean = lambda h: h.total / h.count if h.count > 0 else None  # noqa: E731
     return Window(span_s=span_s, num_requests=int(requests), rate_per_s=requests / span_s,
                   mean_isl=mean(delta["isl"]), mean_osl=mean(delta["osl"]),
-                  ttft=_percentiles(delta["ttft"]), itl=_percentiles(delta["itl"]))
+                  ttft=_percentiles(delta["ttft"]), itl=_percentiles(delta["itl"]), isl_mix=isl_mix_of(delta["isl"]))
+
+
+def histogram_of(values: list[float], bounds: tuple[float, ...]) -> Histogram:
+    """``values`` observed into a cumulative histogram with these finite upper bounds (and +inf)."""
+    edges = (*bounds, math.inf)
+    return Histogram(edges, tuple(float(sum(v <= b for v in values)) for b in edges), float(sum(values)))
+
+
+def isl_mix_of(histogram: Histogram) -> tuple[tuple[float, float], ...]:
+    """The prompt lengths' mix from a histogram of them: (geometric middle of each non-empty bucket, its share),
+    the middles scaled so the mix's mean equals the histogram's exact mean; () when it is empty."""
+    if histogram.count <= 0:
+        return ()
+    mix, lower, below = [], 0.0, 0.0
+    for bound, cumulative in zip(histogram.bounds, histogram.cumulative):
+        inside = cumulative - below
+        if inside > 0:
+            upper = 2 * lower if math.isinf(bound) else bound
+            mix.append((math.sqrt(max(lower, 1.0) * max(upper, 1.0)), inside / histogram.count))
+        lower, below = (bound if not math.isinf(bound) else lower), cumulative
+    scale = (histogram.total / histogram.count) / sum(x * w for x, w in mix)
+    return tuple((x * scale, w) for x, w in mix)
 
 
 def _percentiles(histogram: Histogram) -> Percentiles | None:
     if histogram.count <= 0:
         return None
     p50, p90, p99 = (histogram.quantile(q) for q in (0.5, 0.9, 0.99))
-    return Percentiles(count=int(histogram.count), p50_s=p50, p90_s=p90, p99_s=p99)  # type: ignore[arg-type]
+    return Percentiles(count=int(histogram.count), p50_s=p50, p90_s=p90, p99_s=p99,  # type: ignore[arg-type]
+                       mean_s=histogram.total / histogram.count)
 
 
 class TrafficRecorder:
@@ -148,10 +177,13 @@ def corrections(window: Window, prefill: planner.PrefillProfile, decode: planner
                 prefill_workers: int, decode_workers: int) -> tuple[planner.Corrections, list[planner.Term]]:
     """Measured / predicted latency for each pool (1.0 and a note saying why, when it cannot be measured)."""
     p, p_note = _prefill_correction(window, prefill, prefill_workers)
-    d, d_note = _decode_correction(window, decode, decode_workers)
+    d, d_mean, d_note = _decode_correction(window, decode, decode_workers)
     terms = [planner.Term(pool="prefill", name="measured correction", value=p, unit="x", note=p_note),
              planner.Term(pool="decode", name="measured correction", value=d, unit="x", note=d_note)]
-    return planner.Corrections(prefill=p, decode=d), terms
+    if d_mean is not None:
+        terms.append(planner.Term(pool="decode", name="measured mean correction", value=d_mean, unit="x",
+                                  note="mean ITL measured / predicted: Little's law's"))
+    return planner.Corrections(prefill=p, decode=d, decode_mean=d_mean), terms
 
 
 def _prefill_correction(window: Window, profile: planner.PrefillProfile, workers: int) -> tuple[float, str]:
@@ -159,21 +191,27 @@ def _prefill_correction(window: Window, profile: planner.PrefillProfile, workers
         return 1.0, f"fewer than {MIN_REQUESTS} requests in the window"
     if workers < 1:
         return 1.0, "no prefill workers: TTFT came from local prefill"
-    _, predicted_s = planner.prefill_ttft_p90_s(window.rate_per_s, profile.service_time_s(window.mean_isl), workers)
+    services = planner.service_mix(profile, window.mean_isl, window.isl_mix)
+    _, predicted_s = planner.prefill_ttft_p90_s(window.rate_per_s, services, workers)
     if not math.isfinite(predicted_s) or predicted_s <= 0:
         return 1.0, f"the model predicts an unstable queue at {workers} workers"
     return window.ttft.p90_s / predicted_s, (f"TTFT p90 {window.ttft.p90_s * 1e3:.1f} ms measured / "
                                              f"{predicted_s * 1e3:.1f} ms predicted at {workers} workers")
 
 
-def _decode_correction(window: Window, profile: planner.DecodeProfile, workers: int) -> tuple[float, str]:
+def _decode_correction(window: Window, profile: planner.DecodeProfile,
+                       workers: int) -> tuple[float, float | None, str]:
+    """(ITL p90 correction, mean ITL correction or None, note): each measured over the profile's ITL at the batch
+    each worker runs by Little's law (rate * osl * mean ITL / workers)."""
     if window.num_requests < MIN_REQUESTS or window.mean_osl is None:
-        return 1.0, f"fewer than {MIN_REQUESTS} requests in the window"
+        return 1.0, None, f"fewer than {MIN_REQUESTS} requests in the window"
     if window.itl is None or window.itl.count < MIN_GAPS:
-        return 1.0, f"fewer than {MIN_GAPS} inter-token gaps in the window"
+        return 1.0, None, f"fewer than {MIN_GAPS} inter-token gaps in the window"
     if workers < 1:
-        return 1.0, "no decode workers"
-    batch = max(1.0, window.rate_per_s * window.mean_osl * window.itl.p50_s / workers)
+        return 1.0, None, "no decode workers"
+    typical_s = window.itl.mean_s if window.itl.mean_s is not None else window.itl.p50_s
+    batch = max(1.0, window.rate_per_s * window.mean_osl * typical_s / workers)
     predicted_s = planner.interpolate(profile.batch_sizes, profile.itl_s, batch)
-    return window.itl.p90_s / predicted_s, (f"ITL p90 {window.itl.p90_s * 1e3:.2f} ms measured / "
-                                            f"{predicted_s * 1e3:.2f} ms predicted at batch {batch:.1f}")
+    mean = None if window.itl.mean_s is None else window.itl.mean_s / predicted_s
+    return window.itl.p90_s / predicted_s, mean, (f"ITL p90 {window.itl.p90_s * 1e3:.2f} ms measured / "
+                                                  f"{predicted_s * 1e3:.2f} ms predicted at batch {batch:.1f}")

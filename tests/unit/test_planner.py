@@ -1,5 +1,6 @@
 """The SLO planner's math: known inputs give known counts, counts are monotone in rate and SLO, the
-hysteresis band and cool-downs hold, never below one worker per pool, bad inputs are typed errors."""
+hysteresis band and cool-downs hold, never below one worker per pool, bad inputs are typed errors; the prefill
+pool's queue (M/G/n) by hand, and a spread of prompt lengths sizing more workers than the same mean alone."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from router.admin.planner import (
     max_batch_at_itl,
     plan_pools, prefill_ttft_p90_s,
 )
+from router.admin.queueing import erlang_c
 
 # 10k tok/s at every length: a 1000-token prompt takes D = 100 ms.
 PREFILL = PrefillProfile(prompt_lens=(128, 4096), tokens_per_s=(10_000.0, 10_000.0))
@@ -28,21 +30,42 @@ def plan(rate: float, slo: Slo = SLO, **kwargs):
     return plan_pools(slo, traffic(rate), PREFILL, DECODE, **kwargs)
 
 
-def test_md1_p90_ttft_by_hand():
-    rho, ttft_s = prefill_ttft_p90_s(10.0, 0.1, 2)  # rho 0.5: W90 = D ln(5) / (2 * 0.5)
+ONE = ((0.1, 1.0),)  # every prompt takes D = 100 ms
+
+
+def test_mgn_p90_ttft_by_hand():
+    # one worker, one length: M/D/1 -- waits with probability rho, then ~Exp(D / (2 (1 - rho)))
+    rho, ttft_s = prefill_ttft_p90_s(5.0, ONE, 1)
     assert rho == 0.5 and ttft_s == pytest.approx(0.1 + 0.1 * math.log(5))
-    assert prefill_ttft_p90_s(10.0, 0.1, 1) == (1.0, math.inf)  # unstable
-    assert prefill_ttft_p90_s(0.5, 0.1, 1)[1] == 0.1  # rho 0.05: the p90 request does not wait
+    # two workers behind one queue, offered 1 Erlang: Erlang C = 1/3, wait once waiting D / (2 * 2 * 0.5) = 50 ms
+    rho, ttft_s = prefill_ttft_p90_s(10.0, ONE, 2)
+    assert rho == 0.5 and ttft_s == pytest.approx(0.1 + 0.05 * math.log(10 / 3))
+    assert prefill_ttft_p90_s(10.0, ONE, 1) == (1.0, math.inf)  # unstable
+    assert prefill_ttft_p90_s(0.5, ONE, 1)[1] == 0.1  # rho 0.05: the p90 request does not wait
+
+
+def test_a_spread_of_prompt_lengths_waits_longer_than_their_mean():
+    # half 50 ms, half 150 ms: mean 100 ms, cs2 0.25; at rho 0.5 the wait once waiting is 100 * 1.25 / 1 = 125 ms
+    # and P(TTFT > t) = 0.25 (e^-(t - .05)/.125 + e^-(t - .15)/.125) = 0.1 past 150 ms
+    mix = ((0.05, 0.5), (0.15, 0.5))
+    _, ttft_s = prefill_ttft_p90_s(5.0, mix, 1)
+    assert ttft_s == pytest.approx(0.125 * math.log((math.exp(0.4) + math.exp(1.2)) / 0.4))
+    assert ttft_s > prefill_ttft_p90_s(5.0, ONE, 1)[1]
+    # the planner: 1,000-token prompts on average, but a tenth of them 5,500 tokens long
+    spread = Traffic(rate_per_s=14.0, mean_isl=1000, mean_osl=200, isl_mix=((500.0, 0.9), (5500.0, 0.1)))
+    assert plan_pools(SLO, traffic(14.0), PREFILL, DECODE).prefill == 2
+    assert plan_pools(SLO, spread, PREFILL, DECODE).prefill > 2
+    assert "service time cs2" in plan_pools(SLO, spread, PREFILL, DECODE).explain()
 
 
 def test_known_counts():
     result = plan(10.0)
-    # prefill: n=1 is unstable (rho 1), n=2 gives 100 + 161 = 261 ms <= 300 ms.
+    # prefill: n=1 is unstable (rho 1), n=2 gives 100 + 50 ln(10/3) = 160 ms <= 300 ms.
     assert result.prefill_plan.raw == 2 and result.prefill == 2
     # decode: ITL 20 ms allows batch 32; Little: 10/s * 200 tok * 20 ms = 40 sequences -> 2 workers.
     assert result.decode_plan.raw == 2 and result.decode == 2
     assert result.feasible
-    assert plan(12.0).prefill == 3  # rho 0.6 at n=2 -> 324 ms > 300 ms
+    assert plan(16.0).prefill == 3  # rho 0.8 at n=2: C 0.711, wait 125 ms once waiting -> 100 + 245 ms > 300 ms
     assert plan(20.0).decode == 3  # 80 sequences / 32
 
 
@@ -79,8 +102,8 @@ def test_monotone_in_slo():
 
 
 def test_corrections_scale_the_prediction():
-    base = plan(20.0)
-    slow = plan(20.0, corrections=Corrections(prefill=1.5, decode=1.5))
+    base = plan(24.0)
+    slow = plan(24.0, corrections=Corrections(prefill=1.5, decode=1.5))
     assert slow.prefill > base.prefill and slow.decode > base.decode
 
 
@@ -94,20 +117,20 @@ def test_unreachable_slo_is_best_effort_and_says_so():
 
 def test_hysteresis_band_and_cooldowns():
     config = PlannerConfig(down_cooldown_s=60.0, down_headroom=0.2)
-    # Rate 10 needs 2 prefill, but 1.2x (rate 12) would need 3: a pool of 3 holds.
-    assert plan(10.0, state=PoolState(prefill=3, decode=2, last_change_s=0.0), now_s=1000.0, config=config).prefill == 3
+    # Rate 14 needs 2 prefill (246 ms), but 1.2x (rate 16.8) would need 3 (418 ms at 2): a pool of 3 holds.
+    assert plan(14.0, state=PoolState(prefill=3, decode=2, last_change_s=0.0), now_s=1000.0, config=config).prefill == 3
     # Rate 5 needs 1; 1.2x (rate 6) needs 2: shrink to 2, not 1, and only after the cool-down.
     state = PoolState(prefill=3, decode=2, last_change_s=0.0)
     assert plan(5.0, state=state, now_s=30.0, config=config).prefill == 3
     assert plan(5.0, state=state, now_s=61.0, config=config).prefill == 2
     # Growth is immediate.
-    assert plan(12.0, state=PoolState(prefill=1, decode=1, last_change_s=0.0), now_s=1.0, config=config).prefill == 3
+    assert plan(16.0, state=PoolState(prefill=1, decode=1, last_change_s=0.0), now_s=1.0, config=config).prefill == 3
 
 
 def test_noisy_rate_at_a_boundary_does_not_oscillate():
     config = PlannerConfig(down_cooldown_s=0.0)
     state, changes = PoolState(), 0
-    for step, rate in enumerate([10.0, 12.5, 9.5, 12.2, 10.5, 11.9, 9.8, 12.4] * 3):
+    for step, rate in enumerate([14.0, 16.5, 13.5, 16.2, 14.5, 15.9, 13.8, 16.4] * 3):  # 2 workers up to ~15.5
         result = plan(rate, state=state, now_s=float(step), config=config)
         if state.prefill is not None and result.prefill != state.prefill:
             changes += 1
@@ -146,3 +169,11 @@ def test_itl_row_at_context_interpolates_between_profiled_contexts():
         itl_row_at_context((100, 1100), grid[:3], 2, 600)
     with pytest.raises(InvalidRequest, match="must increase"):
         itl_row_at_context((1100, 100), grid, 2, 600)
+
+
+def test_erlang_c_is_stable_at_any_pool_size():
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # one server: waits with probability rho
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert 0.0 <= erlang_c(512, 0.001) < 1e-12  # tiny offered load on a big pool: no wait, no underflow error
+    assert 0.0 < erlang_c(800, 780.0) < 1.0  # a^k / k! would overflow a float here
+    assert prefill_ttft_p90_s(0.001, ((0.1, 0.5), (0.3, 0.5)), 512)[1] == pytest.approx(0.3)  # the longer half

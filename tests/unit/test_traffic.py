@@ -13,9 +13,10 @@ import pytest
 
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.admin import cli as admin_cli, planner
-from router.metrics import RouterMetrics
+from router.metrics import TOKEN_BUCKETS, RouterMetrics
 from router.trace import RequestTrace
-from router.admin.traffic import Histogram, Percentiles, TrafficRecorder, Window, corrections
+from router.admin.traffic import (Histogram, Percentiles, TrafficRecorder, Window, corrections, histogram_of,
+                                  isl_mix_of)
 from tests.redis_server import RedisServer, require_redis_server
 from tests.unit.test_admin_server import NS, register, start, worker
 from tests.unit.test_router_server import LoopThread, make_model_folder
@@ -65,11 +66,43 @@ def window(**overrides) -> Window:
 
 def test_corrections_are_measured_over_predicted_latency():
     found, terms = corrections(window(), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
-    # prefill: 2 M/D/1 queues at rho 0.5, D 100 ms: 100 + 100 ln 5 / (2 * 0.5) = 260.9 ms predicted
-    assert found.prefill == pytest.approx(0.52 / (0.1 + 0.1 * math.log(5)))
+    # prefill: 2 workers behind one queue at rho 0.5, D 100 ms: Erlang C 1/3, 100 + 50 ln(10/3) = 160.2 ms predicted
+    assert found.prefill == pytest.approx(0.52 / (0.1 + 0.05 * math.log(10 / 3)))
     # decode: Little gives 10 * 200 * 12 ms / 2 = 12 seqs per worker; the profile's ITL there is 13.33 ms
     assert found.decode == pytest.approx(0.016 / 0.0133333333)
     assert [t.name for t in terms] == ["measured correction", "measured correction"]
+
+
+def test_the_prompt_mix_comes_from_the_histogram_with_the_exact_mean():
+    lengths = [300.0] * 6 + [3000.0] * 3 + [30_000.0]  # buckets (200, 500], (2000, 5000], (20000, 50000]
+    histogram = histogram_of(lengths, TOKEN_BUCKETS)
+    mix = isl_mix_of(histogram)
+    middles = (math.sqrt(200 * 500), math.sqrt(2000 * 5000), math.sqrt(20_000 * 50_000))
+    scale = (sum(lengths) / 10) / (0.6 * middles[0] + 0.3 * middles[1] + 0.1 * middles[2])
+    expected = [(m * scale, w) for m, w in zip(middles, (0.6, 0.3, 0.1))]
+    assert [x for pair in mix for x in pair] == pytest.approx([x for pair in expected for x in pair])
+    assert sum(x * w for x, w in mix) == pytest.approx(sum(lengths) / 10)  # the mean is exact
+    assert isl_mix_of(histogram_of([], TOKEN_BUCKETS)) == ()
+    past = isl_mix_of(histogram_of([200_000.0], TOKEN_BUCKETS))  # above the last bound: its double, scaled
+    assert past[0] == pytest.approx((200_000.0, 1.0))
+
+
+def test_littles_law_takes_the_mean_gap_and_the_batch_bound_the_p90():
+    # gaps: mean 12 ms (the profile's at the batch Little gives), p90 2x the profile: a tail, not a slower worker
+    itl = Percentiles(count=10_000, p50_s=0.011, p90_s=0.024, p99_s=0.05, mean_s=0.012)
+    found, terms = corrections(window(itl=itl), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
+    # Little with the mean: 10 * 200 * 12 ms / 2 = 12 seqs per worker, where the profile says 13.33 ms
+    assert found.decode == pytest.approx(0.024 / 0.0133333333)
+    assert found.decode_mean == pytest.approx(0.012 / 0.0133333333)
+    assert terms[-1].name == "measured mean correction"
+    slo = planner.Slo(ttft_p90_s=0.5, itl_p90_s=0.036)
+    traffic = planner.Traffic(rate_per_s=10.0, mean_isl=1000.0, mean_osl=200.0)
+    p90_only = planner.plan_pools(slo, traffic, PREFILL, DECODE,
+                                  corrections=planner.Corrections(decode=found.decode))
+    both = planner.plan_pools(slo, traffic, PREFILL, DECODE, corrections=found)
+    # the p90 bounds the batch (ITL x 1.8 <= 36 ms: 20 ms of profile, batch 32) in both; sequences live 200 mean
+    # gaps (0.9 x 20 ms = 18 ms): 10 * 200 * 18 ms = 36 of them, 2 workers -- not 200 p90 gaps (72 -> 3 workers)
+    assert (both.decode, p90_only.decode) == (2, 3)
 
 
 def test_too_little_data_or_no_pool_means_no_correction():
@@ -88,7 +121,7 @@ def test_a_known_window_gives_a_known_plan():
     assert (trusting.prefill, trusting.decode) == (2, 2)
     measured, _ = corrections(window(), PREFILL, DECODE, prefill_workers=2, decode_workers=2)
     corrected = planner.plan_pools(slo, traffic, PREFILL, DECODE, corrections=measured)
-    # TTFT runs 2x the model: 2 workers now predict 520 ms > 500; decode's ITL 1.2x: 17 seqs fit, 36 run
+    # TTFT runs 3.2x the model: 2 workers now predict 520 ms > 500; decode's ITL 1.2x: 17 seqs fit, 36 run
     assert (corrected.prefill, corrected.decode) == (3, 3)
 
 
@@ -130,9 +163,11 @@ def test_plan_from_traffic_through_the_admin_service(router):
     assert "no prefill workers" in terms[("prefill", "measured correction")].note
     decode_correction = terms[("decode", "measured correction")].value
     assert decode_correction != 1.0 and "ITL p90" in terms[("decode", "measured correction")].note
+    mean_correction = terms[("decode", "measured mean correction")].value  # the ITL histogram's sum / count
     expected = planner.plan_pools(planner.Slo(ttft_p90_s=0.5, itl_p90_s=0.018),
                                   planner.Traffic(rate_per_s=plan.traffic.rate, mean_isl=1000, mean_osl=31),
-                                  PREFILL, DECODE, corrections=planner.Corrections(decode=decode_correction))
+                                  PREFILL, DECODE, corrections=planner.Corrections(decode=decode_correction,
+                                                                                   decode_mean=mean_correction))
     assert (plan.prefill_raw, plan.decode_raw) == (expected.prefill_plan.raw, expected.decode_plan.raw)
     out = io.StringIO()
     assert admin_cli.main(["--router", f"127.0.0.1:{running.port}", "--json", "plan", "--ttft-p90", "500",
