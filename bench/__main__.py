@@ -33,6 +33,7 @@ _BENCHMARKS = {
     "kv-store": "bench.kv_store",
     "tensor-parallel": "bench.tensor_parallel",
     "trace": "bench.trace_replay",
+    "relay": "bench.relay",
 }
 
 

@@ -12,13 +12,14 @@ import sys
 from engine.errors import BatonError, ModelLoadError
 from engine.model_source import resolve_model
 from kv_transfer.registry import check_credentials, connect, redact_url, with_ca
-from proto import tls
+from proto import event_loop, tls
 from router.config import DEFAULT_MAX_MIGRATIONS, DEFAULT_PORT, RouterConfig
 from router.routing.cost_model import CostConfig
 from router.admin.planner import PlannerConfig
 from router.routing.mirror_sync import DEFAULT_MIRROR_MAX_ENTRIES
 from router.routing.policy import POLICIES, PolicyConfig
 from router.routing.preselect import PreselectConfig
+from router.processes import start_siblings, stop_siblings
 from router.routing.shared_books import SharedBooksConfig
 from router.server import start_router
 
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="gRPC port (default: %(default)s; 0: any free port)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="router processes serving --port (and --http-port) together through SO_REUSEPORT, each "
+                        "on its own core; the kernel hands each client connection to one of them; process i serves "
+                        "/metrics on --metrics-port + i (default: %(default)s)")
     parser.add_argument("--ns", "--namespace", dest="ns", default="baton", help="Redis key namespace (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
@@ -132,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print OpenTelemetry trace spans on stderr (also $BATON_OTEL_CONSOLE=1; OTLP export: "
                         "the standard OTEL_* variables, see proto/tracing.py)")
     tls.add_arguments(parser)
+    event_loop.add_argument(parser)
     return parser
 
 
@@ -187,7 +193,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     http = f", OpenAI HTTP on port {router.http_server.port}" if router.http_server else ""
     print(f"baton router listening on {config.host}:{router.port} ({tls.describe(tls_config)}){http} "
-          f"(redis {redact_url(config.redis_url)})", flush=True)
+          f"(redis {redact_url(config.redis_url)}, {event_loop.loop_name()})", flush=True)
     await stop.wait()
     log.info("stopping router (grace %.1f s)", config.shutdown_grace_s)
     await router.stop(config.shutdown_grace_s)
@@ -195,7 +201,10 @@ async def serve(
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if args.processes < 1 or (args.processes > 1 and args.port == 0):
+        parser.error("--processes must be at least 1, and more than 1 needs a fixed --port (they share it)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
@@ -211,13 +220,16 @@ def main(argv: list[str] | None = None) -> int:
                       protocol=os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
     except ValueError as exc:
         parser.error(str(exc))
+    siblings = start_siblings(argv, args.processes, args.metrics_port) if args.processes > 1 else []
     try:
         http_port = args.http_port or None  # 0: off
-        asyncio.run(serve(config, admin_token=args.admin_token, metrics_port=args.metrics_port, http_port=http_port,
-                          tls_config=tls_config))
+        event_loop.run(serve(config, admin_token=args.admin_token, metrics_port=args.metrics_port, http_port=http_port,
+                             tls_config=tls_config), use_uvloop=event_loop.wanted(args.uvloop, os.environ))
     except (BatonError, OSError, RuntimeError, ValueError) as exc:  # bad model folder, port taken, Redis refused, ...
         print(f"baton router: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        stop_siblings(siblings, config.shutdown_grace_s)
     return 0
 
 

@@ -52,6 +52,7 @@ from kv_transfer.transport import streams_layers
 from proto import baton_pb2 as pb
 from proto.tracing import current_tracer
 from router.admission import AdmissionGate
+from router.coalesce import coalesced, take_text
 from router.control import WorkerControl
 from router.convert import worker_sampling
 from router.routing.cost_model import used_kv_blocks
@@ -509,20 +510,21 @@ class _Flow:
             call = self._start_decode(worker)
         with_lease, num_tokens = self._decode_has_lease, 0
         try:
-            async for response in call:
+            async for batch in coalesced(call):  # what queued up while the client's last write was pending
                 if with_lease:
-                    self._lease_read(response.timings.lease_released)
+                    self._lease_read(batch.responses[0].timings.lease_released)
                     with_lease = False
-                self._on_decode_progress(response)
-                num_tokens += len(response.token_ids)
-                if response.token_ids:
-                    yield self._tokens(list(response.token_ids), list(response.logprobs))
+                for response in batch.responses:
+                    self._on_decode_progress(response)
+                if token_ids := batch.token_ids:
+                    num_tokens += len(token_ids)
+                    yield self._tokens(token_ids, batch.logprobs)
                 if self._finish:  # a stop string matched: D is still generating
                     self._stop_decode()
                     self._spans.end("decode")
                     return
-                if response.finish_reason:
-                    self._finish, self._decode_active = response.finish_reason, False
+                if batch.finish_reason:
+                    self._finish, self._decode_active = batch.finish_reason, False
                     self._spans.end("decode")
                     return
         except grpc.aio.AioRpcError as exc:
@@ -581,14 +583,12 @@ class _Flow:
 
     # ---- output ------------------------------------------------------------------------------
     def _tokens(self, token_ids: list[int], logprobs: list[pb.Logprobs]) -> pb.GenerateResponse:
-        self._trace.tokens_sent(len(token_ids))
-        self._output_ids.extend(token_ids)
-        piece = self._text.add(token_ids)
-        if piece.stopped:
-            self._finish = pb.FINISH_REASON_STOP
-        return pb.GenerateResponse(
-            request_id=self._job.request_id, token_ids=token_ids, text=piece.text, logprobs=logprobs
-        )
+        taken, text, stopped = take_text(self._text, token_ids, has_stops=bool(self._job.params.stop))
+        self._trace.tokens_sent(taken)
+        self._output_ids.extend(token_ids[:taken])  # a stop string ends the output at the token completing it
+        self._finish = pb.FINISH_REASON_STOP if stopped else self._finish
+        return pb.GenerateResponse(request_id=self._job.request_id, token_ids=token_ids[:taken], text=text,
+                                   logprobs=logprobs[:taken])
 
     def _final(self) -> pb.GenerateResponse:
         piece = self._text.finish()

@@ -22,7 +22,7 @@ from kv_transfer.auth import load_secret
 from kv_transfer.kv_store import parse_store_uri
 from kv_transfer.transport import parse_kinds
 from kv_transfer.registry import RedisCredentialsError, check_credentials, connect, redact_url, with_ca
-from proto import tls
+from proto import event_loop, tls
 from worker.config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -180,6 +180,7 @@ def parser(role: str) -> argparse.ArgumentParser:
                    help="print OpenTelemetry trace spans on stderr (also $BATON_OTEL_CONSOLE=1; OTLP export: "
                    "the standard OTEL_* variables, see proto/tracing.py)")
     tls.add_arguments(p)
+    event_loop.add_argument(p)
     return p
 
 
@@ -246,7 +247,8 @@ async def serve(role: str, config: WorkerConfig, make_node: NodeFactory) -> int:
         await redis.aclose()
     node = make_node(config)
     await node.start()
-    print(f"{role} worker {node.worker_id} ready: grpc={node.grpc_address} kv={node.kv_uri}", flush=True)
+    print(f"{role} worker {node.worker_id} ready: grpc={node.grpc_address} kv={node.kv_uri} "
+          f"loop={event_loop.loop_name()}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -281,7 +283,7 @@ def run(role: str, argv: list[str], make_node: NodeFactory) -> int:
         cli.error(str(exc))
     logging.getLogger(__name__).info("redis %s, gRPC %s", redact_url(config.redis_url), tls.describe(config.tls))
     try:
-        return asyncio.run(serve(role, config, make_node))
+        return event_loop.run(serve(role, config, make_node), use_uvloop=event_loop.wanted(args.uvloop, os.environ))
     except RedisCredentialsError as exc:
         print(f"baton {role}: error: {exc}", file=sys.stderr)
         return 1

@@ -287,7 +287,10 @@ async def serve_openai(handlers: OpenAIHandlers, host: str, port: int | None,
     # handler_cancellation: a client that hangs up cancels its handler, so the relay aborts the workers
     runner = web.AppRunner(build_app(handlers), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=None if tls is None else ssl_server_context(tls))
+    # reuse_port: several router processes may serve one port (`baton router --processes N`), as gRPC's server
+    # allows by default on Linux; the kernel hands each connection to one of them
+    site = web.TCPSite(runner, host, port, ssl_context=None if tls is None else ssl_server_context(tls),
+                       reuse_port=True)
     await site.start()
     bound = runner.addresses[0][1]
     log.info("OpenAI-compatible HTTP front on %s://%s:%d (%s)", "http" if tls is None else "https", host, bound,
