@@ -74,10 +74,11 @@ def _loop_flag(loop: str) -> list[str]:
     return [] if loop == "uvloop" else ["--no-uvloop"]
 
 
-def start_worker(procs: Processes, model: Path, loop: str) -> tuple[str, int]:
+def start_worker(procs: Processes, model: Path, loop: str, tokens_per_message: int = 1) -> tuple[str, int]:
     port = free_port()
     popen = procs.start("worker", ["bench.relay_worker", "--redis-url", procs.redis_url, "--ns", NS, "--port",
-                                   str(port), "--model", str(model), *_loop_flag(loop)])
+                                   str(port), "--model", str(model), "--tokens-per-message", str(tokens_per_message),
+                                   *_loop_flag(loop)])
     log = procs.wait_for_line("worker", "ready:")
     assert f"loop={loop}" in log, log
     return f"127.0.0.1:{port}", popen.pid
@@ -121,7 +122,7 @@ async def run(args: argparse.Namespace, model: Path, procs: Processes) -> list[d
     rows = []
     channels = args.channels
     for loop in args.loops:
-        worker_address, worker_pid = start_worker(procs, model, loop)
+        worker_address, worker_pid = start_worker(procs, model, loop, args.tokens_per_message)
         direct = await sweep(f"direct/{loop}", lambda c: GrpcStreams(
             worker_address, direct=True, max_tokens=args.max_tokens, num_channels=min(c, channels)),
             {"worker": worker_pid}, args)
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="router processes sharing one port (`baton router --processes N`)")
     parser.add_argument("--apis", nargs="+", choices=["grpc", "http"], default=["grpc"],
                         help="through the router: Generation/Generate, or the OpenAI front's SSE stream")
+    parser.add_argument("--tokens-per-message", type=int, default=1,
+                        help="tokens in each of the worker's Decode messages: 1 as a decode step sends them; more, as "
+                        "speculative decoding (or a worker coalescing its own stream) would")
     parser.add_argument("--channels", type=int, default=8, help="client connections per path (at most one per stream)")
     parser.add_argument("--json", type=Path, default=RESULTS)
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s against concurrency")
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         procs.close()
     report = {"cpus": os.cpu_count(), "loadavg_before": load, "loadavg_after": os.getloadavg(),
-              "max_tokens": args.max_tokens, "duration_s": args.duration_s, "rows": rows}
+              "max_tokens": args.max_tokens, "tokens_per_message": args.tokens_per_message, "duration_s": args.duration_s, "rows": rows}
     print_table(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
