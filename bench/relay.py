@@ -30,7 +30,9 @@ import psutil
 
 from bench.launcher import free_port
 from bench.relay_load import GrpcStreams, HttpStreams, Point, measure
+from bench.relay_worker import text_lengths
 from deploy.up import Child, start_redis, stop_all
+from engine.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "relay.json"
 NS = "relay"
@@ -113,7 +115,8 @@ async def sweep(path: str, make: Any, pids: dict[str, int], args: argparse.Names
             await streams.close()
         print(f"  {path:<22} c={concurrency:<4} {point.tokens_per_s:>9,.0f} tok/s  "
               f"{point.messages / max(point.tokens, 1):.2f} msg/token  "
-              + "  ".join(f"{k} {point.cores(k):.2f} cores" for k in sorted(point.cpu_s)), flush=True)
+              + "  ".join(f"{k} {point.cores(k):.2f} cores" for k in sorted(point.cpu_s) if k != "machine")
+              + f"  others {point.other_cores:.2f} cores", flush=True)
         points.append(point)
     return points
 
@@ -121,6 +124,7 @@ async def sweep(path: str, make: Any, pids: dict[str, int], args: argparse.Names
 async def run(args: argparse.Namespace, model: Path, procs: Processes) -> list[dict[str, Any]]:
     rows = []
     channels = args.channels
+    lengths = text_lengths(Tokenizer.from_pretrained(model), args.max_tokens) if "http" in args.apis else []
     for loop in args.loops:
         worker_address, worker_pid = start_worker(procs, model, loop, args.tokens_per_message)
         direct = await sweep(f"direct/{loop}", lambda c: GrpcStreams(
@@ -136,7 +140,7 @@ async def run(args: argparse.Namespace, model: Path, procs: Processes) -> list[d
                                                  num_channels=min(c, channels))
                 else:
                     make = lambda c: HttpStreams(http_address, max_tokens=args.max_tokens,  # noqa: E731
-                                                 num_channels=min(c, channels))
+                                                 text_lengths=lengths)
                 points = await sweep(f"router x{processes}/{api}/{loop}", make, pids, args)
                 rows += [_row(p, loop, processes, api) for p in points]
             procs.stop("router")
@@ -154,6 +158,7 @@ def _row(point: Point, loop: str, router_processes: int, api: str) -> dict[str, 
         "router_cores": round(router_cpu / point.seconds, 3), "worker_cores": round(point.cores("worker"), 3),
         "client_cores": round(point.cores("client"), 3),
         "tokens_per_router_core_s": round(point.tokens / router_cpu, 1) if router_cpu > 0 else None,
+        "loadavg_1m": round(point.loadavg_1m, 2), "other_cores": round(point.other_cores, 2),
     }
 
 

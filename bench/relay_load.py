@@ -15,10 +15,12 @@ front; there a request's tokens count when its last chunk, carrying ``usage``, a
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import json
+import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -41,6 +43,7 @@ class Point:
     requests: int
     seconds: float
     cpu_s: Mapping[str, float]
+    loadavg_1m: float = 0.0  # the machine's 1-minute load average when the window began
 
     @property
     def tokens_per_s(self) -> float:
@@ -49,6 +52,12 @@ class Point:
     def cores(self, name: str) -> float:
         """How many cores ``name`` kept busy on average over the window."""
         return self.cpu_s.get(name, 0.0) / self.seconds
+
+    @property
+    def other_cores(self) -> float:
+        """Cores busy with anything but the named processes (other tenants of this machine) over the window."""
+        ours = sum(v for k, v in self.cpu_s.items() if k != "machine")
+        return max(0.0, self.cpu_s.get("machine", 0.0) - ours) / self.seconds
 
     def tokens_per_core_s(self, name: str) -> float | None:
         """Tokens carried per CPU-second of ``name``: its capacity per core, whatever else shared the machine."""
@@ -65,10 +74,13 @@ Stream = Callable[[int, _Counts], Awaitable[None]]  # one request of one stream 
 
 
 def _cpu_s(pids: Mapping[str, int]) -> dict[str, float]:
+    """CPU seconds of each named process, and of the whole machine (``machine``: all but idle and iowait)."""
     out = {}
     for name, pid in pids.items():
         times = psutil.Process(pid).cpu_times()
         out[name] = times.user + times.system
+    total = psutil.cpu_times()
+    out["machine"] = sum(total) - total.idle - getattr(total, "iowait", 0.0)
     return out
 
 
@@ -84,7 +96,7 @@ async def measure(stream: Stream, concurrency: int, *, path: str, pids: Mapping[
     tasks = [asyncio.create_task(loop(i)) for i in range(concurrency)]
     try:
         await asyncio.sleep(warmup_s)
-        named = {**pids, "client": psutil.Process().pid}
+        named, load = {**pids, "client": psutil.Process().pid}, os.getloadavg()[0]
         tokens0, messages0, requests0, cpu0, t0 = (counts.tokens, counts.messages, counts.requests, _cpu_s(named),
                                                    time.perf_counter())
         await asyncio.sleep(duration_s)
@@ -99,7 +111,8 @@ async def measure(stream: Stream, concurrency: int, *, path: str, pids: Mapping[
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return Point(path=path, concurrency=concurrency, tokens=tokens1 - tokens0, messages=messages1 - messages0,
-                 requests=requests1 - requests0, seconds=t1 - t0, cpu_s={k: cpu1[k] - cpu0[k] for k in cpu1})
+                 requests=requests1 - requests0, seconds=t1 - t0, cpu_s={k: cpu1[k] - cpu0[k] for k in cpu1},
+                 loadavg_1m=load)
 
 
 class GrpcStreams:
@@ -131,26 +144,36 @@ class GrpcStreams:
 
 
 class HttpStreams:
-    """``http`` streams: ``/v1/completions`` with ``stream: true`` and usage in the last chunk."""
+    """``http`` streams: ``/v1/completions`` with ``stream: true``, one connection per stream (HTTP/1.1).
 
-    def __init__(self, address: str, *, max_tokens: int, num_channels: int) -> None:
+    SSE chunks carry text, not token ids: a stream's tokens are counted as its text grows, from ``text_lengths``
+    (the length of the worker's first k tokens' text, for every k), and set exact by the usage of its last chunk."""
+
+    def __init__(self, address: str, *, max_tokens: int, text_lengths: Sequence[int]) -> None:
         import aiohttp
 
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
-        self._url = f"http://{address}/v1/completions"
+        self._url, self._lengths = f"http://{address}/v1/completions", text_lengths
         self._body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                       "stream": True, "stream_options": {"include_usage": True}}
 
     async def __call__(self, index: int, counts: _Counts) -> None:
+        chars = counted = 0
         async with self._session.post(self._url, json=self._body) as response:
             response.raise_for_status()
             async for line in response.content:
                 if not line.startswith(b"data: {"):
                     continue
                 counts.messages += 1
-                if b'"usage":{' in line:
-                    counts.tokens += json.loads(line[6:])["usage"]["completion_tokens"]
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    now = chunk["usage"]["completion_tokens"]
+                else:
+                    chars += len(chunk["choices"][0]["text"])
+                    now = bisect.bisect_right(self._lengths, chars) - 1
+                counts.tokens += now - counted
+                counted = now
         counts.requests += 1
 
     async def close(self) -> None:

@@ -17,12 +17,13 @@ def print_table(report: dict[str, Any]) -> None:
     load = ", ".join(f"{x:.2f}" for x in report["loadavg_before"])
     print(f"\n{report['cpus']} CPU cores; load average before {load}; {report['max_tokens']} tokens per request")
     print(f"{'path':<28} {'streams':>7} {'tok/s':>9} {'msg/tok':>7} {'router cores':>12} {'tok/router core-s':>17} "
-          f"{'worker cores':>12} {'client cores':>12}")
+          f"{'worker cores':>12} {'client cores':>12} {'others':>6} {'load':>5}")
     for row in report["rows"]:
         per_core = row["tokens_per_router_core_s"]
         print(f"{_label(row):<28} {row['concurrency']:>7} {row['tokens_per_s']:>9,.0f} {row['messages_per_token']:>7.2f} "
               f"{row['router_cores']:>12.2f} {(f'{per_core:,.0f}' if per_core else '-'):>17} "
-              f"{row['worker_cores']:>12.2f} {row['client_cores']:>12.2f}")
+              f"{row['worker_cores']:>12.2f} {row['client_cores']:>12.2f} "
+              f"{row.get('other_cores', 0):>6.2f} {row.get('loadavg_1m', 0):>5.1f}")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -33,6 +33,19 @@ FINGERPRINT = "5e" * 16  # no model: any fixed fingerprint the router's scheme c
 TOTAL_BLOCKS = 1 << 20  # never the reason a request is refused
 
 
+def token_cycle(tokenizer: Tokenizer) -> list[int]:
+    """The token ids every stream cycles through."""
+    return tokenizer.encode(PASSAGE, add_special_tokens=False)
+
+
+def text_lengths(tokenizer: Tokenizer, num_tokens: int) -> list[int]:
+    """Characters of text in the first k tokens of a stream, for k = 0 .. ``num_tokens`` (a client of the SSE
+    stream counts tokens from its text with it)."""
+    ids = token_cycle(tokenizer)
+    stream = [ids[i % len(ids)] for i in range(num_tokens)]
+    return [len(tokenizer.decode(stream[:k])) for k in range(num_tokens + 1)]
+
+
 class SyntheticDecoder(pb_grpc.WorkerServicer):
     """``Decode`` without a model: ``max_tokens`` tokens from a fixed cycle, the last one with the finish reason."""
 
@@ -75,7 +88,7 @@ class SyntheticDecoder(pb_grpc.WorkerServicer):
 
 async def serve(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_pretrained(args.model)
-    decoder = SyntheticDecoder(tokenizer.encode(PASSAGE, add_special_tokens=False),
+    decoder = SyntheticDecoder(token_cycle(tokenizer),
                                interval_s=args.token_interval_ms / 1e3, tokens_per_message=args.tokens_per_message)
     server = grpc.aio.server()
     pb_grpc.add_WorkerServicer_to_server(decoder, server)

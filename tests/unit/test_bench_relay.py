@@ -20,8 +20,8 @@ def _row(path: str, processes: int, concurrency: int, tokens_per_s: float) -> di
 
 def test_a_point_gives_tokens_per_second_and_per_core_second():
     point = Point(path="router", concurrency=4, tokens=10_000, messages=5_000, requests=20, seconds=2.0,
-                  cpu_s={"router0": 0.5, "router1": 0.0, "client": 1.0})
-    assert point.tokens_per_s == 5_000
+                  cpu_s={"router0": 0.5, "router1": 0.0, "client": 1.0, "machine": 2.0})
+    assert point.tokens_per_s == 5_000 and point.other_cores == pytest.approx(0.25)
     assert point.cores("client") == 0.5 and point.cores("worker") == 0.0
     assert point.tokens_per_core_s("router0") == 20_000 and point.tokens_per_core_s("router1") is None
 
