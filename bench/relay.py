@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,22 +104,25 @@ def start_router(procs: Processes, model: Path, loop: str, processes: int) -> tu
     return f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}", pids
 
 
-async def sweep(path: str, make: Any, pids: dict[str, int], args: argparse.Namespace) -> list[Point]:
-    points = []
+async def sweep(path: str, make: Any, pids: dict[str, int], args: argparse.Namespace) -> list[list[Point]]:
+    """Per concurrency, ``--repeat`` consecutive windows of the same streams."""
+    out = []
     for concurrency in args.concurrency:
         streams = make(concurrency)
         try:
-            await measure(streams, concurrency, path=path, pids=pids, warmup_s=0.0, duration_s=0.3)  # connect
-            point = await measure(streams, concurrency, path=path, pids=pids, warmup_s=args.warmup_s,
-                                  duration_s=args.duration_s)
+            await measure(streams, concurrency, path=path, pids=pids, max_tokens=args.max_tokens, warmup_s=0.0,
+                          duration_s=0.3)  # connect every channel
+            points = await measure(streams, concurrency, path=path, pids=pids, max_tokens=args.max_tokens,
+                                   warmup_s=args.warmup_s, duration_s=args.duration_s, windows=args.repeat)
         finally:
             await streams.close()
-        print(f"  {path:<22} c={concurrency:<4} {point.tokens_per_s:>9,.0f} tok/s  "
-              f"{point.messages / max(point.tokens, 1):.2f} msg/token  "
-              + "  ".join(f"{k} {point.cores(k):.2f} cores" for k in sorted(point.cpu_s) if k != "machine")
-              + f"  others {point.other_cores:.2f} cores", flush=True)
-        points.append(point)
-    return points
+        for point in points:
+            print(f"  {path:<22} c={concurrency:<4} {point.tokens_per_s:>9,.0f} tok/s  "
+                  f"{point.messages / max(point.tokens, 1):.2f} msg/token  "
+                  + "  ".join(f"{k} {point.cores(k):.2f} cores" for k in sorted(point.cpu_s) if k != "machine")
+                  + f"  others {point.other_cores:.2f} cores", flush=True)
+        out.append(points)
+    return out
 
 
 async def run(args: argparse.Namespace, model: Path, procs: Processes) -> list[dict[str, Any]]:
@@ -128,7 +132,7 @@ async def run(args: argparse.Namespace, model: Path, procs: Processes) -> list[d
     for loop in args.loops:
         worker_address, worker_pid = start_worker(procs, model, loop, args.tokens_per_message)
         direct = await sweep(f"direct/{loop}", lambda c: GrpcStreams(
-            worker_address, direct=True, max_tokens=args.max_tokens, num_channels=min(c, channels)),
+            worker_address, direct=True, num_channels=min(c, channels)),
             {"worker": worker_pid}, args)
         rows += [_row(p, loop, 0, "grpc") for p in direct]
         for processes in args.router_processes:
@@ -136,11 +140,10 @@ async def run(args: argparse.Namespace, model: Path, procs: Processes) -> list[d
             pids = {"worker": worker_pid, **{f"router{i}": pid for i, pid in enumerate(router_pids)}}
             for api in args.apis:
                 if api == "grpc":
-                    make = lambda c: GrpcStreams(grpc_address, direct=False, max_tokens=args.max_tokens,  # noqa: E731
+                    make = lambda c: GrpcStreams(grpc_address, direct=False,  # noqa: E731
                                                  num_channels=min(c, channels))
                 else:
-                    make = lambda c: HttpStreams(http_address, max_tokens=args.max_tokens,  # noqa: E731
-                                                 text_lengths=lengths)
+                    make = lambda c: HttpStreams(http_address, text_lengths=lengths)  # noqa: E731
                 points = await sweep(f"router x{processes}/{api}/{loop}", make, pids, args)
                 rows += [_row(p, loop, processes, api) for p in points]
             procs.stop("router")
@@ -148,17 +151,23 @@ async def run(args: argparse.Namespace, model: Path, procs: Processes) -> list[d
     return rows
 
 
-def _row(point: Point, loop: str, router_processes: int, api: str) -> dict[str, Any]:
-    router_cpu = sum(v for k, v in point.cpu_s.items() if k.startswith("router"))
+def _row(points: list[Point], loop: str, router_processes: int, api: str) -> dict[str, Any]:
+    """The window of median tokens/s; tokens per router core-second is the median over the windows on its own."""
+    def router_cpu_s(point: Point) -> float:
+        return sum(v for k, v in point.cpu_s.items() if k.startswith("router"))
+
+    point = sorted(points, key=lambda p: p.tokens_per_s)[len(points) // 2]
+    per_core = [p.tokens / router_cpu_s(p) for p in points if router_cpu_s(p) > 0]
     return {
         "path": "direct" if router_processes == 0 else "router", "api": api, "loop": loop,
         "router_processes": router_processes, "concurrency": point.concurrency,
         "tokens_per_s": round(point.tokens_per_s, 1), "messages_per_token": round(point.messages / max(point.tokens, 1), 3),
         "requests": point.requests, "seconds": round(point.seconds, 3),
-        "router_cores": round(router_cpu / point.seconds, 3), "worker_cores": round(point.cores("worker"), 3),
+        "router_cores": round(router_cpu_s(point) / point.seconds, 3), "worker_cores": round(point.cores("worker"), 3),
         "client_cores": round(point.cores("client"), 3),
-        "tokens_per_router_core_s": round(point.tokens / router_cpu, 1) if router_cpu > 0 else None,
-        "loadavg_1m": round(point.loadavg_1m, 2), "other_cores": round(point.other_cores, 2),
+        "tokens_per_router_core_s": round(statistics.median(per_core), 1) if per_core else None,
+        "loadavg_1m": round(point.loadavg_1m, 2), "other_cores": round(max(p.other_cores for p in points), 2),
+        "tokens_per_s_windows": [round(p.tokens_per_s) for p in points],
     }
 
 
@@ -169,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=512, help="tokens per request (default: %(default)s)")
     parser.add_argument("--duration-s", type=float, default=3.0, help="measured window per point")
     parser.add_argument("--warmup-s", type=float, default=1.0, help="streams run this long before the window")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="windows per point, back to back; the table shows the median (default: %(default)s)")
     parser.add_argument("--loops", nargs="+", choices=["uvloop", "asyncio"], default=["uvloop", "asyncio"],
                         help="event loop of the router and the worker (the client always runs on uvloop)")
     parser.add_argument("--router-processes", type=int, nargs="+", default=[1, 2],
