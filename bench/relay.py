@@ -164,6 +164,7 @@ def _row(points: list[Point], loop: str, router_processes: int, api: str) -> dic
         "tokens_per_s": round(point.tokens_per_s, 1), "messages_per_token": round(point.messages / max(point.tokens, 1), 3),
         "requests": point.requests, "seconds": round(point.seconds, 3),
         "router_cores": round(router_cpu_s(point) / point.seconds, 3), "worker_cores": round(point.cores("worker"), 3),
+        "router_cores_each": [round(point.cores(f"router{i}"), 3) for i in range(router_processes)],
         "client_cores": round(point.cores("client"), 3),
         "tokens_per_router_core_s": round(statistics.median(per_core), 1) if per_core else None,
         "loadavg_1m": round(point.loadavg_1m, 2), "other_cores": round(max(p.other_cores for p in points), 2),
