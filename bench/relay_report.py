@@ -35,13 +35,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     series: dict[str, list[dict[str, Any]]] = {}
     for row in report["rows"]:
         series.setdefault(_label(row), []).append(row)
+    kinds = sorted({label.rsplit(" (", 1)[0] for label in series})  # one colour per path, a line style per loop
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for label, rows in series.items():
-        style = "s--" if label.startswith("direct") else "o-"
-        left.plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], style, label=label)
+        colour = f"C{kinds.index(label.rsplit(' (', 1)[0])}"
+        style = ("s" if label.startswith("direct") else "o") + ("-" if rows[0]["loop"] == "uvloop" else ":")
+        xs = [r["concurrency"] for r in rows]
+        left.plot(xs, [r["tokens_per_s"] for r in rows], style, color=colour, label=label)
         if not label.startswith("direct"):
-            right.plot([r["concurrency"] for r in rows], [r["tokens_per_router_core_s"] or 0 for r in rows], style,
-                       label=label)
+            right.plot(xs, [r["tokens_per_router_core_s"] or 0 for r in rows], style, color=colour, label=label)
     left.set(xscale="log", xlabel="concurrent streams", ylabel="tokens/s (all streams)",
              title=f"relay throughput ({report['cpus']} cores, shared by client, router, worker)")
     right.set(xscale="log", xlabel="concurrent streams", ylabel="tokens per router CPU-second",
