@@ -181,7 +181,6 @@ class _Flow:
         self._early_decode: Any = None  # layer-wise: D's Decode call, started on P's handle, not yet read
         self._counted_decode_id: str | None = None  # counted in relay.inflight until cleanup
         self._decision: RouteDecision | None = None
-        self._store_hint: int | None = None  # the index's store blocks of the prompt (None: no index answer)
         self._local_prefill: str | None = None  # D, while counted in relay.inflight_prefills
         self._migrations = Migrations(relay.max_migrations)  # moves to another D after tokens were streamed
 
@@ -249,7 +248,6 @@ class _Flow:
                                   relay.routing.rates), relay.other_books, hashes)
         candidates, self._preselected = view.candidates(match, books, relay.preselect, relay.routing.rng)
         self._store_blocks = match.store  # the shared store's leading blocks (priced as a fetch)
-        self._store_hint = match.store if match.answered else None  # told to the worker that computes the prompt
         return candidates, scheme.block_size, hashes
 
     async def _route(self) -> RouteDecision:
@@ -330,7 +328,7 @@ class _Flow:
         request = pb.PrefillRequest(
             request_id=job.worker_request_id, token_ids=job.prompt_token_ids, sampling=self._sampling,
             cache_salt=job.cache_salt, decode_worker_id=decision.decode_id, priority=job.priority,
-            store_blocks=self._store_hint,
+            store_blocks=self._relay.directory.store_run(self._hashes, worker.worker_id),
         )
         self._prefill_worker, self._prefill_pending = worker, True
         inflight = self._relay.inflight_prefills
@@ -497,8 +495,8 @@ class _Flow:
 
     def _start_decode(self, worker: WorkerInfo, *, pending: bool = False) -> Any:
         metadata = self._spans.call("decode", worker.worker_id)
-        call = self._relay.directory.stub(worker).Decode(self._decode_request(pending), timeout=self._remaining_s(),
-                                                         metadata=metadata)
+        call = self._relay.directory.stub(worker).Decode(self._decode_request(worker, pending),
+                                                         timeout=self._remaining_s(), metadata=metadata)
         self._decode_worker, self._decode_call, self._decode_active = worker, call, True
         return call
 
@@ -535,13 +533,13 @@ class _Flow:
         self._decode_active = False
         raise _DecodeFailed(worker, grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason", num_tokens)
 
-    def _decode_request(self, first_token_pending: bool = False) -> pb.DecodeRequest:
+    def _decode_request(self, worker: WorkerInfo, first_token_pending: bool = False) -> pb.DecodeRequest:
         job = self._job
         request = pb.DecodeRequest(
             request_id=job.worker_request_id, token_ids=[*job.prompt_token_ids, *self._output_ids],
             sampling=self._sampling, cache_salt=job.cache_salt, num_output_tokens_so_far=len(self._output_ids),
             priority=job.priority, prompt_len=len(job.prompt_token_ids), first_token_pending=first_token_pending,
-            store_blocks=self._store_hint,
+            store_blocks=self._relay.directory.store_run(self._hashes, worker.worker_id),
         )
         self._decode_has_lease = self._lease is not None and self._lease.give(request)
         return request

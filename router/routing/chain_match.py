@@ -32,7 +32,6 @@ class HolderGroup(Protocol):
 
 class PrefixMatch(Protocol):
     store: int  # the shared store's leading blocks
-    answered: bool  # the index answered (False: Redis silent, load-only routing: every count is 0 for want of one)
 
     def depths(self, holder: str) -> tuple[int, int]:
         """(leading blocks in its KV pool, leading blocks in its pool or host tier); (0, 0) for a non-holder."""
@@ -87,7 +86,6 @@ class ChainMatch:
     store: int
     ids: Mapping[str, int]
     names: Sequence[str | None]
-    answered = True  # the mirror answers only while in sync
 
     def depths(self, holder: str) -> tuple[int, int]:
         i = self.ids.get(holder)
@@ -119,7 +117,6 @@ class TieredMatch:
     """A ``TieredLookup`` (the Redis script's answer, or no answer at all) as a ``PrefixMatch``."""
 
     tiered: TieredLookup
-    answered: bool = True
 
     @property
     def store(self) -> int:

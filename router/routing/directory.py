@@ -205,11 +205,16 @@ class WorkerDirectory:
 
     async def match(self, hashes: list[bytes]) -> PrefixMatch:
         """``lookup_tiers``' answer in the shape pre-selection reads: the mirror's walk while it is in sync
-        (holders named only on demand), else the Redis script's answer (or none: ``answered`` False)."""
+        (holders named only on demand), else the Redis script's answer (or none)."""
         if self.mirror is not None and (mirrored := self.mirror.match(hashes)) is not None:
             return mirrored
-        answer = await self._ask_redis(hashes)
-        return TieredMatch(answer or TieredLookup(), answered=answer is not None)
+        return TieredMatch(await self._ask_redis(hashes) or TieredLookup())
+
+    def store_run(self, hashes: list[bytes], worker_id: str) -> int | None:
+        """Leading blocks of the prompt ``worker_id`` or the shared store holds (the mirror's walk; see
+        ``IndexMirror.store_run``): sent to the worker that computes the prompt so it reads the store's part
+        without asking the store first. None without a mirror in sync: the worker asks."""
+        return self.mirror.store_run(hashes, worker_id) if self.mirror is not None else None
 
     async def _ask_redis(self, hashes: list[bytes]) -> TieredLookup | None:
         if self._redis_silent or self._clock() < self._lookups_paused_until_s:

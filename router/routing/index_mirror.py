@@ -215,6 +215,22 @@ class IndexMirror:
                 gpu_ends.append((depth, alive_gpu))
         return ChainMatch(tuple(gpu_ends), tuple(any_ends), store, self._ids, self._names)
 
+    def store_run(self, hashes: Sequence[bytes], holder: str) -> int:
+        """Leading blocks of ``hashes`` that ``holder`` (in any tier) or the store holds, each block one or the
+        other: what the store can add to what ``holder`` has (the store's own prefix, ``match``'s ``store``,
+        starts at block 0, which a hot first block kept in every pool never leaves for the store)."""
+        ids = self._ids
+        if STORE not in ids:
+            return 0
+        mask = 1 << ids[STORE] | (1 << ids[holder] if holder in ids else 0)
+        depth = 0
+        for h in hashes:
+            value = self._holders.get(h)
+            if value is None or not (value if value >= 0 else 1 << ~value) & mask:
+                break
+            depth += 1
+        return depth
+
     def _id(self, holder: str) -> int:
         i = self._ids.get(holder)
         if i is not None:

@@ -75,6 +75,10 @@ class MirrorSync:
         """The mirror's answer per tier, or None while it is not in sync."""
         return self.mirror.lookup_tiers(hashes) if self.ready else None
 
+    def store_run(self, hashes: Sequence[bytes], holder: str) -> int | None:
+        """``IndexMirror.store_run``, or None while the mirror is not in sync."""
+        return self.mirror.store_run(hashes, holder) if self.ready else None
+
     def match(self, hashes: Sequence[bytes]) -> ChainMatch | None:
         """The mirror's walk (``IndexMirror.match``), or None while it is not in sync."""
         return self.mirror.match(hashes) if self.ready else None

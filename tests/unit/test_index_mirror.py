@@ -72,6 +72,22 @@ def test_lookup_walks_leading_blocks_per_tier_like_the_script():
     assert len(mirror) == 0 and mirror.holders() == []
 
 
+def test_store_run_counts_blocks_the_holder_or_the_store_holds():
+    """A hot first block stays in every pool and never reaches the store: the store's own prefix is 0, yet it
+    holds the rest of the chain, which is what the worker holding block 0 would fetch."""
+    mirror = IndexMirror()
+    assert mirror.store_run(CHAIN, "a") == 0  # no store at all
+    mirror.store("a", CHAIN[:2])
+    mirror.store("b", CHAIN[:1])
+    mirror.store("store", CHAIN[2:6], "store")
+    assert mirror.lookup_tiers(CHAIN).store == 0
+    assert mirror.store_run(CHAIN, "a") == 6  # a's 0-1, the store's 2-5
+    assert mirror.store_run(CHAIN, "b") == 1  # b lacks block 1, the store too: the run breaks
+    assert mirror.store_run(CHAIN, "nobody") == 0
+    mirror.apply(IndexEvent("1-0", "stored", "a", tier="cpu", hashes=(CHAIN[6],), seq=1))  # any tier counts
+    assert mirror.store_run(CHAIN, "a") == 7
+
+
 async def random_step(registry: Registry, rng: random.Random, workers: list[str]) -> None:
     """One move of a random history: tiers per worker, the store, workers leaving and coming back."""
     index, w, roll = registry.index, rng.choice(workers), rng.random()
