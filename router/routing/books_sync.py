@@ -93,6 +93,7 @@ class BooksSync:
         self._seen: set[str] = set()  # every other router whose books were read
         self._last_read_s = clock()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._failing = False
         self.syncs = 0  # round trips that succeeded
 
@@ -106,9 +107,12 @@ class BooksSync:
 
     async def stop(self) -> None:
         """Stop syncing and delete this router's document (its books end with it)."""
+        self._stopping = True
         if self._task is not None:
+            # Python 3.11's asyncio.wait_for (here and inside redis-py) can swallow a cancellation that lands as its
+            # operation completes: the loop also checks the flag, and the wait for it is bounded
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait({self._task}, timeout=max(1.0, self.config.period_s * 10))
         try:
             await asyncio.wait_for(self._call(""), self.config.period_s * 10)
         except Exception as exc:  # noqa: BLE001 - it expires on its own
@@ -171,7 +175,7 @@ class BooksSync:
 
     async def _run(self) -> None:
         period_s = self.config.period_s
-        while True:
+        while not self._stopping:
             try:
                 await asyncio.wait_for(self.sync_once(), self.config.ttl_s)
                 if self._failing:

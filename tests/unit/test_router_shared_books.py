@@ -292,6 +292,31 @@ def test_unchanged_books_are_only_extended_and_rewritten_after_they_expired(redi
     asyncio.run(asyncio.wait_for(scenario(), 20.0))
 
 
+def test_stop_ends_the_sync_even_when_a_round_swallows_the_cancellation(redis_url):
+    """Python 3.11's ``asyncio.wait_for`` (in the loop and inside redis-py) can swallow a cancellation that lands as
+    its operation completes; the router's stop must not wait for the sync forever (a CI run hung 30 s on it)."""
+    keys = RedisKeys("books-stop")
+
+    async def scenario() -> None:
+        redis = connect(redis_url)
+        sync = BooksSync(redis, keys, Owner(), lambda: None, SharedBooksConfig(period_s=0.02, ttl_s=0.3, router_id="r"))
+        in_round = asyncio.Event()
+
+        async def swallowing() -> None:  # a round that ends in the same turn of the loop as the stop's cancel
+            in_round.set()
+
+        sync.sync_once = swallowing
+        try:
+            sync.start()
+            await in_round.wait()  # wakes before the loop's wait_for sees its round done: cancelled, it returns
+            await asyncio.wait_for(sync.stop(), 5.0)
+            assert sync._task is not None and sync._task.done()
+        finally:
+            await redis.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 20.0))
+
+
 def test_redis_failing_drops_the_others_books_after_their_ttl():
     require_redis_server()
     keys, server = RedisKeys("books-down"), RedisServer.start()
