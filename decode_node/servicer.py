@@ -32,6 +32,7 @@ from proto import baton_pb2 as pb
 from proto import tracing
 from worker.convert import FINISH_TO_PB, layout_from_pb, logprobs_to_pb, sampling_from_pb
 from worker.servicer import WorkerServicer, abort_with, status_of
+from worker.store_tier import store_hint
 
 logger = logging.getLogger(__name__)
 MAX_FIRST_TOKEN_WAIT_S = 600.0  # a layer-wise Decode without a deadline waits at most this for P's first token
@@ -82,7 +83,7 @@ class DecodeServicer(WorkerServicer):
             start = await self._import_kv(request, prompt, outputs, params, kwargs, timings, marks, context) or start
         elif request.first_token_pending:
             raise InvalidRequest("first_token_pending needs a KV handle")
-        elif fetched := await node.admit_from_store(rid, prompt, outputs, params, store_blocks=_hint(request),
+        elif fetched := await node.admit_from_store(rid, prompt, outputs, params, store_blocks=store_hint(request),
                                                     **kwargs):
             start = fetched  # part of the prefix came from the store tier
         marks.timings, marks.started_s = timings, time.perf_counter()
@@ -294,8 +295,3 @@ def decode_spans(tracer: Any, parent: Any, marks: _Marks, **ids: str) -> None:
     if marks.error is not None:
         tracing.fail(span, marks.error)
     span.end(end_time=instants.ns(time.perf_counter()))
-
-
-def _hint(request: pb.DecodeRequest) -> int | None:
-    """The router's index: leading blocks of the prompt the store holds (None: not said; ask the store)."""
-    return request.store_blocks if request.HasField("store_blocks") else None

@@ -22,6 +22,7 @@ from proto import baton_pb2 as pb
 from proto import tracing
 from worker.convert import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
 from worker.servicer import WorkerServicer, abort_with
+from worker.store_tier import store_hint
 
 
 class PrefillServicer(WorkerServicer):
@@ -48,7 +49,7 @@ class PrefillServicer(WorkerServicer):
             cache_salt=request.cache_salt, hold_blocks=True)
         fetched = await node.admit_from_store(rid, list(request.token_ids), [], first_params, hold_blocks=True,
                                               priority=request.priority, cache_salt=request.cache_salt,
-                                              store_blocks=_hint(request))
+                                              store_blocks=store_hint(request))
         if fetched is not None:
             add = fetched  # part of the prefix came from the store tier: the request starts with it cached
         deltas = [d async for d in node.async_engine.stream(rid, add)]
@@ -122,8 +123,3 @@ def _real_finish(engine_finish, params, num_prompt_tokens: int, max_model_len: i
     if params.max_tokens == 1 or num_prompt_tokens + 1 >= max_model_len:
         return FinishReason.LENGTH
     return None
-
-
-def _hint(request) -> int | None:
-    """The router's index: leading blocks of the prompt the store holds (None: not said; ask the store)."""
-    return request.store_blocks if request.HasField("store_blocks") else None

@@ -226,6 +226,12 @@ class StoreTier:
         self._lost(corrupt + bad.get(MISSING, []))
 
 
+def store_hint(request) -> int | None:
+    """A ``PrefillRequest`` / ``DecodeRequest``'s ``store_blocks``: the router's count of the prompt's leading blocks
+    this worker or the store holds (None: not said; the worker asks the store)."""
+    return request.store_blocks if request.HasField("store_blocks") else None
+
+
 class StoreStart:
     """Starts a request with the blocks read from the store, on the engine thread in one hop: reserve its blocks
     (``Engine.add_prefix_request``, which also loads its host-tier part), copy the verified read slots into
