@@ -102,6 +102,9 @@ class WorkerNode:
         self.registry = Registry(self.redis, self.config.namespace, self.config.heartbeat_ttl_s)
         self.publisher = IndexPublisher(self)
         self.store_tier = self._start_store_tier()
+        # the first heartbeat registers the worker with this load: sampled now, not the placeholder (no free
+        # blocks), which would tell every router this pool is full until the next heartbeat
+        _, self.load = await self.async_engine.call(_sample)
         self.heartbeat = HeartbeatTask(self.registry, self._info(), lambda: self.load,
                                        interval_s=self.config.heartbeat_interval_s,
                                        on_reregistered=self.publisher.republish_all)

@@ -172,3 +172,35 @@ def test_bad_input_is_invalid_argument_and_the_worker_keeps_serving(cluster, req
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
     assert stub(cluster.p.address).Stats(pb.StatsRequest()).worker_id == "p1"
     assert_pools_full(cluster)
+
+
+
+def test_a_new_worker_registers_with_its_engines_load(cluster, model_dir):
+    """The load a worker's first heartbeat publishes is sampled from its engine. The placeholder before the first
+    sample (no free blocks) told every router the pool was full until the next heartbeat (2 s): a CI run's burst of
+    24 requests all went to the other decode worker. In process, to see the first report before any other."""
+    import asyncio
+
+    from kv_transfer.registry import Registry, connect
+    from decode_node.node import DecodeNode
+    from worker.config import WorkerConfig
+
+    async def first_report():
+        config = WorkerConfig(role="decode", worker_id="fresh", redis_url=cluster.redis_url,
+                              engine=EngineConfig(model=str(model_dir), num_blocks=64, block_size=4),
+                              calibrate_tokens=0, heartbeat_interval_s=30.0, heartbeat_ttl_s=90.0)
+        node = DecodeNode(config)
+        await node.start()
+        before_any_beat = node.load  # what the heartbeat reads, however the first beat and sample interleave
+        redis = connect(cluster.redis_url)
+        try:
+            registry = Registry(redis, config.namespace)
+            while node.heartbeat.beats == 0:  # the first heartbeat is the only one in this test (30 s apart)
+                await asyncio.sleep(0.01)
+            return before_any_beat, {info.worker_id: load for info, load in await registry.list_workers()}["fresh"]
+        finally:
+            await redis.aclose()
+            await node.stop(grace_s=0)
+
+    for load in asyncio.run(first_report()):
+        assert load is not None and load.free_blocks == 64 and load.running == load.waiting == 0, load
