@@ -188,7 +188,7 @@ def test_bad_input_is_invalid_argument_and_the_platform_keeps_serving(platform, 
 
 
 def test_two_prefill_two_decode_equals_offline_engine(model_dir, tmp_path, expected):
-    cluster, redis = start_cluster(model_dir, tmp_path, prefill=2, decode=2)
+    cluster, redis = start_cluster(model_dir, tmp_path, prefill=2, decode=2, router_args=("--log-level", "debug"))
     try:
         results: dict[int, tuple[list[int], pb.GenerateResponse]] = {}
 
@@ -201,7 +201,8 @@ def test_two_prefill_two_decode_equals_offline_engine(model_dir, tmp_path, expec
         for t in threads:
             t.join(120)
         assert [results[i][0] for i in range(len(PROMPTS))] == expected
-        assert {results[i][1].timings.decode_worker for i in results} == {"d0", "d1"}
+        routed = [line for line in cluster.router.log_path.read_text().splitlines() if " routed " in line]
+        assert {results[i][1].timings.decode_worker for i in results} == {"d0", "d1"}, "\n".join(routed)
         assert_pools_full(cluster)
     finally:
         cluster.stop_all()
