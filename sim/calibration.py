@@ -18,7 +18,9 @@ Every term the calibrated simulator uses, and what it is fitted from (none from 
 - the link: Baton's tcp transport on loopback at raw TCP's 2.8 GB/s (NOTES.md), its per-pull latency from the
   probes' pulls (the router's ``transfer_ms`` minus the bytes at that rate, the median); KV bytes per block from the
   tiny model's layout (float32: 2 layers x K and V x 2 heads x 16 dims x 4 bytes x 16 tokens = 8 KiB);
-- the cores: every worker is a process with one torch thread on this machine's cores (``sim/contention.py``);
+- the cores: every worker is a process with one torch thread on this machine's cores (``sim/contention.py``); the
+  router and the client are processes on the same cores, so their time per request stretches as a step does with
+  the workers busy when the request is sent (``ClusterConfig.router_host``): a structural term, nothing fitted;
 - the background: what else ran on those cores (other sessions' tests and benchmarks share this machine): the
   mean number of runnable tasks not of the check's own process trees, sampled from /proc during each real run
   (``sim/cpu_load.py``), taken as that many runnable processes beside the workers (processor sharing, the same
@@ -66,6 +68,9 @@ class Calibration:
     rpc_s: float
     background: float = 0.0  # runnable processes beside ours on those cores (the load average before the run)
     router_per_stream_s: float = 0.0  # more router time per request in flight
+    # the router and the client share the workers' cores: their time per request stretches with the workers busy
+    # when it is sent (processor sharing, as a step's); False: with the background only (the first model)
+    router_beside_workers: bool = True
 
     def time_model(self) -> CurveTimeModel:
         return CurveTimeModel(self.prefill, self.decode, overhead_s=self.step_overhead_s)

@@ -175,11 +175,18 @@ def cluster_config(args: argparse.Namespace, calibration: Calibration, policy: s
     return ClusterConfig(shape=shape, num_prefill=args.prefill, num_decode=args.decode,
                          policy=PolicyConfig(policy=policy, cost=cost), time_model=calibration.time_model(),
                          intra_link=calibration.link, inter_link=calibration.link, gpus_per_host=workers,
-                         placement="mixed", rpc_s=calibration.rpc_s, router_s=calibration.loaded_router_s(),
+                         placement="mixed", rpc_s=calibration.rpc_s, router_host=_router_host(calibration),
+                         router_s=calibration.router_s if _router_host(calibration) is not None
+                         else calibration.loaded_router_s(),
                          router_per_stream_s=calibration.router_per_stream_s * calibration.sharing(),
                          cores_per_host=calibration.cores, background_load=calibration.background,
                          prefill_step_tokens=2048, decode_chunk_tokens=2048,
                          max_segment_steps=4, seed=args.seed)
+
+
+def _router_host(calibration: Calibration) -> int | None:
+    """The router and the client run on the workers' host (every worker is on host 0 here)."""
+    return 0 if calibration.cores is not None and calibration.router_beside_workers else None
 
 
 def background_of(real: dict[str, Any]) -> float:

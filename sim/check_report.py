@@ -18,6 +18,8 @@ def ablations(calibration: Calibration, per_stream_s: float) -> dict[str, Calibr
     out = {f"without {name}": dataclasses.replace(calibration, **{field: off[field]})
            for name, field in (("the step overhead", "step_overhead_s"), ("the router's time", "router_s"),
                                ("the background load", "background"), ("shared cores", "cores"))}
+    out["with the router beside the background only (not the busy workers)"] = dataclasses.replace(
+        calibration, router_beside_workers=False)
     out["curves only"] = dataclasses.replace(calibration, **off)
     out["with the router's growth per request in flight"] = dataclasses.replace(calibration,
                                                                                 router_per_stream_s=per_stream_s)

@@ -53,6 +53,9 @@ class ClusterConfig:
     rpc_s: float = 0.0005  # one gRPC hop inside a data center
     router_s: float = 0.0  # the router's own time per request, from the client's send to its first call
     router_per_stream_s: float = 0.0  # ... and more per request in flight (streams the router and client relay)
+    # the host whose cores the router and the client share with its workers (with ``cores_per_host``): ``router_s``
+    # stretches as a step does with the workers busy when a request is sent; None: a router with a machine of its own
+    router_host: int | None = None
     cores_per_host: int | None = None  # workers of a host share this many compute units (None: a device each)
     background_load: float = 0.0  # runnable processes beside the workers on those cores (with cores_per_host)
     prefill_step_tokens: int = 8192  # P's token budget per step
@@ -65,6 +68,8 @@ class ClusterConfig:
             raise ValueError(f"need >= 0 prefill and >= 1 decode workers, got {self.num_prefill}, {self.num_decode}")
         if (self.cores_per_host is not None and self.cores_per_host < 1) or self.background_load < 0:
             raise ValueError(f"cores_per_host must be >= 1 or None and background_load >= 0: {self}")
+        if self.router_host is not None and self.cores_per_host is None:
+            raise ValueError("router_host needs cores_per_host (the cores the router shares)")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if min(self.heartbeat_s, self.publish_s, self.prefill_step_tokens, self.decode_chunk_tokens,

@@ -23,11 +23,20 @@ class SharedCores:
             raise ValueError(f"cores must be >= 1 and background >= 0, got {cores}, {background}")
         self.cores, self.background, self._busy = cores, background, busy
         self._peers = {w: [v for v in host if host[v] == h and v != w] for w, h in host.items()}
+        self._on_host: dict[int, list[str]] = {}
+        for w, h in host.items():
+            self._on_host.setdefault(h, []).append(w)
 
     def factor(self, worker_id: str) -> float:
         """How much longer than alone a step of ``worker_id`` that starts now takes."""
         others = sum(1 for peer in self._peers[worker_id] if self._busy(peer))
         return max(1.0, (others + 1 + self.background) / self.cores)
+
+    def beside(self, host: int) -> float:
+        """The same for a process that is not a worker (the router, the client) on ``host``'s cores: how much longer
+        than on an idle machine its work that starts now takes, with the host's busy workers beside it."""
+        busy = sum(1 for w in self._on_host.get(host, ()) if self._busy(w))
+        return max(1.0, (busy + 1 + self.background) / self.cores)
 
 
 class SharedTimeModel:

@@ -74,7 +74,8 @@ class Simulation:
                       for r in requests}
         self.records = [f.record for f in self.flows.values()]
         self.max_events = max_events if max_events is not None else 1_000_000 + 500 * len(requests)
-        self._streams = 0 if config.router_per_stream_s > 0 else None  # requests sent and not ended
+        # requests sent and not ended (None: not counted: the router's time is the same for every request)
+        self._streams = 0 if config.router_per_stream_s > 0 or config.router_host is not None else None
         for r in requests:  # the router decides router_s after the client sent (its TTFT counts from the send)
             if self._streams is None:
                 self.events.at(r.arrival_s + config.router_s, Kind.ARRIVAL, r.request_id)
@@ -111,8 +112,11 @@ class Simulation:
 
     # ---- routing -------------------------------------------------------------------------------
     def _send(self, request_id: str) -> None:
-        """The client sends; the router takes longer the more streams it (and the client) relay."""
-        delay_s = self.config.router_s + self.config.router_per_stream_s * self._streams
+        """The client sends; the router takes longer with its host's workers busy beside it (``router_host``) and, with
+        ``router_per_stream_s``, the more streams it (and the client) relay."""
+        config, shared = self.config, self.cluster.shared
+        sharing = 1.0 if config.router_host is None or shared is None else shared.beside(config.router_host)
+        delay_s = config.router_s * sharing + config.router_per_stream_s * self._streams
         self._streams += 1
         self.events.after(delay_s, Kind.ARRIVAL, request_id)
 

@@ -103,6 +103,29 @@ def test_the_routers_time_is_in_every_ttft():
     assert _two_prompts_at_once(router_s=0.05) == pytest.approx([t + 0.05 for t in base])
 
 
+def test_a_router_on_the_workers_cores_waits_for_them_when_they_are_busy():
+    # 1 core: a request sent while a prefill runs gets a half share for the router's 50 ms: 100 ms
+    model = CurveTimeModel(quadratic(0.0, 1e-3, 0.0), FLAT_DECODE)  # 1 ms per prompt token
+    shape = WorkerShape(gpu=CPU, model=MODELS["tiny"], tp=1, block_size=16, kv_blocks=512)
+    root = root_hash(MODELS["tiny"].fingerprint, 16)
+    requests = [SimRequest(f"r{i}", at, 200, 2, tuple(hash_blocks([i + 10] * 200, 16, root)))
+                for i, at in enumerate((0.0, 0.1))]
+
+    def ttfts(**kw) -> list[float]:
+        config = ClusterConfig(shape=shape, num_prefill=2, num_decode=1, policy=PolicyConfig(policy="round_robin"),
+                               time_model=model, gpus_per_host=4, placement="mixed", rpc_s=0.0, router_s=0.05,
+                               cores_per_host=1, **kw)
+        return [r.ttft_s for r in sorted(simulate(config, requests).records, key=lambda r: r.arrival_s)]
+
+    # the first: router 50 ms on an idle core, then its prefill (200 ms); the second, sent at 100 ms while that
+    # prefill runs, gets half the core for its router time: 100 ms instead of 50
+    beside, alone = ttfts(router_host=0), ttfts()
+    assert beside[0] == alone[0] == pytest.approx(0.25)
+    assert beside[1] - alone[1] == pytest.approx(0.05)
+    with pytest.raises(ValueError):
+        ClusterConfig(shape=shape, num_prefill=1, num_decode=1, router_host=0)  # no cores to share
+
+
 def test_the_routers_time_grows_with_the_requests_in_flight():
     # both sent at 0: the first finds no stream in flight, the second one (the first's)
     assert _two_prompts_at_once(router_per_stream_s=0.03) == pytest.approx([0.2, 0.23])
