@@ -67,10 +67,11 @@ def add_worker_options(group) -> None:
                        "HOST:PORT (a mooncake_master and its HTTP metadata server; `baton up --kv-store` starts them). "
                        "Blocks leaving this worker are written there, and a prompt's prefix found there is fetched "
                        "(verified) instead of recomputed (default: none)")
-    group.add_argument("--kv-store-write", default="auto", choices=["auto", "evict", "through"],
+    group.add_argument("--kv-store-write", default="evict", choices=["auto", "evict", "through"],
                        help="what goes to the store: evict (blocks leaving this worker's tiers), through (also every "
                        "block as it is computed; a block is written once either way); auto: through on prefill "
-                       "workers, evict on decode workers (default: %(default)s)")
+                       "workers, evict on decode workers (default: %(default)s: write-through cost the prefill "
+                       "worker's prompts more than it saved, docs/benchmarks.md)")
     group.add_argument("--kv-store-buffer-blocks", type=int, default=64,
                        help="host slots for the store tier, as many again for reads (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=16)

@@ -86,7 +86,8 @@ def cluster(model_dir, store, tmp_path_factory):  # noqa: F811
                              num_blocks=24, block_size=BLOCK, worker_id="wa"),
         cluster.start_worker("decode", *common, "--metrics-port", str(cluster.metrics["wb"]), num_blocks=64,
                              block_size=BLOCK, worker_id="wb"),
-        cluster.start_worker("prefill", *common, num_blocks=64, block_size=BLOCK, worker_id="pc"),
+        cluster.start_worker("prefill", *common, "--kv-store-write", "through", num_blocks=64, block_size=BLOCK,
+                             worker_id="pc"),
     ]
     try:
         cluster.wait_for_workers({"wa", "wb", "pc"})

@@ -84,7 +84,9 @@ def test_store_flags_reach_the_config_with_a_write_policy_per_role():
     uri = "mooncake://127.0.0.1:7000?metadata=127.0.0.1:7001"
     prefill, decode = config("prefill", "--kv-store", uri), config("decode", "--kv-store", uri)
     assert prefill.kv_store.master_address == "127.0.0.1:7000" and prefill.engine.kv_store_buffer_blocks == 64
-    assert (prefill.engine.kv_store_write, decode.engine.kv_store_write) == ("through", "evict")  # auto, per role
+    assert (prefill.engine.kv_store_write, decode.engine.kv_store_write) == ("evict", "evict")  # the default
+    per_role = [config(role, "--kv-store", uri, "--kv-store-write", "auto") for role in ("prefill", "decode")]
+    assert [c.engine.kv_store_write for c in per_role] == ["through", "evict"]  # auto: through on prefill
     chosen = config("prefill", "--kv-store", uri, "--kv-store-write", "evict", "--kv-store-buffer-blocks", "8")
     assert (chosen.engine.kv_store_write, chosen.engine.kv_store_buffer_blocks) == ("evict", 8)
     with pytest.raises(ValueError, match="metadata="):
