@@ -40,7 +40,6 @@ import enum
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -249,10 +248,6 @@ class _Flow:
                                   relay.routing.rates), relay.other_books, hashes)
         candidates, self._preselected = view.candidates(match, books, relay.preselect, relay.routing.rng)
         self._store_blocks = match.store  # the shared store's leading blocks (priced as a fetch)
-        runs = {c.worker_id: run for c in candidates
-                if (run := relay.directory.store_run(hashes, c.worker_id) or 0) > match.store}
-        if runs:  # the store's blocks past each worker's own (beyond its prefix from block 0): priced as fetches
-            candidates = [replace(c, store_blocks=runs[c.worker_id]) if c.worker_id in runs else c for c in candidates]
         return candidates, scheme.block_size, hashes
 
     async def _route(self) -> RouteDecision:

@@ -66,10 +66,6 @@ class Candidate:
     # leading blocks of this prompt the worker is computing for a request this router (or another) sent it, not yet in
     # the index (router.routing.in_progress.PendingPrefixes); the cost policy prices them as cached, behind its backlog
     pending_blocks: int = 0
-    # leading blocks of this prompt this worker (any tier) or the shared store holds, one or the other
-    # (``IndexMirror.store_run``): what the store adds past the worker's own blocks, where the store's own prefix
-    # (``RouteRequest.store_blocks``, from block 0) sees nothing once a hot first block stays in every pool
-    store_blocks: int = 0
 
     @property
     def num_active(self) -> int:
@@ -124,7 +120,7 @@ class RouteRequest:
 
     def store_tokens(self, candidate: Candidate) -> int:
         """Prompt tokens past the worker's own tiers that the shared store holds (fetched, not computed)."""
-        stored = min(max(self.store_blocks, candidate.store_blocks) * self.block_size, self.num_prompt_tokens - 1)
+        stored = min(self.store_blocks * self.block_size, self.num_prompt_tokens - 1)
         return max(stored - self.cached_tokens(candidate) - self.host_tokens(candidate), 0)
 
 

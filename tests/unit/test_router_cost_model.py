@@ -686,16 +686,3 @@ def test_a_prefix_in_the_store_is_priced_as_a_fetch_past_the_workers_own_tiers()
     slow = dataclasses.replace(local_only, cost=dataclasses.replace(COST.cost, store_gb_per_s=0.05))
     computed = route(request, cands, slow, state=state())
     assert computed.predicted_ttft_s == pytest.approx(1360 / 5000) and "store fetch" not in computed.reason
-
-
-def test_the_stores_blocks_past_a_workers_own_are_priced_per_worker():
-    # under write-on-eviction the hot first block stays in every pool, so the store's own prefix from block 0 is
-    # empty; d0 holds blocks 0-39 and the store 40-99 (d0's run: 100): d0 fetches 60 blocks, as when the store
-    # held all 100; d1 holds nothing (its run: 0) and computes everything
-    cands = [dataclasses.replace(worker("d0", cached=40, total=300, free=300), store_blocks=100), worker("d1", total=300, free=300)]
-    local_only = dataclasses.replace(COST, disagg_threshold_tokens=100_000,
-                                     cost=dataclasses.replace(COST.cost, store_gb_per_s=2.0))
-    decision = route(req(2000), cands, local_only, state=state())
-    assert decision.decode_id == "d0"
-    assert decision.predicted_ttft_s == pytest.approx(960 * 131072 / 2e9 + 400 / 5000)
-    assert "store fetch 0.0629 (960 tokens from the store)" in decision.reason
