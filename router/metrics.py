@@ -52,6 +52,9 @@ class RouterMetrics:
         self.generation_tokens = Histogram("baton:request_generation_tokens", "Generated tokens per finished request",
                                            buckets=TOKEN_BUCKETS, registry=r)
         self.running = Gauge("baton:num_requests_running", "Requests the router is relaying now", registry=r)
+        self.received = Counter("baton:requests_received_total", "Generate requests the router took in (arrivals: "
+                                "the planner's traffic rate, which finished requests understate under overload)",
+                                registry=r)
         self.decisions = Counter("baton:router_decisions_total", "Routing decisions (a fallback is one more)",
                                  ["kind", "reason"], registry=r)
         self.errors = Counter("baton:request_errors_total", "Generate requests that ended in an error status",

@@ -128,6 +128,7 @@ class Relay:
         Over the admission limit (``--max-inflight-requests``) this raises ``Overloaded`` at once, before
         anything is built for the request. The slot is taken (checked again) when the stream starts and
         given back when it ends, whatever ends it: a stream never started holds none."""
+        self.metrics.received.inc()  # demand, admitted or not (the planner's traffic rate)
         self.admission.check()
         return _Flow(self, job, deadline_s, trace_parent).run()
 

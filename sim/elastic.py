@@ -46,15 +46,17 @@ class ElasticConfig:
 
 
 def window_of(records: Sequence[RequestRecord], now_s: float, window_s: float) -> traffic_mod.Window:
-    """What ``TrafficRecorder.window`` would report at ``now_s``: the requests that finished in the window."""
+    """What ``TrafficRecorder.window`` would report at ``now_s``: the requests that finished in the window (means,
+    percentiles) and the rate of those that arrived in it."""
     span_s = max(min(window_s, now_s), 1e-9)
     done = [r for r in records if r.finished_s is not None and now_s - span_s < r.finished_s <= now_s]
+    arrived = sum(1 for r in records if now_s - span_s < r.arrival_s <= now_s)
     n = len(done)
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
     lengths = [float(r.prompt_tokens) for r in done]
     return traffic_mod.Window(
-        span_s=span_s, num_requests=n, rate_per_s=n / span_s,
+        span_s=span_s, num_requests=n, rate_per_s=arrived / span_s, num_arrived=arrived,
         mean_isl=sum(lengths) / n if n else None,
         mean_osl=sum(r.output_tokens for r in done) / n if n else None,
         ttft=_percentiles(ttfts, len(ttfts)), itl=_itl(done, tpots),

@@ -172,7 +172,7 @@ class Printer:
 
 def traffic_lines(t: pb.TrafficWindow) -> list[str]:
     """The cluster's recent traffic and latency percentiles, as the router saw them."""
-    head = f"traffic, last {t.window_s:.0f} s: {t.num_requests} requests ({t.rate:.3g}/s)"
+    head = f"traffic, last {t.window_s:.0f} s: {t.num_requests} requests finished, {t.rate:.3g}/s arriving"
     if t.num_requests:
         head += f", mean isl {t.mean_isl:.0f}, osl {t.mean_osl:.0f}"
     rows = [[name, str(p.count), _number(p.p50_ms), _number(p.p90_ms), _number(p.p99_ms)]

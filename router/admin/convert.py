@@ -85,7 +85,9 @@ def traffic_terms(window: Window) -> list[planner.Term]:
     """The observed traffic, as plan terms (pool ``traffic``)."""
     terms = [planner.Term(pool="traffic", name="window", value=window.span_s, unit="s",
                           note=f"{window.num_requests} finished requests"),
-             planner.Term(pool="traffic", name="rate", value=window.rate_per_s, unit="req/s", note="observed"),
+             planner.Term(pool="traffic", name="rate", value=window.rate_per_s, unit="req/s",
+                          note="observed" if window.num_arrived is None else
+                          f"{window.num_arrived} requests arrived (finished ones understate an overload)"),
              planner.Term(pool="traffic", name="mean isl", value=window.mean_isl or 0.0, unit="tokens"),
              planner.Term(pool="traffic", name="mean osl", value=window.mean_osl or 0.0, unit="tokens")]
     for name, p in (("TTFT", window.ttft), ("ITL", window.itl)):

@@ -7,6 +7,10 @@ now and the newest copy at least ``window_s`` old — or the router's start, whe
 reports the span it actually covers. Percentiles interpolate inside buckets the way PromQL's
 ``histogram_quantile`` does, so they match the dashboards (and share their bucket resolution).
 
+The rate is the requests that *arrived* in the window (``baton:requests_received_total``, counted before the
+admission limit: a refused request is demand too), not the ones that finished: under overload fewer finish than
+arrive, which is exactly when the planner must not read less traffic.
+
 The window also gives the prompt lengths' spread (``isl_mix``: each non-empty bucket of the prompt-token
 histogram at its geometric middle, scaled so the mix's mean is the exact mean), which the planner's queue model
 needs (a mix of long and short prompts waits longer than prompts all of the mean length).
@@ -27,6 +31,7 @@ from router.admin import planner
 
 MIN_REQUESTS = 5  # fewer finished requests in the window: no correction
 MIN_GAPS = 20  # fewer inter-token gaps: no decode correction
+ARRIVALS = "baton:requests_received"  # the counter's family name (prometheus_client drops "_total")
 _SERIES = {"ttft": "baton:time_to_first_token_seconds", "itl": "baton:inter_token_latency_seconds",
            "isl": "baton:request_prompt_tokens", "osl": "baton:request_generation_tokens"}
 
@@ -68,6 +73,7 @@ class Histogram:
 class Snapshot:
     at_s: float
     series: dict[str, Histogram]  # keys of _SERIES
+    arrived: float | None = None  # requests taken in so far (``baton:requests_received_total``; None: no counter)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +95,7 @@ class Window:
     ttft: Percentiles | None
     itl: Percentiles | None
     isl_mix: tuple[tuple[float, float], ...] = ()  # (prompt tokens, share of requests): the planner's Traffic.isl_mix
+    num_arrived: int | None = None  # requests taken in during the window (``rate_per_s`` is theirs); None: unknown
 
 
 def read_histograms(registry) -> dict[str, Histogram]:
@@ -107,14 +114,28 @@ def read_histograms(registry) -> dict[str, Histogram]:
             for key, r in rows.items()}
 
 
+def read_arrivals(registry) -> float | None:
+    """``baton:requests_received_total`` of a ``prometheus_client`` registry (None when it has none)."""
+    for family in registry.collect():
+        if family.name == ARRIVALS:
+            return sum(s.value for s in family.samples if s.name == ARRIVALS + "_total")
+    return None
+
+
 def window_between(new: Snapshot, old: Snapshot) -> Window:
+    """The requests that finished in the window give the means and percentiles; the rate is the requests that
+    arrived in it (under overload fewer finish than arrive, and the planner must size for what arrives); a
+    registry without the arrivals counter: the finished ones."""
     delta = {key: new.series[key].minus(old.series[key]) for key in _SERIES}
     span_s = max(new.at_s - old.at_s, 1e-9)
     requests = delta["isl"].count
+    arrived = None if new.arrived is None else new.arrived - (old.arrived or 0.0)
     mean = lambda h: h.total / h.count if h.count > 0 else None  # noqa: E731
-    return Window(span_s=span_s, num_requests=int(requests), rate_per_s=requests / span_s,
+    return Window(span_s=span_s, num_requests=int(requests),
+                  rate_per_s=(requests if arrived is None else arrived) / span_s,
                   mean_isl=mean(delta["isl"]), mean_osl=mean(delta["osl"]),
-                  ttft=_percentiles(delta["ttft"]), itl=_percentiles(delta["itl"]), isl_mix=isl_mix_of(delta["isl"]))
+                  ttft=_percentiles(delta["ttft"]), itl=_percentiles(delta["itl"]), isl_mix=isl_mix_of(delta["isl"]),
+                  num_arrived=None if arrived is None else int(arrived))
 
 
 def histogram_of(values: list[float], bounds: tuple[float, ...]) -> Histogram:
@@ -154,10 +175,11 @@ class TrafficRecorder:
         self._registry, self.period_s, self.keep_s = registry, period_s, keep_s
         empty = {key: Histogram(h.bounds, tuple(0.0 for _ in h.cumulative), 0.0)
                  for key, h in read_histograms(registry).items()}
-        self._snapshots: deque[Snapshot] = deque([Snapshot(start_s, empty)])
+        arrived = read_arrivals(registry)
+        self._snapshots: deque[Snapshot] = deque([Snapshot(start_s, empty, None if arrived is None else 0.0)])
 
     def record(self, now_s: float) -> Snapshot:
-        current = Snapshot(now_s, read_histograms(self._registry))
+        current = Snapshot(now_s, read_histograms(self._registry), read_arrivals(self._registry))
         if now_s - self._snapshots[-1].at_s >= self.period_s:
             self._snapshots.append(current)
         while len(self._snapshots) > 1 and now_s - self._snapshots[1].at_s > self.keep_s:

@@ -78,6 +78,7 @@ def test_grpc_burst_refuses_exactly_the_excess(router, cluster, loop, tokens):  
     decode = cluster.add("d0", "decode")
     decode.decode = gate.decode(tokens)
     before = errors(router, "RESOURCE_EXHAUSTED")
+    arrived = router.metrics.registry.get_sample_value("baton:requests_received_total")
 
     def call() -> tuple[str, Any]:
         with grpc.insecure_channel(f"127.0.0.1:{router.port}") as channel:
@@ -96,6 +97,8 @@ def test_grpc_burst_refuses_exactly_the_excess(router, cluster, loop, tokens):  
     assert len(refused) == EXTRA and all("retry after" in details and f"limit of {LIMIT}" in details
                                          for details in refused)
     assert errors(router, "RESOURCE_EXHAUSTED") == before + EXTRA
+    # every one arrived, refused or not: the planner's traffic rate counts the demand
+    assert router.metrics.registry.get_sample_value("baton:requests_received_total") == arrived + LIMIT + EXTRA
     assert len(decode.decode_requests) == LIMIT  # nothing was sent (or queued) for a refused request
     wait_until(lambda: router.relay.admission.inflight == 0)
 

@@ -45,8 +45,9 @@ def elastic_run(requests: list[SimRequest]):
 def test_the_window_holds_the_requests_that_finished_in_it():
     records = [RequestRecord(f"r{i}", float(i), 100 * (i + 1), 11, first_token_s=i + 0.5, finished_s=i + 1.5)
                for i in range(10)]
-    window = window_of(records, 10.0, 4.0)  # finished in (6, 10]: r5 .. r8
-    assert window.num_requests == 4 and window.rate_per_s == 1.0 and window.span_s == 4.0
+    window = window_of(records, 10.0, 4.0)  # finished in (6, 10]: r5 .. r8; arrived in it: r7 .. r9
+    assert window.num_requests == 4 and window.span_s == 4.0
+    assert window.num_arrived == 3 and window.rate_per_s == 0.75  # the rate is what arrived
     assert window.mean_isl == pytest.approx((600 + 700 + 800 + 900) / 4) and window.mean_osl == 11
     assert window.ttft.p50_s == pytest.approx(0.5) and window.itl.p90_s == pytest.approx(0.1)
     assert window.itl.count == 40 and window.itl.mean_s == pytest.approx(0.1)  # 10 gaps each

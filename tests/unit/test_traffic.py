@@ -13,6 +13,7 @@ import pytest
 
 from proto import baton_pb2 as pb, baton_pb2_grpc as pb_grpc
 from router.admin import cli as admin_cli, planner
+from router.admin.convert import traffic_terms
 from router.metrics import TOKEN_BUCKETS, RouterMetrics
 from router.trace import RequestTrace
 from router.admin.traffic import (Histogram, Percentiles, TrafficRecorder, Window, corrections, histogram_of,
@@ -26,7 +27,8 @@ DECODE = planner.DecodeProfile(batch_sizes=(1, 8, 32, 64), itl_s=(0.010, 0.012, 
 
 
 def finish(metrics: RouterMetrics, *, ttft_s: float, gaps_s: list[float], isl: int, osl: int) -> None:
-    """One finished request, recorded the way the relay records it."""
+    """One request taken in and finished, recorded the way the relay records it."""
+    metrics.received.inc()
     trace = RequestTrace(clock=lambda: 0.0)
     trace.first_token_s, trace.token_gaps_s = ttft_s, gaps_s
     metrics.request_finished(trace, num_prompt_tokens=isl, num_output_tokens=osl, finished_reason="length")
@@ -55,6 +57,21 @@ def test_a_window_counts_the_requests_it_covers_and_their_means():
     assert (recent.span_s, recent.num_requests, recent.mean_isl, recent.mean_osl) == (30.0, 5, 300.0, 2.0)
     assert 1.0 < recent.ttft.p50_s <= 2.5
     assert recorder.window(now_s=200.0, window_s=60.0).num_requests == 0  # nothing since 90 s
+
+
+def test_the_rate_is_what_arrives_not_what_finishes():
+    # an overload: 30 requests arrive in 60 s, 10 of them finish; the planner must read 0.5/s, not 0.17/s
+    metrics = RouterMetrics()
+    recorder = TrafficRecorder(metrics.registry, start_s=0.0, period_s=10.0)
+    for _ in range(10):
+        finish(metrics, ttft_s=0.05, gaps_s=[0.02] * 19, isl=100, osl=20)
+    metrics.received.inc(20)  # still queued or refused at the admission limit
+    window = recorder.window(now_s=60.0, window_s=300.0)
+    assert (window.num_requests, window.num_arrived, window.mean_isl) == (10, 30, 100.0)
+    assert window.rate_per_s == pytest.approx(0.5)
+    assert "30 requests arrived" in {t.name: t.note for t in traffic_terms(window)}["rate"]
+    later = recorder.window(now_s=90.0, window_s=30.0)  # from the copy taken at 60 s: nothing since
+    assert (later.num_arrived, later.rate_per_s) == (0, 0.0)
 
 
 def window(**overrides) -> Window:
