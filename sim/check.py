@@ -172,12 +172,12 @@ def cluster_config(args: argparse.Namespace, calibration: Calibration, policy: s
     shape = WorkerShape(gpu=CPU, model=MODEL, tp=1, block_size=BLOCK_SIZE, kv_blocks=args.num_blocks)
     cost = CostConfig(ttft_target_s=args.slo_ttft_ms * 1e-3, itl_target_s=args.slo_tpot_ms * 1e-3)
     workers = args.prefill + args.decode
+    router_host = _router_host(calibration)
     return ClusterConfig(shape=shape, num_prefill=args.prefill, num_decode=args.decode,
                          policy=PolicyConfig(policy=policy, cost=cost), time_model=calibration.time_model(),
                          intra_link=calibration.link, inter_link=calibration.link, gpus_per_host=workers,
-                         placement="mixed", rpc_s=calibration.rpc_s, router_host=_router_host(calibration),
-                         router_s=calibration.router_s if _router_host(calibration) is not None
-                         else calibration.loaded_router_s(),
+                         placement="mixed", rpc_s=calibration.rpc_s, router_host=router_host,
+                         router_s=calibration.router_s if router_host is not None else calibration.loaded_router_s(),
                          router_per_stream_s=calibration.router_per_stream_s * calibration.sharing(),
                          cores_per_host=calibration.cores, background_load=calibration.background,
                          prefill_step_tokens=2048, decode_chunk_tokens=2048,
