@@ -15,6 +15,15 @@ Every term the calibrated simulator uses, and what it is fitted from (none from 
   reported, but left out of the calibrated model: the share is not linear in the requests in flight (1.0-2.0 ms
   per request in the compared runs, 13.6 ms in a training replay that reached 14+ in flight), so a slope fitted in
   one regime misprices another (docs/benchmarks.md, "Simulator vs real");
+- the loaded hops (``local_return_s``, ``remote_return_s``, ``local_handoff_s``): the same training replay, each
+  request's client TTFT minus the computing worker's ``prefill_ms`` (the time outside its servicer), per route kind,
+  the median, less what the simulator already prices there (``router_s`` and two hops): the client sees a
+  request's tokens that much later; and a decode worker's local ``prefill_ms`` minus the curve's time for its
+  computed tokens, the median: D's servicer hands the prompt to its engine thread that much later. Under load each of
+  the ~10 thread wake-ups on a request's path waits for a core the compute-bound workers hold (docs/benchmarks.md,
+  "Simulator vs real, again": a local prompt's share halves with the prefill workers idle); the idle probes do not
+  see it. Constants of the regime the training replay ran in (the compared runs' rate and layout), per route kind,
+  so a policy that routes differently pays them on different requests;
 - the link: Baton's tcp transport on loopback at raw TCP's 2.8 GB/s (NOTES.md), its per-pull latency from the
   probes' pulls (the router's ``transfer_ms`` minus the bytes at that rate, the median); KV bytes per block from the
   tiny model's layout (float32: 2 layers x K and V x 2 heads x 16 dims x 4 bytes x 16 tokens = 8 KiB);
@@ -58,6 +67,17 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Served:
+    """One request of the training replay, as the client and the router's timings saw it."""
+
+    route_kind: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    prefill_ms: float  # the computing worker's servicer: queue + compute
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Calibration:
     prefill: PrefillProfile
     decode: DecodeProfile
@@ -71,6 +91,9 @@ class Calibration:
     # the router and the client share the workers' cores: their time per request stretches with the workers busy
     # when it is sent (processor sharing, as a step's); False: with the background only (the first model)
     router_beside_workers: bool = True
+    local_return_s: float = 0.0  # loaded hops: the client sees a local request's tokens this much later
+    remote_return_s: float = 0.0  # ... a remote one's
+    local_handoff_s: float = 0.0  # D's engine takes a local prompt this long after its servicer
 
     def time_model(self) -> CurveTimeModel:
         return CurveTimeModel(self.prefill, self.decode, overhead_s=self.step_overhead_s)
@@ -91,6 +114,12 @@ class Calibration:
              "from": "idle probes: client TTFT - (2 hops + curve prefill), median"},
             {"term": "router + client per request in flight", "value_ms": self.router_per_stream_s * 1e3,
              "from": "training replay (the next requests): slope of TTFT - prefill_ms over requests in flight"},
+            {"term": "loaded hops, local route", "value_ms": self.local_return_s * 1e3,
+             "from": "training replay: local TTFT - D's prefill_ms, median, - router + client - 2 hops"},
+            {"term": "loaded hops, remote route", "value_ms": self.remote_return_s * 1e3,
+             "from": "training replay: remote TTFT - P's prefill_ms, median, - router + client - 2 hops"},
+            {"term": "D's local hand-off", "value_ms": self.local_handoff_s * 1e3,
+             "from": "training replay: D's local prefill_ms - the curve's time for its computed tokens, median"},
             {"term": "pull latency", "value_ms": self.link.latency_s * 1e3,
              "from": f"probes' transfer_ms - bytes at {self.link.gb_per_s:g} GB/s, median"},
             {"term": "hop (rpc_s)", "value_ms": self.rpc_s * 1e3, "from": "the simulator's default (not fitted)"},
@@ -109,6 +138,19 @@ def alone_s(model: CurveTimeModel, prompt_tokens: int) -> float:
 def fit_router_s(probes: Sequence[Probe], model: CurveTimeModel, rpc_s: float) -> float:
     residuals = [p.ttft_s - 2 * rpc_s - alone_s(model, p.prompt_tokens) for p in probes]
     return max(statistics.median(residuals), 0.0) if residuals else 0.0
+
+
+def fit_loaded_hops(served: Sequence[Served], model: CurveTimeModel, router_s: float,
+                    rpc_s: float) -> tuple[float, float, float]:
+    """(local_return_s, remote_return_s, local_handoff_s) from a training replay under load (the module says how);
+    0 for a route kind the replay did not take."""
+    def beyond(kind: str) -> float:
+        outside = [s.ttft_s - s.prefill_ms * 1e-3 for s in served if s.route_kind == kind]
+        return max(statistics.median(outside) - router_s - 2 * rpc_s, 0.0) if outside else 0.0
+
+    handoffs = [s.prefill_ms * 1e-3 - alone_s(model, max(s.prompt_tokens - s.cached_tokens, 1))
+                for s in served if s.route_kind == "local"]
+    return beyond("local"), beyond("remote"), max(statistics.median(handoffs), 0.0) if handoffs else 0.0
 
 
 def fit_link(probes: Sequence[Probe], base: LinkSpec = LINKS["loopback"]) -> LinkSpec:
@@ -132,14 +174,19 @@ def in_flight_at_send(sends: Sequence[tuple[float, float]]) -> list[int]:
 
 
 def calibrate(profile: Mapping[str, Any], probes: Sequence[Probe], *, context_tokens: float, cores: int,
-              rpc_s: float = 0.0005, training: Sequence[tuple[int, float]] = ()) -> Calibration:
-    """``training``: (requests in flight, TTFT - prefill_ms in s) per request of the training replay."""
+              rpc_s: float = 0.0005, training: Sequence[tuple[int, float]] = (),
+              served: Sequence[Served] = ()) -> Calibration:
+    """``training``: (requests in flight, TTFT - prefill_ms in s) per request of the training replay; ``served``:
+    its requests (none: no loaded hops, the model before they were measured)."""
     prefill, decode = curves_from_profile(profile, context_tokens=context_tokens)
     overhead_s = fit_step_overhead_s(prefill)
     model = CurveTimeModel(prefill, decode, overhead_s=overhead_s)
+    router_s = fit_router_s(probes, model, rpc_s)
+    local_return_s, remote_return_s, handoff_s = fit_loaded_hops(served, model, router_s, rpc_s)
     return Calibration(prefill=prefill, decode=decode, step_overhead_s=overhead_s,
-                       router_s=fit_router_s(probes, model, rpc_s), link=fit_link(probes), cores=cores, rpc_s=rpc_s,
-                       router_per_stream_s=fit_per_stream_s(training))
+                       router_s=router_s, link=fit_link(probes), cores=cores, rpc_s=rpc_s,
+                       router_per_stream_s=fit_per_stream_s(training), local_return_s=local_return_s,
+                       remote_return_s=remote_return_s, local_handoff_s=handoff_s)
 
 
 # ---- the comparison ---------------------------------------------------------------------------------------------

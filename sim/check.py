@@ -45,7 +45,7 @@ from bench.trace_replay.up import ROOT, Up
 from kv_transfer.hashing import hash_blocks, root_hash
 from router.routing.cost_model import CostConfig
 from router.routing.policy import POLICIES, PolicyConfig
-from sim.calibration import (CPU, Calibration, Probe, calibrate, compare, figures_of_real, figures_of_sim,
+from sim.calibration import (CPU, Calibration, Probe, Served, calibrate, compare, figures_of_real, figures_of_sim,
                              in_flight_at_send)
 from sim.check_report import ablations, print_check
 from sim.cluster import ClusterConfig
@@ -128,7 +128,8 @@ def measure_calibration(args: argparse.Namespace) -> dict[str, Any]:
         outcomes, _ = asyncio.run(replay_grpc(up.grpc_address, training, vocab_size=MODEL.vocab_size,
                                               request_timeout_s=120.0, max_run_s=180.0, label="training"))
         return {"profile": json.loads(profile_file.read_text()), "probes": [dataclasses.asdict(p) for p in probes],
-                "training": training_samples(training, outcomes), "loadavg_before": load_before,
+                "training": training_samples(training, outcomes),
+                "served": [dataclasses.asdict(s) for s in served_of(outcomes)], "loadavg_before": load_before,
                 "loadavg_after": loadavg()}
     finally:
         up.stop()
@@ -147,6 +148,12 @@ def training_samples(replay: list[ReplayRequest], outcomes) -> list[tuple[int, f
     done = [(r, o) for r, o in zip(replay, outcomes) if o.ok]
     flights = in_flight_at_send([(r.arrival_s, r.arrival_s + o.e2e_s) for r, o in done])
     return [(n, o.ttft_s - o.prefill_ms * 1e-3) for n, (_, o) in zip(flights, done)]
+
+
+def served_of(outcomes) -> list[Served]:
+    """The training replay's finished requests as the loaded hops' fit takes them."""
+    return [Served(route_kind=o.route_kind, prompt_tokens=o.prompt_tokens, cached_tokens=o.cached_tokens,
+                   ttft_s=o.ttft_s, prefill_ms=o.prefill_ms) for o in outcomes if o.ok and o.prefill_ms > 0]
 
 
 def run_real(args: argparse.Namespace, policy: str, replay: list[ReplayRequest]) -> dict[str, Any]:
@@ -179,6 +186,8 @@ def cluster_config(args: argparse.Namespace, calibration: Calibration, policy: s
                          placement="mixed", rpc_s=calibration.rpc_s, router_host=router_host,
                          router_s=calibration.router_s if router_host is not None else calibration.loaded_router_s(),
                          router_per_stream_s=calibration.router_per_stream_s * calibration.sharing(),
+                         local_return_s=calibration.local_return_s, remote_return_s=calibration.remote_return_s,
+                         local_handoff_s=calibration.local_handoff_s,
                          cores_per_host=calibration.cores, background_load=calibration.background,
                          prefill_step_tokens=2048, decode_chunk_tokens=2048,
                          max_segment_steps=4, seed=args.seed)
@@ -219,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(run_real(args, name, replay))
         real = {name: min(rs, key=background_of) for name, rs in runs.items()}  # the quietest run of each
     fitted = calibrate(measured["profile"], [Probe(**p) for p in measured["probes"]], context_tokens=context,
-                       cores=args.cores, training=[tuple(x) for x in measured.get("training", ())])
+                       cores=args.cores, training=[tuple(x) for x in measured.get("training", ())],
+                       served=[Served(**x) for x in measured.get("served", ())])
     calibration = dataclasses.replace(fitted, router_per_stream_s=0.0)  # reported, not used: see the docs
     loaded = {n: dataclasses.replace(calibration, background=background_of(real[n])) for n in policies}
     sim = {n: run_sim(args, cluster_config(args, loaded[n], n), requests) for n in policies}

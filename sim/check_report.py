@@ -20,7 +20,11 @@ def ablations(calibration: Calibration, per_stream_s: float) -> dict[str, Calibr
                                ("the background load", "background"), ("shared cores", "cores"))}
     out["with the router beside the background only (not the busy workers)"] = dataclasses.replace(
         calibration, router_beside_workers=False)
-    out["curves only"] = dataclasses.replace(calibration, **off)
+    out["without the loaded hops"] = dataclasses.replace(calibration, local_return_s=0.0, remote_return_s=0.0,
+                                                         local_handoff_s=0.0)
+    out["without D's local hand-off"] = dataclasses.replace(calibration, local_handoff_s=0.0)
+    out["curves only"] = dataclasses.replace(calibration, **off, local_return_s=0.0, remote_return_s=0.0,
+                                             local_handoff_s=0.0)
     out["with the router's growth per request in flight"] = dataclasses.replace(calibration,
                                                                                 router_per_stream_s=per_stream_s)
     return out

@@ -56,6 +56,12 @@ class ClusterConfig:
     # the host whose cores the router and the client share with its workers (with ``cores_per_host``): ``router_s``
     # stretches as a step does with the workers busy when a request is sent; None: a router with a machine of its own
     router_host: int | None = None
+    # Loaded hops (measured by ``baton simulate check`` on a training replay, 0 elsewhere): how much later than
+    # ``router_s`` and the hops the client sees a request's tokens, per route kind (the hops' wake-ups wait for a
+    # core while compute holds them), and how long D's servicer takes to hand a local prompt to its engine thread
+    local_return_s: float = 0.0
+    remote_return_s: float = 0.0
+    local_handoff_s: float = 0.0
     cores_per_host: int | None = None  # workers of a host share this many compute units (None: a device each)
     background_load: float = 0.0  # runnable processes beside the workers on those cores (with cores_per_host)
     prefill_step_tokens: int = 8192  # P's token budget per step
@@ -72,9 +78,12 @@ class ClusterConfig:
             raise ValueError("router_host needs cores_per_host (the cores the router shares)")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        delays = (self.rpc_s, self.router_s, self.router_per_stream_s, self.local_return_s, self.remote_return_s,
+                  self.local_handoff_s)
         if min(self.heartbeat_s, self.publish_s, self.prefill_step_tokens, self.decode_chunk_tokens,
-               self.max_segment_steps) <= 0 or min(self.rpc_s, self.router_s, self.router_per_stream_s) < 0:
-            raise ValueError(f"ClusterConfig: periods, budgets and max_segment_steps must be > 0: {self}")
+               self.max_segment_steps) <= 0 or min(delays) < 0:
+            raise ValueError(f"ClusterConfig: periods, budgets and max_segment_steps must be > 0, delays >= 0: "
+                             f"{self}")
 
     @property
     def num_gpus(self) -> int:

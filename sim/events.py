@@ -17,6 +17,7 @@ class Kind(enum.Enum):
     PREFILL_STEP = "prefill_step"  # P's step ends
     FIRST_TOKEN = "first_token"  # P's answer (first token + handle) reaches the router
     DECODE_IN = "decode_in"  # the Decode call reaches D (handle or local prefill)
+    LOCAL_IN = "local_in"  # D's engine takes a local prefill (after its servicer's hand-off)
     PULL_DONE = "pull_done"  # D has pulled the KV it lacked from P (or a prefix holder)
     DECODE_STEP = "decode_step"  # D's steps up to here are done (a segment ends or a change is due)
     HEARTBEAT = "heartbeat"  # a worker reports its load

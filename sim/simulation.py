@@ -6,6 +6,9 @@ cached prefix reused), pulls what it lacks from P over their link, P's lease end
 local: D computes the prompt in chunks between its decode steps, after pulling a prefix holder's blocks when the
 policy chose to import them. A remote request D has no room for falls back to a local prefill (as D does).
 Refused: longer than the model's context, no worker can ever hold it, or the router finds no worker.
+Loaded hops (``ClusterConfig.local_return_s`` / ``remote_return_s``, ``local_handoff_s``): the client sees every
+token of a request that much later, per route kind, and D's engine takes a local prompt that long after its
+servicer did (counted in D's reported queue and prefill time, as the engine's hand-off is on a real worker).
 
 Bounded: at most ``max_events`` events (an error past them, never a hang). Pure apart from the wall clock it
 reads to report its own speed.
@@ -83,6 +86,7 @@ class Simulation:
                 self.events.at(r.arrival_s, Kind.SEND, r.request_id)
         self._handlers = {Kind.SEND: self._send, Kind.ARRIVAL: self._arrival, Kind.PREFILL_IN: self._prefill_in,
                           Kind.FIRST_TOKEN: self._first_token, Kind.DECODE_IN: self._decode_in,
+                          Kind.LOCAL_IN: self._local_in,
                           Kind.PULL_DONE: self._pull_done, Kind.PUBLISH: self.cluster.publish,
                           Kind.HEARTBEAT: self.cluster.heartbeat}
 
@@ -170,7 +174,7 @@ class Simulation:
     def _first_token(self, request_id: str) -> None:
         flow = self.flows[request_id]
         job, record = flow.prefill_job, flow.record
-        record.first_token_s, record.cached_tokens = self.events.now_s, job.cached_tokens
+        record.first_token_s, record.cached_tokens = self._seen(flow, self.events.now_s), job.cached_tokens
         flow.prefill_ms = (job.finished_s - job.arrived_s) * 1e3
         flow.queue_ms = (job.started_s - job.arrived_s) * 1e3
         self.router.prefill_answered(flow.routed, computed_tokens=job.prompt_tokens - job.cached_tokens,
@@ -248,7 +252,14 @@ class Simulation:
         outputs = request.output_tokens - (flow.record.first_token_s is not None)  # a fallback's first came from P
         flow.local = LocalJob(request.request_id, request.hashes, request.prompt_tokens, max(outputs, 1),
                               self.events.now_s, imported_blocks=imported_blocks)
-        self._at(decode.submit(flow.local, self.events.now_s), Kind.DECODE_STEP, decode_id)
+        if self.config.local_handoff_s > 0:  # D's servicer hands the prompt to its engine thread
+            return self.events.after(self.config.local_handoff_s, Kind.LOCAL_IN, request.request_id)
+        self._local_in(request.request_id)
+
+    def _local_in(self, request_id: str) -> None:
+        flow = self.flows[request_id]
+        decode_id = flow.routed.decision.decode_id
+        self._at(self.cluster.decode[decode_id].submit(flow.local, self.events.now_s), Kind.DECODE_STEP, decode_id)
         self.cluster.touched(decode_id)
 
     def _decode_step(self, worker_id: str, version: int) -> None:
@@ -259,18 +270,23 @@ class Simulation:
         for job, at_s in outcome.first_tokens:
             flow = self.flows[job.request_id]
             if flow.record.first_token_s is None:
-                flow.record.first_token_s, flow.record.cached_tokens = at_s + rpc_s, job.cached_tokens
+                flow.record.first_token_s, flow.record.cached_tokens = self._seen(flow, at_s + rpc_s), job.cached_tokens
                 flow.prefill_ms, flow.queue_ms = (at_s - job.arrived_s) * 1e3, (job.started_s - job.arrived_s) * 1e3
             else:  # a fallback: P streamed the first token, this is the second
-                self.cluster.itl[round(at_s + rpc_s - flow.record.first_token_s, 5)] += 1
+                self.cluster.itl[round(self._seen(flow, at_s + rpc_s) - flow.record.first_token_s, 5)] += 1
             self.router.decode_answered(flow.routed, local=True)
         for request_id, at_s in outcome.finished:
             self._finish(self.flows[request_id], at_s + rpc_s)
 
+    def _seen(self, flow: Flow, at_s: float) -> float:
+        """When the client sees what the router relays at ``at_s``: later by the route kind's loaded hops."""
+        local = flow.routed.decision.kind is RouteKind.LOCAL
+        return at_s + (self.config.local_return_s if local else self.config.remote_return_s)
+
     def _finish(self, flow: Flow, at_s: float) -> None:
         self._ended()
         record = flow.record
-        record.finished_s = at_s
+        at_s = record.finished_s = self._seen(flow, at_s)
         decode_s = at_s - record.first_token_s
         tokens_per_s = (record.output_tokens - 1) / decode_s if record.output_tokens > 1 and decode_s > 0 else 0.0
         self.router.finished(flow.routed, ttft_s=record.ttft_s, prefill_ms=flow.prefill_ms, queue_ms=flow.queue_ms,

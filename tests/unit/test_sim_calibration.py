@@ -13,8 +13,8 @@ from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.layout import KVLayout
 from router.admin.planner import DecodeProfile, PrefillProfile
 from router.routing.policy import PolicyConfig
-from sim.calibration import (CPU, Probe, calibrate, compare, fit_link, fit_per_stream_s, fit_router_s,
-                             in_flight_at_send, pairs_in_order, ranking)
+from sim.calibration import (CPU, Probe, Served, calibrate, compare, fit_link, fit_loaded_hops, fit_per_stream_s,
+                             fit_router_s, in_flight_at_send, pairs_in_order, ranking)
 from sim.check import sim_requests
 from sim.cluster import ClusterConfig
 from sim.contention import SharedCores
@@ -134,6 +134,51 @@ def test_the_routers_time_grows_with_the_requests_in_flight():
     assert fit_per_stream_s([(0, 0.01), (4, 0.005), (8, 0.001)]) == 0.0  # faster when busy: no term
     assert fit_per_stream_s(samples[:2]) == 0.0  # too few to fit
     assert in_flight_at_send([(0.0, 1.0), (0.5, 2.0), (1.5, 3.0)]) == [0, 1, 1]
+
+
+def _one_local_one_remote(**kw) -> dict[str, object]:
+    """A 32-token prompt (local: under the threshold) and a 200-token one (remote), apart, on 1 ms per token."""
+    model = CurveTimeModel(quadratic(0.0, 1e-3, 0.0), FLAT_DECODE)
+    shape = WorkerShape(gpu=CPU, model=MODELS["tiny"], tp=1, block_size=16, kv_blocks=512)
+    config = ClusterConfig(shape=shape, num_prefill=1, num_decode=1, policy=PolicyConfig(policy="round_robin"),
+                           time_model=model, gpus_per_host=2, placement="mixed", rpc_s=0.0, **kw)
+    root = root_hash(MODELS["tiny"].fingerprint, 16)
+    requests = [SimRequest("local", 0.0, 32, 3, tuple(hash_blocks([1] * 32, 16, root))),
+                SimRequest("remote", 5.0, 200, 3, tuple(hash_blocks([2] * 200, 16, root)))]
+    result = simulate(config, requests)
+    return {"records": {r.request_id: r for r in result.records}, "learned": result.learned}
+
+
+def test_the_loaded_hops_delay_what_the_client_sees_per_route_kind():
+    base = _one_local_one_remote()["records"]
+    loaded = _one_local_one_remote(local_return_s=0.02, remote_return_s=0.005, local_handoff_s=0.01)
+    hops = loaded["records"]
+    assert (base["local"].route_kind, base["remote"].route_kind) == ("local", "remote")
+    # local: its tokens reach the client 20 ms later, and D's engine takes the prompt 10 ms after its servicer
+    assert hops["local"].ttft_s - base["local"].ttft_s == pytest.approx(0.03)
+    assert hops["remote"].ttft_s - base["remote"].ttft_s == pytest.approx(0.005)
+    for name in ("local", "remote"):  # every token later by the same: the gaps between them are unchanged
+        assert hops[name].tpot_s == pytest.approx(base[name].tpot_s)
+    with pytest.raises(ValueError):
+        _one_local_one_remote(local_return_s=-0.001)
+
+
+def test_loaded_hops_are_fitted_per_route_kind_from_the_training_replay():
+    model = CurveTimeModel(quadratic(0.0, 1e-4, 0.0), FLAT_DECODE)  # 0.1 ms per prompt token
+    router_s, rpc_s = 0.002, 0.0005
+    local = [Served(route_kind="local", prompt_tokens=n, cached_tokens=0, ttft_s=0.003 + 0.015 + t + 0.008 + 1e-4 * n,
+                    prefill_ms=(0.008 + 1e-4 * n) * 1e3) for n, t in ((40, 0.0), (64, 0.001), (256, 0.003))]
+    remote = [Served(route_kind="remote", prompt_tokens=n, cached_tokens=16, ttft_s=0.003 + 0.004 + 0.05,
+                     prefill_ms=50.0) for n in (300, 400, 500)]
+    local_return_s, remote_return_s, handoff_s = fit_loaded_hops(local + remote, model, router_s, rpc_s)
+    # outside D's servicer: 3 ms (router + 2 hops) + 15 ms + the median spread 1 ms -> 16 ms beyond what is priced
+    assert local_return_s == pytest.approx(0.016)
+    assert remote_return_s == pytest.approx(0.004)
+    assert handoff_s == pytest.approx(0.008)  # D's prefill_ms beyond the curve's time for its tokens
+    assert fit_loaded_hops(remote, model, router_s, rpc_s)[0::2] == (0.0, 0.0)  # no local request: no term
+    calibration = calibrate({"prefill": {"prompt_lens": [16], "tokens_per_s": [1000.0]},
+                             "decode": {"batch_sizes": [1], "itl_ms": [1.0]}}, [], context_tokens=64, cores=2)
+    assert (calibration.local_return_s, calibration.remote_return_s, calibration.local_handoff_s) == (0, 0, 0)
 
 
 def test_router_time_and_pull_latency_are_fitted_from_probes():
