@@ -55,6 +55,12 @@ class RouterMetrics:
         self.received = Counter("baton:requests_received_total", "Generate requests the router took in (arrivals: "
                                 "the planner's traffic rate, which finished requests understate under overload)",
                                 registry=r)
+        self.remote_prompt_tokens = Histogram(
+            "baton:remote_prefill_prompt_tokens", "Prompt tokens of each request prefilled on a prefill worker (the "
+            "planner's prefill pool traffic: its count the remote requests, its buckets their mix)",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.remote_cached_tokens = Counter("baton:remote_prefill_cached_tokens_total", "Of those prompt tokens, the "
+                                            "ones the prefill worker found cached", registry=r)
         self.decisions = Counter("baton:router_decisions_total", "Routing decisions (a fallback is one more)",
                                  ["kind", "reason"], registry=r)
         self.errors = Counter("baton:request_errors_total", "Generate requests that ended in an error status",
@@ -77,6 +83,11 @@ class RouterMetrics:
         self.prompt_tokens.observe(num_prompt_tokens)
         self.generation_tokens.observe(num_output_tokens)
         self.success.labels(finished_reason=finished_reason).inc()
+
+    def remote_prefill(self, *, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """A prefill worker answered a request's prefill (the planner's prefill pool traffic)."""
+        self.remote_prompt_tokens.observe(num_prompt_tokens)
+        self.remote_cached_tokens.inc(max(num_cached_tokens, 0))
 
     def migration(self, code: str) -> None:
         self.migrations.labels(code=code).inc()

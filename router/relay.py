@@ -393,6 +393,8 @@ class _Flow:
             self._relay.routing.rates.observe_prefill(self._prefill_worker.worker_id, computed, compute_ms)
         self._prefilled_remotely = True
         self._cached_prompt_tokens = response.num_cached_tokens
+        self._relay.metrics.remote_prefill(num_prompt_tokens=len(self._job.prompt_token_ids),
+                                           num_cached_tokens=response.num_cached_tokens)
         logprobs = [response.logprobs] if response.HasField("logprobs") else []
         message = self._tokens([response.first_token], logprobs)
         if not self._finish and response.finish_reason:

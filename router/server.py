@@ -218,7 +218,8 @@ async def start_router(
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(Registry(redis, config.ns), redis, token=admin_token,
                                                     planner_config=config.planner,
-                                                    metrics_registry=metrics.registry, tls=tls), server)
+                                                    metrics_registry=metrics.registry, tls=tls,
+                                                    policy=config.policy.policy), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)

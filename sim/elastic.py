@@ -2,10 +2,12 @@
 
 Every ``interval_s`` the planner runs as the router's ``Admin/Plan(from_traffic, apply)`` runs it: the traffic of
 the last ``window_s`` (the requests that finished in it: rate, mean prompt and output lengths, TTFT and ITL
-percentiles; ``router.admin.traffic`` reads the same from the router's histograms), the measured corrections
+percentiles; and the prefill pool's own: the requests a prefill worker answered in it, their prompts and cached
+tokens; ``router.admin.traffic`` reads the same from the router's histograms), the measured corrections
 (``traffic.corrections``, the real function), then ``plan_pools`` with the pools' state (the desired sizes and
-when they last changed) for its hysteresis and cool-downs. No finished request in the window: no plan (the servicer
-refuses one). The desired sizes are reconciled as ``baton up``'s pool manager does: a new worker registers
+when they last changed) for its hysteresis and cool-downs, and the queue model of the simulated policy
+(``router.admin.queueing.dispatch_of``, as the router's servicer takes its own). No finished request in the window:
+no plan (the servicer refuses one). The desired sizes are reconciled as ``baton up``'s pool manager does: a new worker registers
 ``startup_s`` after it is asked for (model load) and costs GPU-seconds from the ask; a pool that shrinks drains
 its newest workers (no new requests, gone once idle), cancelling a worker still starting first.
 
@@ -21,8 +23,9 @@ from dataclasses import dataclass, field
 
 from bench.stats import percentile
 from router.admin import traffic as traffic_mod
-from router.admin.planner import DecodeProfile, PlannerConfig, PoolState, PrefillProfile, Traffic, plan_pools
+from router.admin.planner import DecodeProfile, PlannerConfig, PoolState, PrefillProfile, plan_pools
 from router.admin.planner import Slo as PlannerSlo
+from router.admin.queueing import dispatch_of
 from router.metrics import TOKEN_BUCKETS
 from sim.cluster import Cluster, ClusterConfig
 from sim.events import Kind
@@ -47,7 +50,8 @@ class ElasticConfig:
 
 def window_of(records: Sequence[RequestRecord], now_s: float, window_s: float) -> traffic_mod.Window:
     """What ``TrafficRecorder.window`` would report at ``now_s``: the requests that finished in the window (means,
-    percentiles) and the rate of those that arrived in it."""
+    percentiles), the rate of those that arrived in it, and the prefill pool's traffic: the requests routed remote
+    whose first token (P's answer, where the relay observes it) came in the window, with P's cached tokens."""
     span_s = max(min(window_s, now_s), 1e-9)
     done = [r for r in records if r.finished_s is not None and now_s - span_s < r.finished_s <= now_s]
     arrived = sum(1 for r in records if now_s - span_s < r.arrival_s <= now_s)
@@ -55,12 +59,16 @@ def window_of(records: Sequence[RequestRecord], now_s: float, window_s: float) -
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
     lengths = [float(r.prompt_tokens) for r in done]
-    return traffic_mod.Window(
+    window = traffic_mod.Window(
         span_s=span_s, num_requests=n, rate_per_s=arrived / span_s, num_arrived=arrived,
         mean_isl=sum(lengths) / n if n else None,
         mean_osl=sum(r.output_tokens for r in done) / n if n else None,
         ttft=_percentiles(ttfts, len(ttfts)), itl=_itl(done, tpots),
         isl_mix=traffic_mod.isl_mix_of(traffic_mod.histogram_of(lengths, TOKEN_BUCKETS)))
+    remote = [r for r in records if r.route_kind == "remote" and r.first_token_s is not None
+              and now_s - span_s < r.first_token_s <= now_s]
+    prompts = traffic_mod.histogram_of([float(r.prompt_tokens) for r in remote], TOKEN_BUCKETS)
+    return traffic_mod.with_remote(window, prompts, float(sum(r.cached_tokens for r in remote)))
 
 
 def _percentiles(values: list[float], count: int, mean_s: float | None = None) -> traffic_mod.Percentiles | None:
@@ -85,6 +93,7 @@ class PoolPlanner:
         self.config, self.cluster, self.records = config, cluster, records
         self.slo = PlannerSlo(ttft_p90_s=slo.ttft_s, itl_p90_s=slo.tpot_s)
         self.prefill, self.decode = profiles
+        self.dispatch = dispatch_of(cluster.config.policy.policy)
         self.desired = {"prefill": cluster.config.num_prefill, "decode": cluster.config.num_decode}
         self.starting: dict[str, dict[str, float]] = {role: {} for role in ROLES}  # token -> asked at
         self.last_change_s: float | None = None
@@ -101,18 +110,19 @@ class PoolPlanner:
         window = window_of(self.records, now_s, self.config.window_s)
         entry = {"t_s": now_s, "window_requests": window.num_requests, "rate_per_s": window.rate_per_s}
         if window.num_requests and window.mean_isl and window.mean_osl:
-            traffic = Traffic(rate_per_s=window.rate_per_s, mean_isl=max(window.mean_isl, 1.0),
-                              mean_osl=max(window.mean_osl, 1.0), isl_mix=window.isl_mix)  # as the servicer does
+            traffic = traffic_mod.traffic_of(window)  # as the servicer does
             corrections, _ = traffic_mod.corrections(window, self.prefill, self.decode,
                                                      prefill_workers=len(self.live("prefill")),
-                                                     decode_workers=len(self.live("decode")))
+                                                     decode_workers=len(self.live("decode")), dispatch=self.dispatch)
             state = PoolState(prefill=self.desired["prefill"], decode=self.desired["decode"],
                               last_change_s=self.last_change_s)
             plan = plan_pools(self.slo, traffic, self.prefill, self.decode, corrections=corrections,
-                              config=self.config.planner, state=state, now_s=now_s)
-            entry.update(mean_isl=traffic.mean_isl, mean_osl=traffic.mean_osl, raw={"prefill": plan.prefill_plan.raw,
-                         "decode": plan.decode_plan.raw}, corrections={"prefill": corrections.prefill,
-                                                                       "decode": corrections.decode})
+                              config=self.config.planner, state=state, now_s=now_s, dispatch=self.dispatch)
+            remote = traffic.prefill_side()
+            entry.update(mean_isl=traffic.mean_isl, mean_osl=traffic.mean_osl, prefill_rate_per_s=remote.rate_per_s,
+                         cached_fraction=remote.cached_fraction,
+                         raw={"prefill": plan.prefill_plan.raw, "decode": plan.decode_plan.raw},
+                         corrections={"prefill": corrections.prefill, "decode": corrections.decode})
             sizes = {"prefill": plan.prefill, "decode": plan.decode}
             if sizes != self.desired:
                 self.desired, self.last_change_s = sizes, now_s

@@ -16,6 +16,7 @@ from typing import Any
 from router.admin.planner import (DecodeProfile, Plan, PlannerConfig, PrefillProfile, Traffic, itl_row_at_context,
                                   plan_pools)
 from router.admin.planner import Slo as PlannerSlo
+from router.admin.queueing import Dispatch
 from router.admin.traffic import histogram_of, isl_mix_of
 from router.metrics import TOKEN_BUCKETS
 from sim.metrics import Slo
@@ -48,11 +49,13 @@ def profiles_for(requests: Sequence[SimRequest], time_model: TimeModel, *,
 
 
 def plan_for(requests: Sequence[SimRequest], time_model: TimeModel, slo: Slo, *, kv_tokens: int,
-             max_workers: int = 4096) -> tuple[Plan, Traffic]:
+             max_workers: int = 4096, dispatch: Dispatch = "pooled") -> tuple[Plan, Traffic]:
+    """The plan for the trace's mean traffic (every prompt on a prefill worker, uncached: a trace alone does not say
+    which the router keeps local or finds cached); ``dispatch`` the simulated policy's (``dispatch_of``)."""
     traffic = traffic_of(requests)
     prefill, decode = profiles_for(requests, time_model, kv_tokens=kv_tokens)
     plan = plan_pools(PlannerSlo(ttft_p90_s=slo.ttft_s, itl_p90_s=slo.tpot_s), traffic, prefill, decode,
-                      config=PlannerConfig(max_workers=max_workers))
+                      config=PlannerConfig(max_workers=max_workers), dispatch=dispatch)
     return plan, traffic
 
 

@@ -9,12 +9,15 @@ On the whole trace, four answers to "how many prefill and decode workers", each 
 - **sweep**: fixed pools, for each decode size the prefill sizes from the smallest up to the first that meets the
   SLOs (``--attainment`` of requests within TTFT and TPOT); the cheapest pools that meet them (fewest GPUs);
 - **plan (mean)**: ``baton admin plan`` (the real ``plan_pools``, ``sim/plan.py``) sized from the trace's mean
-  traffic, as an operator would size fixed pools from it;
+  traffic, as an operator would size fixed pools from it (every prompt on a prefill worker, uncached);
 - **plan (peak)**: fixed pools the size of the planner's largest plan over the run's windows (each interval, the
   arrivals of the last ``--window-s``): fixed pools sized for the peak;
 - **planner**: pools the planner resizes every ``--interval-s`` from the traffic that finished in the last
   ``--window-s``, with its measured corrections, hysteresis and cool-downs (``sim/elastic.py``), starting from the
-  mean plan; a new worker costs ``--startup-s`` before it serves.
+  mean plan; a new worker costs ``--startup-s`` before it serves; it reads the prefill pool's own traffic (the
+  requests routed to a prefill worker, their cached tokens) as the router's window does.
+Every plan takes the queue model of ``--policy`` (``router.admin.queueing.dispatch_of``: M/G/n pooled for cost,
+least_loaded and prefix_overlap, n x M/G/1 split for round_robin and random).
 For each: SLO attainment, provisioned GPU-seconds, TTFT / TPOT p90, hit rate. Prints a table, writes every figure
 and the planner's every plan as JSON, and plots GPU-seconds against attainment (fixed pools, the plans and the
 planner marked).
@@ -31,6 +34,7 @@ from pathlib import Path
 from router.admin.planner import (PlannerConfig, PrefillProfile, Traffic, plan_pools, prefill_ttft_p90_s,
                                   service_mix)
 from router.admin.planner import Slo as PlannerSlo
+from router.admin.queueing import Dispatch, dispatch_of
 from router.routing.cost_model import CostConfig
 from router.routing.policy import POLICIES, PolicyConfig
 from sim.cli import requests_of, shape_of
@@ -79,7 +83,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def window_plans(requests: list[SimRequest], profiles, slo: PlannerSlo, config: PlannerConfig, *, interval_s: float,
-                 window_s: float) -> list[dict]:
+                 window_s: float, dispatch: Dispatch) -> list[dict]:
     """The planner's raw sizes at every interval, from the arrivals of the last ``window_s`` (no state: the size
     each window's traffic needs)."""
     out, end = [], max(r.arrival_s for r in requests)
@@ -88,7 +92,7 @@ def window_plans(requests: list[SimRequest], profiles, slo: PlannerSlo, config: 
         seen = [r for r in requests if t - window_s <= r.arrival_s < t]
         if seen:
             traffic = traffic_of(seen, span_s=min(window_s, t))
-            plan = plan_pools(slo, traffic, *profiles, config=config)
+            plan = plan_pools(slo, traffic, *profiles, config=config, dispatch=dispatch)
             out.append({"t_s": t, "rate_per_s": traffic.rate_per_s, "prefill": plan.prefill, "decode": plan.decode})
         t += interval_s
     return out
@@ -103,11 +107,13 @@ def md1_split_p90_s(rate_per_s: float, service_s: float, workers: int) -> float:
 
 
 def predicted(traffic: Traffic, prefill: PrefillProfile, workers: int) -> dict[str, float]:
-    """TTFT p90 the planner predicts for ``workers`` prefill workers: its M/G/n over the prompt mix, and the M/D/1s
-    it used before (the judge is the simulated TTFT p90 beside them)."""
+    """TTFT p90 the planner predicts for ``workers`` prefill workers (every prompt remote, uncached): M/G/n over the
+    prompt mix (pooled dispatch), n x M/G/1 (split), and the M/D/1s it used before (the judge is the simulated TTFT
+    p90 beside them)."""
     services = service_mix(prefill, traffic.mean_isl, traffic.isl_mix)
     mean_prompt_s = prefill.service_time_s(traffic.mean_isl)
-    return {"mgn_ms": prefill_ttft_p90_s(traffic.rate_per_s, services, workers)[1] * 1e3,
+    return {"mgn_ms": prefill_ttft_p90_s(traffic.rate_per_s, services, workers, "pooled")[1] * 1e3,
+            "split_ms": prefill_ttft_p90_s(traffic.rate_per_s, services, workers, "split")[1] * 1e3,
             "md1_split_ms": md1_split_p90_s(traffic.rate_per_s, mean_prompt_s, workers) * 1e3}
 
 
@@ -139,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     profiles = profiles_for(requests, model, kv_tokens=kv_tokens)
     planner_slo = PlannerSlo(ttft_p90_s=slo.ttft_s, itl_p90_s=slo.tpot_s)
     planner_config = PlannerConfig(max_workers=512)
-    mean_plan = plan_pools(planner_slo, traffic_of(requests), *profiles, config=planner_config)
+    dispatch = dispatch_of(args.policy)
+    mean_plan = plan_pools(planner_slo, traffic_of(requests), *profiles, config=planner_config, dispatch=dispatch)
     windows = window_plans(requests, profiles, planner_slo, planner_config, interval_s=args.interval_s,
-                           window_s=args.window_s)
+                           window_s=args.window_s, dispatch=dispatch)
     peak = (max(w["prefill"] for w in windows), max(w["decode"] for w in windows))
     rows = sweep(base, requests, slo, args.prefill, args.decode, profiles[0])
     for label, (p, d) in (("plan (mean)", (mean_plan.prefill, mean_plan.decode)), ("plan (peak)", peak)):
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"command": ["baton", "simulate", "pools", *(sys.argv[1:] if argv is None else argv)],
            "config": {"gpu": shape.gpu.name, "model": shape.model.name, "tp": shape.tp, "block_size": shape.block_size,
                       "trace": str(args.trace), "requests": len(requests), "policy": args.policy,
+                      "dispatch": dispatch,
                       "slo": dataclasses.asdict(slo), "elastic": {"interval_s": args.interval_s,
                                                                   "window_s": args.window_s,
                                                                   "startup_s": args.startup_s}},

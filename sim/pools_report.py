@@ -36,7 +36,7 @@ def print_pools(doc: dict, out: TextIO) -> None:
               f"serving {c['model']}, policy {c['policy']}; SLO: {slo['attainment']:.0%} of requests within TTFT "
               f"{slo['ttft_s'] * 1e3:g} ms and TPOT {slo['tpot_s'] * 1e3:g} ms\n")
     out.write("| pools | workers | GPU-h | SLO attainment | meets | TTFT p50 / p90 (ms) | planner's TTFT p90: M/G/n / "
-              "old M/D/1 (ms) | TPOT p90 (ms) | hit rate |\n")
+              "n x M/G/1 / old M/D/1 (ms) | TPOT p90 (ms) | hit rate |\n")
     out.write("|---|---|---|---|---|---|---|---|---|\n")
     best = cheapest(doc["rows"], slo["attainment"])
     for r in doc["rows"]:
@@ -44,6 +44,13 @@ def print_pools(doc: dict, out: TextIO) -> None:
         out.write(f"| {name} | {r['pools']} | {r['gpu_seconds'] / 3600:,.2f} | {r['slo_attainment']:.1%} | "
                   f"{'yes' if r['slo_attainment'] >= slo['attainment'] else 'no'} | {r['ttft_p50_ms']:,.0f} / "
                   f"{r['ttft_p90_ms']:,.0f} | {_predicted(r)} | {r['tpot_p90_ms']:.1f} | {r['hit_rate']:.1%} |\n")
+    out.write(f"queue model: {c.get('dispatch', 'pooled')}\n")
+    seen = [h for h in doc.get("planner_history", ()) if "prefill_rate_per_s" in h]
+    if seen:
+        spread = lambda key: f"{min(key(h) for h in seen):.3g}-{max(key(h) for h in seen):.3g}"  # noqa: E731
+        out.write(f"planner's windows: rate {spread(lambda h: h['rate_per_s'])} req/s, prefill pool's "
+                  f"{spread(lambda h: h['prefill_rate_per_s'])} req/s, cached {spread(lambda h: h['cached_fraction'])}"
+                  f", prefill correction {spread(lambda h: h['corrections']['prefill'])}\n")
     plans = doc["window_plans"]
     if plans:
         out.write(f"planner's raw sizes over {len(plans)} windows: prefill {min(w['prefill'] for w in plans)}-"
@@ -53,7 +60,9 @@ def print_pools(doc: dict, out: TextIO) -> None:
 
 def _predicted(row: dict) -> str:
     p = row.get("planner_ttft_p90_ms")
-    return "-" if p is None else f"{p['mgn_ms']:,.0f} / {p['md1_split_ms']:,.0f}"
+    if p is None:
+        return "-"
+    return " / ".join(f"{p[key]:,.0f}" if key in p else "-" for key in ("mgn_ms", "split_ms", "md1_split_ms"))
 
 
 def plot(doc: dict, path: Path) -> Path:

@@ -90,6 +90,10 @@ def traffic_terms(window: Window) -> list[planner.Term]:
                           f"{window.num_arrived} requests arrived (finished ones understate an overload)"),
              planner.Term(pool="traffic", name="mean isl", value=window.mean_isl or 0.0, unit="tokens"),
              planner.Term(pool="traffic", name="mean osl", value=window.mean_osl or 0.0, unit="tokens")]
+    if window.remote is not None and window.num_remote is not None:
+        terms.append(planner.Term(pool="traffic", name="remote prefills", value=window.num_remote, unit="requests",
+                                  note=f"{window.remote.rate_per_s:.3g} req/s, mean isl {window.remote.mean_isl:.0f}, "
+                                  f"{window.remote.cached_fraction:.1%} of their prompt tokens cached on P"))
     for name, p in (("TTFT", window.ttft), ("ITL", window.itl)):
         if p is not None:
             terms.append(planner.Term(pool="traffic", name=f"measured {name} p90", value=p.p90_s * 1e3, unit="ms",

@@ -1,14 +1,19 @@
 """Pool sizing from SLOs: how many prefill and decode workers for this traffic (pure math, no I/O).
 
-Prefill (DistServe-style, M/G/n): requests arrive Poisson at ``rate_per_s``; the router sends each prompt to
-the prefill worker that frees first (the cost and least-loaded policies price each worker's queue), so the
-``n`` workers are one queue with ``n`` servers. A prompt of ``isl`` tokens takes ``S = isl / throughput(isl)``
-on the profiled prefill curve; ``Traffic.isl_mix`` gives the prompt lengths' spread (the router's prompt-token
-histogram), so the service time has a mean ``E[S]`` and a squared coefficient of variation ``cs2`` (0 when only
-the mean is known: every prompt at ``mean_isl``). A prompt waits with Erlang C's probability ``C(n, rate E[S])``
-and then for an exponential time of mean ``E[S] (1 + cs2) / (2 n (1 - rho))`` (Allen-Cunneen; with n = 1 and
-cs2 = 0 this is M/D/1's), and TTFT is its own service time plus that wait; the p90 is solved over the mix.
-``router.admin.queueing`` says why not n separate M/D/1 queues at the mean prompt (this planner until issue 23).
+Prefill (DistServe-style queueing): requests reach the prefill pool Poisson at the rate of those the router
+prefills there (``Traffic.remote``, measured by the router: the cost policy keeps short prompts on the decode
+worker; ``None``: every request at full length, as before it was measured). How the router picks a prefill worker
+decides the queue (``router.admin.queueing``, ``plan_pools(dispatch=...)``): **pooled** (the cost, least-loaded and
+prefix-overlap policies price each worker's queue, so a prompt goes to the worker that frees first) is one M/G/n
+queue, **split** (round-robin, random: blind to the queues) is ``n`` M/G/1 queues fed ``rate / n`` each, which
+needs about twice the workers. A prompt of ``L`` tokens of which the prefill worker finds a share ``h`` cached
+takes ``S = T(L) - T(h L)`` with ``T(x) = x / throughput(x)`` on the profiled prefill curve (``service_mix``; an
+approximation, stated there); ``isl_mix`` gives the prompt lengths' spread (the router's prompt-token histogram),
+so the service time has a mean ``E[S]`` and a squared coefficient of variation ``cs2`` (0 when only the mean is
+known). A prompt waits with the model's probability (Erlang C pooled, ``rho`` split) and then for an exponential
+time (Allen-Cunneen's mean pooled, Pollaczek-Khinchine's split); TTFT is its own service time plus that wait, and
+the p90 over the prefill pool's prompts is solved over the mix and held to the TTFT SLO (the prompts kept on a
+decode worker are not this pool's: the measured correction, over every request's TTFT, accounts for them).
 
 Decode (Dynamo-style throughput at ITL): the profiled ITL-vs-batch curve, scaled by the correction factor,
 gives the largest batch ``B*`` a worker can run within the ITL target (linear interpolation, no
@@ -28,7 +33,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequest
-from router.admin.queueing import prefill_ttft_p90_s
+from router.admin.queueing import Dispatch, model_name, prefill_ttft_p90_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,11 +71,32 @@ class Slo:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RemotePrefill:
+    """The prefill pool's own traffic: the requests the router prefilled on a prefill worker, their prompts, and the
+    share of those prompts' tokens the prefill worker found cached (the router's remote-prefill series)."""
+
+    rate_per_s: float  # requests per second
+    mean_isl: float  # prompt tokens
+    isl_mix: tuple[tuple[float, float], ...] = ()  # (prompt tokens, share of requests); (): every prompt at mean_isl
+    cached_fraction: float = 0.0  # of their prompt tokens, found cached on the prefill worker
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Traffic:
     rate_per_s: float  # requests per second
     mean_isl: float  # prompt tokens
     mean_osl: float  # output tokens
     isl_mix: tuple[tuple[float, float], ...] = ()  # (prompt tokens, share of requests); (): every prompt at mean_isl
+    remote: RemotePrefill | None = None  # None: every request prefilled on a prefill worker, at full length
+
+    def prefill_side(self) -> RemotePrefill:
+        """What the prefill pool serves: ``remote``, or every request uncached."""
+        return self.remote or RemotePrefill(rate_per_s=self.rate_per_s, mean_isl=self.mean_isl, isl_mix=self.isl_mix)
+
+    def scaled(self, factor: float) -> Traffic:
+        """The same traffic at ``factor`` times the rate (the prefill pool's share too)."""
+        remote = None if self.remote is None else replace(self.remote, rate_per_s=self.remote.rate_per_s * factor)
+        return replace(self, rate_per_s=self.rate_per_s * factor, remote=remote)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,12 +172,13 @@ class Plan:
 
 def plan_pools(slo: Slo, traffic: Traffic, prefill: PrefillProfile, decode: DecodeProfile, *,
                corrections: Corrections = Corrections(), config: PlannerConfig = PlannerConfig(),
-               state: PoolState = PoolState(), now_s: float = 0.0) -> Plan:
-    """Recommend pool sizes; with ``state``, damp the change (hysteresis, cool-downs)."""
+               state: PoolState = PoolState(), now_s: float = 0.0, dispatch: Dispatch = "pooled") -> Plan:
+    """Recommend pool sizes; with ``state``, damp the change (hysteresis, cool-downs). ``dispatch``: how the
+    router's policy feeds the prefill pool (``router.admin.queueing.dispatch_of``)."""
     _check_inputs(slo, traffic, corrections)
-    busier = replace(traffic, rate_per_s=traffic.rate_per_s * (1.0 + config.down_headroom))
-    p_plan = replace(size_prefill(slo, traffic, prefill, corrections.prefill, config),
-                     sticky=size_prefill(slo, busier, prefill, corrections.prefill, config).raw)
+    busier = traffic.scaled(1.0 + config.down_headroom)
+    p_plan = replace(size_prefill(slo, traffic, prefill, corrections.prefill, config, dispatch=dispatch),
+                     sticky=size_prefill(slo, busier, prefill, corrections.prefill, config, dispatch=dispatch).raw)
     d_plan = replace(size_decode(slo, traffic, decode, corrections.decode, config, corrections.decode_mean),
                      sticky=size_decode(slo, busier, decode, corrections.decode, config, corrections.decode_mean).raw)
     since_s = None if state.last_change_s is None else now_s - state.last_change_s
@@ -162,35 +189,56 @@ def plan_pools(slo: Slo, traffic: Traffic, prefill: PrefillProfile, decode: Deco
     return Plan(prefill=p_count, decode=d_count, prefill_plan=p_plan, decode_plan=d_plan, decisions=decisions)
 
 
-def service_mix(profile: PrefillProfile, mean_isl: float,
-                isl_mix: tuple[tuple[float, float], ...] = ()) -> tuple[tuple[float, float], ...]:
-    """(prefill seconds, share) of each prompt length of the mix (or of the mean alone), shares summing to 1."""
+def service_mix(profile: PrefillProfile, mean_isl: float, isl_mix: tuple[tuple[float, float], ...] = (),
+                cached_fraction: float = 0.0) -> tuple[tuple[float, float], ...]:
+    """(prefill seconds, share) of each prompt length of the mix (or of the mean alone), shares summing to 1.
+
+    A prompt of ``L`` tokens with a share ``h`` of them cached costs ``T(L) - T(h L)``, ``T(x) = x /
+    throughput(x)``: the compute of tokens ``[h L, L)`` when each token's cost depends only on its position (its
+    attention over those before it), which the profile's whole-prompt times sum. Approximations: every prompt gets
+    the pool's token-weighted cached share ``h`` (the router counts cached tokens, not each prompt's hit), and a
+    prompt's fixed cost falls out of the difference; never below those tokens at the profile's best throughput."""
     mix = isl_mix or ((mean_isl, 1.0),)
     total = sum(share for _, share in mix)
-    return tuple((profile.service_time_s(isl), share / total) for isl, share in mix)
+    fastest = max(profile.tokens_per_s)
+
+    def seconds(isl: float) -> float:
+        if cached_fraction <= 0.0:
+            return profile.service_time_s(isl)
+        computed_s = profile.service_time_s(isl) - profile.service_time_s(cached_fraction * isl)
+        return max(computed_s, (1.0 - cached_fraction) * isl / fastest)
+
+    return tuple((seconds(isl), share / total) for isl, share in mix)
 
 
-def size_prefill(slo: Slo, traffic: Traffic, profile: PrefillProfile, correction: float,
-                 config: PlannerConfig) -> PoolPlan:
-    services = service_mix(profile, traffic.mean_isl, traffic.isl_mix)
+def size_prefill(slo: Slo, traffic: Traffic, profile: PrefillProfile, correction: float, config: PlannerConfig, *,
+                 dispatch: Dispatch = "pooled") -> PoolPlan:
+    remote = traffic.prefill_side()
+    services = service_mix(profile, remote.mean_isl, remote.isl_mix, remote.cached_fraction)
     service_s = sum(s * w for s, w in services)
     cs2 = max(sum(s * s * w for s, w in services) / service_s ** 2 - 1.0, 0.0)
     spread = "over the prompt-length mix" if len(services) > 1 else "isl / throughput"
-    terms = [Term(pool="prefill", name="throughput at isl", value=traffic.mean_isl / service_s, unit="tok/s"),
-             Term(pool="prefill", name="service time D", value=service_s * 1e3, unit="ms", note=f"mean, {spread}"),
+    cached = f", {remote.cached_fraction:.1%} of tokens cached: T(L) - T(hL)" if remote.cached_fraction > 0 else ""
+    model = model_name(dispatch)
+    terms = [Term(pool="prefill", name="prefill rate", value=remote.rate_per_s, unit="req/s",
+                  note="every request" if traffic.remote is None else
+                  f"prefilled on a prefill worker, {remote.rate_per_s / max(traffic.rate_per_s, 1e-12):.1%} of all"),
+             Term(pool="prefill", name="throughput at isl", value=remote.mean_isl / service_s, unit="tok/s"),
+             Term(pool="prefill", name="service time D", value=service_s * 1e3, unit="ms",
+                  note=f"mean, {spread}{cached}"),
              Term(pool="prefill", name="service time cs2", value=cs2, unit="", note="variance / mean^2"),
              Term(pool="prefill", name="correction", value=correction, unit="x", note="measured / predicted TTFT")]
     for n in range(1, config.max_workers + 1):
-        rho, ttft_s = prefill_ttft_p90_s(traffic.rate_per_s, services, n)
+        rho, ttft_s = prefill_ttft_p90_s(remote.rate_per_s, services, n, dispatch)
         if ttft_s * correction <= slo.ttft_p90_s:
             terms += [Term(pool="prefill", name="utilization rho", value=rho, unit="", note=f"rate / n * D at n = {n}"),
                       Term(pool="prefill", name="predicted TTFT p90", value=ttft_s * correction * 1e3, unit="ms",
-                           note=f"M/G/n, <= SLO {slo.ttft_p90_s * 1e3:g} ms")]
+                           note=f"{model}, <= SLO {slo.ttft_p90_s * 1e3:g} ms")]
             return PoolPlan(raw=n, sticky=n, feasible=True, terms=tuple(terms))
-    n = max(1, math.ceil(traffic.rate_per_s * service_s / config.infeasible_utilization))
+    n = max(1, math.ceil(remote.rate_per_s * service_s / config.infeasible_utilization))
     n = min(n, config.max_workers)
-    terms.append(Term(pool="prefill", name="utilization rho", value=traffic.rate_per_s / n * service_s, unit="",
-                      note=f"no count meets the TTFT SLO; sized for rho <= {config.infeasible_utilization:g}"))
+    terms.append(Term(pool="prefill", name="utilization rho", value=remote.rate_per_s / n * service_s, unit="",
+                      note=f"{model}: no count meets the TTFT SLO; sized for rho <= {config.infeasible_utilization:g}"))
     return PoolPlan(raw=n, sticky=n, feasible=False, terms=tuple(terms))
 
 
@@ -293,9 +341,14 @@ def _check_inputs(slo: Slo, traffic: Traffic, corrections: Corrections) -> None:
             raise InvalidRequest(f"{name} must be a positive number, got {value}")
     if not (traffic.rate_per_s >= 0 and math.isfinite(traffic.rate_per_s)):
         raise InvalidRequest(f"rate must be >= 0, got {traffic.rate_per_s}")
-    if any(not (isl > 0 and share > 0 and math.isfinite(isl) and math.isfinite(share))
-           for isl, share in traffic.isl_mix):
-        raise InvalidRequest(f"isl_mix needs positive (prompt tokens, share) pairs, got {traffic.isl_mix}")
+    for mix in (traffic.isl_mix, () if traffic.remote is None else traffic.remote.isl_mix):
+        if any(not (isl > 0 and share > 0 and math.isfinite(isl) and math.isfinite(share)) for isl, share in mix):
+            raise InvalidRequest(f"isl_mix needs positive (prompt tokens, share) pairs, got {mix}")
+    remote = traffic.remote
+    if remote is not None and not (remote.rate_per_s >= 0 and math.isfinite(remote.rate_per_s)
+                                   and remote.mean_isl > 0 and math.isfinite(remote.mean_isl)
+                                   and 0.0 <= remote.cached_fraction < 1.0):
+        raise InvalidRequest(f"remote prefill traffic needs rate >= 0, isl > 0 and 0 <= cached < 1, got {remote}")
 
 
 def _num(value: float) -> str:

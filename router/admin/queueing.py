@@ -1,17 +1,50 @@
-"""The prefill pool as a queue (``router.admin.planner``'s model; pure math): M/G/n with Erlang C's probability of
-waiting and Allen-Cunneen's wait, TTFT = a prompt's own service time + its wait, the p90 solved over the mix of
-service times (the planner's module docstring states the model).
+"""The prefill pool as a queue (``router.admin.planner``'s model; pure math). How the router feeds the pool decides
+the model (``dispatch_of``: the routing policy's name -> its dispatch):
 
-Why not n separate M/D/1 queues at the mean prompt (the planner until issue 23): on Mooncake's conversation trace
-(prompts' service cv2 4.2 on an H200: attention grows with the square of the prompt) that predicted a TTFT p90 of
-1.1 s on 2 prefill workers where the simulator, running the real router, measured 6.0 s (this model: 6.9 s), and
-it sized 2 workers where 3 are the fewest that meet the SLO (``baton simulate pools``, docs/benchmarks.md)."""
+- **pooled** (``cost``, ``least_loaded``, ``prefix_overlap``: each prices the prefill workers' queued tokens, so a
+  prompt goes to the worker that frees first): the ``n`` workers are one M/G/n queue, Erlang C's probability of
+  waiting and Allen-Cunneen's wait;
+- **split** (``round_robin``, ``random``: a worker is picked blind to its queue): each worker is its own M/G/1 queue
+  fed ``rate / n`` over the same mix of service times, waiting with probability ``rho`` and on average
+  Pollaczek-Khinchine's ``rho E[S] (1 + cs2) / (2 (1 - rho))``. A prompt can wait behind a long one while another
+  worker idles, so the same utilization waits longer: on Mooncake's conversation trace round_robin measured TTFT p90
+  9.6 / 4.9 / 3.2 / 2.0 s at 2 / 3 / 4 / 6 prefill workers in the simulator, about twice the workers the pooled
+  model asks for (docs/benchmarks.md, "Planner at scale").
+
+Either way TTFT is a prompt's own service time plus its wait (exponential once waiting, with the model's mean), and
+the p90 is solved over the mix of service times.
+
+Why not n separate M/D/1 queues at the mean prompt (the planner until issue 23): on that trace (prompts' service
+cv2 4.2 on an H200: attention grows with the square of the prompt) it predicted a TTFT p90 of 1.1 s on 2 prefill
+workers where the simulator, running the real router, measured 6.0 s with least_loaded (the pooled model: 6.9 s),
+and it sized 2 workers where 3 are the fewest that meet the SLO (``baton simulate pools``)."""
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
-__all__ = ["erlang_c", "prefill_ttft_p90_s"]
+from engine.errors import InvalidRequest
+
+__all__ = ["DISPATCH", "Dispatch", "dispatch_of", "erlang_c", "model_name", "prefill_ttft_p90_s", "waiting"]
+
+Dispatch = Literal["pooled", "split"]
+# every routing policy (router.routing.policy.POLICIES) and how it picks a prefill worker
+DISPATCH: dict[str, Dispatch] = {"cost": "pooled", "least_loaded": "pooled", "prefix_overlap": "pooled",
+                                 "round_robin": "split", "random": "split"}
+
+
+def dispatch_of(policy: str) -> Dispatch:
+    """How the routing policy ``policy`` feeds the prefill pool: ``pooled`` when it prices the workers' queues."""
+    if policy not in DISPATCH:
+        raise InvalidRequest(f"no prefill dispatch known for routing policy {policy!r}: one of {', '.join(DISPATCH)}")
+    return DISPATCH[policy]
+
+
+def model_name(dispatch: Dispatch) -> str:
+    """The queue model of ``dispatch`` and the policies that dispatch so, as the plan's terms say it."""
+    policies = ", ".join(name for name, d in DISPATCH.items() if d == dispatch)
+    return f"M/G/n (pooled: {policies})" if dispatch == "pooled" else f"n x M/G/1 (split: {policies})"
 
 
 def erlang_c(workers: int, offered: float) -> float:
@@ -23,17 +56,24 @@ def erlang_c(workers: int, offered: float) -> float:
     return workers * blocked / (workers - offered * (1 - blocked))
 
 
-def prefill_ttft_p90_s(rate_per_s: float, services: tuple[tuple[float, float], ...],
-                       workers: int) -> tuple[float, float]:
-    """(rho, p90 TTFT in s) of ``workers`` prefill workers fed Poisson traffic through one queue, each prompt
-    taking the (seconds, share) of ``services``: M/G/n as the module says; inf when unstable."""
+def waiting(rate_per_s: float, mean_s: float, cs2: float, workers: int, dispatch: Dispatch) -> tuple[float, float]:
+    """(probability that a prompt waits, mean wait once it waits) at utilization ``rho = rate E[S] / n`` < 1."""
+    rho = rate_per_s * mean_s / workers
+    if dispatch == "split":  # M/G/1 at rate / n: P-K's mean wait rho E[S] (1 + cs2) / (2 (1 - rho)), over P(wait) rho
+        return rho, mean_s * (1 + cs2) / (2 * (1 - rho))
+    return erlang_c(workers, rate_per_s * mean_s), mean_s * (1 + cs2) / (2 * workers * (1 - rho))
+
+
+def prefill_ttft_p90_s(rate_per_s: float, services: tuple[tuple[float, float], ...], workers: int,
+                       dispatch: Dispatch = "pooled") -> tuple[float, float]:
+    """(rho, p90 TTFT in s) of ``workers`` prefill workers fed Poisson traffic as ``dispatch`` feeds them, each
+    prompt taking the (seconds, share) of ``services``: the module's models; inf when unstable."""
     mean_s = sum(s * w for s, w in services)
     cs2 = max(sum(s * s * w for s, w in services) / mean_s ** 2 - 1.0, 0.0)
     rho = rate_per_s * mean_s / workers
     if rho >= 1.0:
         return rho, math.inf
-    waits = erlang_c(workers, rate_per_s * mean_s)
-    wait_mean_s = mean_s * (1 + cs2) / (2 * workers * (1 - rho))  # once waiting
+    waits, wait_mean_s = waiting(rate_per_s, mean_s, cs2, workers, dispatch)
 
     def above(t: float) -> float:  # P(service + wait > t)
         return sum(w * (1.0 if t < s else waits * math.exp(-(t - s) / wait_mean_s)) for s, w in services)

@@ -9,6 +9,7 @@ Profiles for ``Plan`` come with the request, or from ``{ns}:profile:prefill`` / 
 and ``{"batch_sizes": [...], "itl_ms": [...], "kv_tokens_per_worker": N, "context_lens": [...],
 "itl_ms_grid": [...]}``; with a grid, the ITLs at the plan's mean context ``isl + osl / 2`` are used).
 ``Plan(from_traffic)`` and ``GetTraffic`` read the router's own request histograms (``router.admin.traffic``).
+The router's routing policy decides the prefill pool's queue model (``router.admin.queueing.dispatch_of``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from router.admin import planner, traffic as traffic_mod
 from router.admin.calibrated import Calibrated, from_calibration
 from router.admin.convert import (curve_dict, plan_to_proto, traffic_terms, worker_rates, window_to_proto,
                                   worker_to_proto)
+from router.admin.queueing import dispatch_of
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,9 @@ DEFAULT_WINDOW_S = 300.0
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, registry: Registry, redis: Any, *, token: str | None = None,
                  planner_config: planner.PlannerConfig = planner.PlannerConfig(), metrics_registry: Any = None,
-                 stats_timeout_s: float = 0.5, tls: TlsConfig | None = None) -> None:
+                 stats_timeout_s: float = 0.5, tls: TlsConfig | None = None, policy: str = "cost") -> None:
         self._registry, self._redis = registry, redis
+        self._dispatch = dispatch_of(policy)  # how this router's policy feeds the prefill pool
         self._tls = tls  # how the router calls the workers (their Stats for ListWorkers)
         self._token = token or None
         self._planner_config = planner_config
@@ -108,7 +111,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         if window is not None:
             live = [info.role for info, _ in await self._registry.list_workers()]
             measured, extra = traffic_mod.corrections(window, prefill, decode, prefill_workers=live.count("prefill"),
-                                                      decode_workers=live.count("decode"))
+                                                      decode_workers=live.count("decode"), dispatch=self._dispatch)
             given = request.HasField("decode_correction")  # an operator's decode correction stands for both
             corrections = planner.Corrections(
                 prefill=corrections.prefill if request.HasField("prefill_correction") else measured.prefill,
@@ -120,6 +123,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         plan = planner.plan_pools(
             planner.Slo(ttft_p90_s=request.ttft_p90_ms / 1e3, itl_p90_s=request.itl_p90_ms / 1e3), traffic,
             prefill, decode, corrections=corrections, config=self._planner_config, state=state, now_s=time.monotonic(),
+            dispatch=self._dispatch,
         )
         if request.apply:
             for role, size in (("prefill", plan.prefill), ("decode", plan.decode)):
@@ -259,5 +263,4 @@ def _traffic(request: pb.PlanRequest, window: traffic_mod.Window | None) -> plan
     if window.num_requests == 0 or window.mean_isl is None or window.mean_osl is None:
         raise InvalidRequest(f"no finished requests in the last {window.span_s:.0f} s of traffic: "
                              "plan with --rate/--isl/--osl instead")
-    return planner.Traffic(rate_per_s=window.rate_per_s, mean_isl=max(window.mean_isl, 1.0),
-                           mean_osl=max(window.mean_osl, 1.0), isl_mix=window.isl_mix)
+    return traffic_mod.traffic_of(window)

@@ -11,12 +11,20 @@ The rate is the requests that *arrived* in the window (``baton:requests_received
 admission limit: a refused request is demand too), not the ones that finished: under overload fewer finish than
 arrive, which is exactly when the planner must not read less traffic.
 
+The prefill pool's own traffic (``Window.remote``, the planner's ``Traffic.remote``) comes from two more series:
+the prompt tokens of each request prefilled on a prefill worker (``baton:remote_prefill_prompt_tokens``: its count
+the remote requests, its buckets their mix) and the tokens of those the prefill worker found cached
+(``baton:remote_prefill_cached_tokens_total``). Its rate is the arrival rate times the remote share of the requests
+that finished in the window (the remote count over the span when arrivals are not counted). A registry without
+them (an older router): ``remote`` is None and the planner prices every request at full length, as before.
+
 The window also gives the prompt lengths' spread (``isl_mix``: each non-empty bucket of the prompt-token
 histogram at its geometric middle, scaled so the mix's mean is the exact mean), which the planner's queue model
 needs (a mix of long and short prompts waits longer than prompts all of the mean length).
 
 Corrections (measured / predicted, ``1.0`` when there is too little data): prefill compares the measured
-TTFT p90 with the M/G/n prediction for the current prefill pool at the observed rate and prompt mix; decode
+TTFT p90 with the queue model's prediction (the router's dispatch) for the current prefill pool at the prefill
+pool's observed rate, prompt mix and cached share, the same traffic the planner then sizes for; decode
 compares the measured ITL p90 with the profile's ITL at the batch each decode worker runs by Little's law
 (``rate * osl * measured ITL p50 / workers``).
 """
@@ -25,15 +33,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from router.admin import planner
+from router.admin.queueing import Dispatch
 
 MIN_REQUESTS = 5  # fewer finished requests in the window: no correction
 MIN_GAPS = 20  # fewer inter-token gaps: no decode correction
 ARRIVALS = "baton:requests_received"  # the counter's family name (prometheus_client drops "_total")
+REMOTE_CACHED = "baton:remote_prefill_cached_tokens"  # likewise
 _SERIES = {"ttft": "baton:time_to_first_token_seconds", "itl": "baton:inter_token_latency_seconds",
-           "isl": "baton:request_prompt_tokens", "osl": "baton:request_generation_tokens"}
+           "isl": "baton:request_prompt_tokens", "osl": "baton:request_generation_tokens",
+           "remote_isl": "baton:remote_prefill_prompt_tokens"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +83,9 @@ class Histogram:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     at_s: float
-    series: dict[str, Histogram]  # keys of _SERIES
+    series: dict[str, Histogram]  # keys of _SERIES (no bounds: the registry has no such series)
     arrived: float | None = None  # requests taken in so far (``baton:requests_received_total``; None: no counter)
+    remote_cached: float | None = None  # cached tokens of remote prefills so far (None: no counter)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,10 +108,12 @@ class Window:
     itl: Percentiles | None
     isl_mix: tuple[tuple[float, float], ...] = ()  # (prompt tokens, share of requests): the planner's Traffic.isl_mix
     num_arrived: int | None = None  # requests taken in during the window (``rate_per_s`` is theirs); None: unknown
+    remote: planner.RemotePrefill | None = None  # the prefill pool's traffic; None: the registry does not measure it
+    num_remote: int | None = None  # requests prefilled on a prefill worker in the window; None: not measured
 
 
 def read_histograms(registry) -> dict[str, Histogram]:
-    """The four request histograms of a ``prometheus_client`` registry (empty ones when absent)."""
+    """The request histograms of a ``prometheus_client`` registry (empty ones, without bounds, when absent)."""
     rows: dict[str, list[tuple[float, float]]] = {key: [] for key in _SERIES}
     sums: dict[str, float] = {key: 0.0 for key in _SERIES}
     names = {name: key for key, name in _SERIES.items()}
@@ -114,12 +128,18 @@ def read_histograms(registry) -> dict[str, Histogram]:
             for key, r in rows.items()}
 
 
-def read_arrivals(registry) -> float | None:
-    """``baton:requests_received_total`` of a ``prometheus_client`` registry (None when it has none)."""
+def read_counter(registry, name: str) -> float | None:
+    """The counter ``name`` (its family name, without ``_total``) of a ``prometheus_client`` registry (None when it
+    has none)."""
     for family in registry.collect():
-        if family.name == ARRIVALS:
-            return sum(s.value for s in family.samples if s.name == ARRIVALS + "_total")
+        if family.name == name:
+            return sum(s.value for s in family.samples if s.name == name + "_total")
     return None
+
+
+def read_snapshot(registry, at_s: float) -> Snapshot:
+    return Snapshot(at_s, read_histograms(registry), read_counter(registry, ARRIVALS),
+                    read_counter(registry, REMOTE_CACHED))
 
 
 def window_between(new: Snapshot, old: Snapshot) -> Window:
@@ -131,11 +151,38 @@ def window_between(new: Snapshot, old: Snapshot) -> Window:
     requests = delta["isl"].count
     arrived = None if new.arrived is None else new.arrived - (old.arrived or 0.0)
     mean = lambda h: h.total / h.count if h.count > 0 else None  # noqa: E731
-    return Window(span_s=span_s, num_requests=int(requests),
-                  rate_per_s=(requests if arrived is None else arrived) / span_s,
-                  mean_isl=mean(delta["isl"]), mean_osl=mean(delta["osl"]),
-                  ttft=_percentiles(delta["ttft"]), itl=_percentiles(delta["itl"]), isl_mix=isl_mix_of(delta["isl"]),
-                  num_arrived=None if arrived is None else int(arrived))
+    rate_per_s = (requests if arrived is None else arrived) / span_s
+    window = Window(span_s=span_s, num_requests=int(requests), rate_per_s=rate_per_s,
+                    mean_isl=mean(delta["isl"]), mean_osl=mean(delta["osl"]),
+                    ttft=_percentiles(delta["ttft"]), itl=_percentiles(delta["itl"]), isl_mix=isl_mix_of(delta["isl"]),
+                    num_arrived=None if arrived is None else int(arrived))
+    if not new.series["remote_isl"].bounds or new.remote_cached is None:
+        return window  # an older router: no remote-prefill series, every request priced at full length
+    return with_remote(window, delta["remote_isl"], new.remote_cached - (old.remote_cached or 0.0))
+
+
+def with_remote(window: Window, prompts: Histogram, cached_tokens: float) -> Window:
+    """``window`` with the prefill pool's traffic: ``prompts`` the prompt tokens of the requests prefilled on a
+    prefill worker in it, ``cached_tokens`` those found cached there. Its rate: the window's (arrival) rate times
+    the remote share of the requests that finished; the remote count over the span when arrivals are not counted.
+    No remote request: rate 0, every prompt at the window's mean."""
+    finished, remote = window.num_requests, prompts.count
+    share = min(remote / finished, 1.0) if finished > 0 else 1.0
+    rate = window.rate_per_s * share if window.num_arrived is not None and finished > 0 else remote / window.span_s
+    if remote <= 0 or prompts.total <= 0:
+        pool = planner.RemotePrefill(rate_per_s=rate, mean_isl=max(window.mean_isl or 1.0, 1.0))
+    else:
+        pool = planner.RemotePrefill(rate_per_s=rate, mean_isl=max(prompts.total / remote, 1.0),
+                                     isl_mix=isl_mix_of(prompts),
+                                     cached_fraction=min(max(cached_tokens / prompts.total, 0.0), 0.99))
+    return replace(window, remote=pool, num_remote=int(remote))
+
+
+def traffic_of(window: Window) -> planner.Traffic:
+    """The planner's traffic from a window with finished requests (the Admin servicer's and the simulator's)."""
+    assert window.mean_isl is not None and window.mean_osl is not None
+    return planner.Traffic(rate_per_s=window.rate_per_s, mean_isl=max(window.mean_isl, 1.0),
+                           mean_osl=max(window.mean_osl, 1.0), isl_mix=window.isl_mix, remote=window.remote)
 
 
 def histogram_of(values: list[float], bounds: tuple[float, ...]) -> Histogram:
@@ -173,13 +220,14 @@ class TrafficRecorder:
 
     def __init__(self, registry, start_s: float, *, period_s: float = 10.0, keep_s: float = 3600.0) -> None:
         self._registry, self.period_s, self.keep_s = registry, period_s, keep_s
-        empty = {key: Histogram(h.bounds, tuple(0.0 for _ in h.cumulative), 0.0)
-                 for key, h in read_histograms(registry).items()}
-        arrived = read_arrivals(registry)
-        self._snapshots: deque[Snapshot] = deque([Snapshot(start_s, empty, None if arrived is None else 0.0)])
+        first = read_snapshot(registry, start_s)
+        empty = {key: Histogram(h.bounds, tuple(0.0 for _ in h.cumulative), 0.0) for key, h in first.series.items()}
+        zero = lambda counted: None if counted is None else 0.0  # noqa: E731
+        self._snapshots: deque[Snapshot] = deque([Snapshot(start_s, empty, zero(first.arrived),
+                                                           zero(first.remote_cached))])
 
     def record(self, now_s: float) -> Snapshot:
-        current = Snapshot(now_s, read_histograms(self._registry), read_arrivals(self._registry))
+        current = read_snapshot(self._registry, now_s)
         if now_s - self._snapshots[-1].at_s >= self.period_s:
             self._snapshots.append(current)
         while len(self._snapshots) > 1 and now_s - self._snapshots[1].at_s > self.keep_s:
@@ -196,9 +244,11 @@ class TrafficRecorder:
 
 
 def corrections(window: Window, prefill: planner.PrefillProfile, decode: planner.DecodeProfile, *,
-                prefill_workers: int, decode_workers: int) -> tuple[planner.Corrections, list[planner.Term]]:
-    """Measured / predicted latency for each pool (1.0 and a note saying why, when it cannot be measured)."""
-    p, p_note = _prefill_correction(window, prefill, prefill_workers)
+                prefill_workers: int, decode_workers: int,
+                dispatch: Dispatch = "pooled") -> tuple[planner.Corrections, list[planner.Term]]:
+    """Measured / predicted latency for each pool (1.0 and a note saying why, when it cannot be measured);
+    ``dispatch``: the router's, so the prefill prediction is the queue the planner then sizes."""
+    p, p_note = _prefill_correction(window, prefill, prefill_workers, dispatch)
     d, d_mean, d_note = _decode_correction(window, decode, decode_workers)
     terms = [planner.Term(pool="prefill", name="measured correction", value=p, unit="x", note=p_note),
              planner.Term(pool="decode", name="measured correction", value=d, unit="x", note=d_note)]
@@ -208,17 +258,21 @@ def corrections(window: Window, prefill: planner.PrefillProfile, decode: planner
     return planner.Corrections(prefill=p, decode=d, decode_mean=d_mean), terms
 
 
-def _prefill_correction(window: Window, profile: planner.PrefillProfile, workers: int) -> tuple[float, str]:
+def _prefill_correction(window: Window, profile: planner.PrefillProfile, workers: int,
+                        dispatch: Dispatch) -> tuple[float, str]:
     if window.ttft is None or window.num_requests < MIN_REQUESTS or window.mean_isl is None:
         return 1.0, f"fewer than {MIN_REQUESTS} requests in the window"
     if workers < 1:
         return 1.0, "no prefill workers: TTFT came from local prefill"
-    services = planner.service_mix(profile, window.mean_isl, window.isl_mix)
-    _, predicted_s = planner.prefill_ttft_p90_s(window.rate_per_s, services, workers)
+    if window.num_remote is not None and window.num_remote < MIN_REQUESTS:
+        return 1.0, f"fewer than {MIN_REQUESTS} requests prefilled on a prefill worker in the window"
+    remote = traffic_of(window).prefill_side()
+    services = planner.service_mix(profile, remote.mean_isl, remote.isl_mix, remote.cached_fraction)
+    _, predicted_s = planner.prefill_ttft_p90_s(remote.rate_per_s, services, workers, dispatch)
     if not math.isfinite(predicted_s) or predicted_s <= 0:
         return 1.0, f"the model predicts an unstable queue at {workers} workers"
     return window.ttft.p90_s / predicted_s, (f"TTFT p90 {window.ttft.p90_s * 1e3:.1f} ms measured / "
-                                             f"{predicted_s * 1e3:.1f} ms predicted at {workers} workers")
+                                             f"{predicted_s * 1e3:.1f} ms predicted at {workers} workers, {dispatch}")
 
 
 def _decode_correction(window: Window, profile: planner.DecodeProfile,

@@ -1,6 +1,7 @@
 """The SLO planner's math: known inputs give known counts, counts are monotone in rate and SLO, the
 hysteresis band and cool-downs hold, never below one worker per pool, bad inputs are typed errors; the prefill
-pool's queue (M/G/n) by hand, and a spread of prompt lengths sizing more workers than the same mean alone."""
+pool's queue (M/G/n pooled, n x M/G/1 split) by hand, a spread of prompt lengths sizing more workers than the same
+mean alone, a policy's dispatch, and the prefill pool sized on its own traffic (remote share, cached tokens)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 
 from engine.errors import InvalidRequest
 from router.admin.planner import (
-    Corrections, DecodeProfile, PlannerConfig, PoolState, PrefillProfile, Slo, Traffic, itl_row_at_context,
-    max_batch_at_itl,
-    plan_pools, prefill_ttft_p90_s,
+    Corrections, DecodeProfile, PlannerConfig, PoolState, PrefillProfile, RemotePrefill, Slo, Traffic,
+    itl_row_at_context, max_batch_at_itl, plan_pools, prefill_ttft_p90_s, service_mix,
 )
-from router.admin.queueing import erlang_c
+from router.admin.queueing import DISPATCH, dispatch_of, erlang_c, waiting
+from router.routing.policy import POLICIES
 
 # 10k tok/s at every length: a 1000-token prompt takes D = 100 ms.
 PREFILL = PrefillProfile(prompt_lens=(128, 4096), tokens_per_s=(10_000.0, 10_000.0))
@@ -177,3 +178,79 @@ def test_erlang_c_is_stable_at_any_pool_size():
     assert 0.0 <= erlang_c(512, 0.001) < 1e-12  # tiny offered load on a big pool: no wait, no underflow error
     assert 0.0 < erlang_c(800, 780.0) < 1.0  # a^k / k! would overflow a float here
     assert prefill_ttft_p90_s(0.001, ((0.1, 0.5), (0.3, 0.5)), 512)[1] == pytest.approx(0.3)  # the longer half
+
+
+def test_split_p90_ttft_by_hand():
+    # round_robin / random: 2 workers at 10/s are two M/D/1 queues at 5/s each, rho 0.5: a prompt waits with
+    # probability 0.5, P-K's mean wait 0.5 * 100 * 1 / (2 * 0.5) = 50 ms, so 100 ms once waiting
+    rho, ttft_s = prefill_ttft_p90_s(10.0, ONE, 2, "split")
+    assert rho == 0.5 and ttft_s == pytest.approx(0.1 + 0.1 * math.log(10 * 0.5))
+    assert ttft_s > prefill_ttft_p90_s(10.0, ONE, 2, "pooled")[1]  # 100 + 50 ln(10/3) ms: one queue waits less
+    # half 50 ms, half 150 ms (cs2 0.25): P-K's mean wait 5/s * E[S^2] 12.5e-3 / (2 * 0.5) = 62.5 ms
+    mix = ((0.05, 0.5), (0.15, 0.5))
+    waits, once_s = waiting(5.0, 0.1, 0.25, 1, "split")
+    assert waits * once_s == pytest.approx(5.0 * 0.0125 / (2 * 0.5))
+    assert waiting(10.0, 0.1, 0.25, 2, "split") == pytest.approx((0.5, 0.125))  # each worker at rate / n
+    # P(TTFT > t) = 0.5 * 0.5 (e^-(t - .05)/.125 + e^-(t - .15)/.125) = 0.1 past 150 ms
+    _, mixed_s = prefill_ttft_p90_s(10.0, mix, 2, "split")
+    assert mixed_s == pytest.approx(0.125 * math.log((math.exp(0.4) + math.exp(1.2)) / 0.4))
+    assert prefill_ttft_p90_s(20.0, ONE, 2, "split") == (1.0, math.inf)
+
+
+def test_split_dispatch_needs_more_workers_than_pooled():
+    spread = Traffic(rate_per_s=20.0, mean_isl=1000, mean_osl=200, isl_mix=((500.0, 0.9), (5500.0, 0.1)))
+    slo = Slo(ttft_p90_s=0.6, itl_p90_s=0.02)  # a tenth of the prompts take 550 ms
+    pooled = plan_pools(slo, spread, PREFILL, DECODE)
+    split = plan_pools(slo, spread, PREFILL, DECODE, dispatch="split")
+    assert (pooled.prefill, split.prefill) == (3, 5) and split.decode == pooled.decode
+    assert "M/G/n (pooled: cost, least_loaded, prefix_overlap)" in pooled.explain()
+    assert "n x M/G/1 (split: round_robin, random)" in split.explain()
+    # at 10/s of 100 ms prompts: pooled 2 workers (160 ms), split 2 workers predict 261 ms <= 300, and 3 for 14/s
+    assert (plan(10.0).prefill, plan(10.0, dispatch="split").prefill) == (2, 2)
+    assert (plan(14.0).prefill, plan(14.0, dispatch="split").prefill) == (2, 3)
+
+
+def test_a_policy_maps_to_its_dispatch():
+    assert set(DISPATCH) == set(POLICIES)  # every routing policy has one
+    # cost and least_loaded send each prompt to the prefill worker with the least queued; prefix_overlap weighs the
+    # queued blocks too; round_robin and random ignore the queues
+    assert [dispatch_of(p) for p in ("cost", "least_loaded", "prefix_overlap")] == ["pooled"] * 3
+    assert [dispatch_of(p) for p in ("round_robin", "random")] == ["split"] * 2
+    with pytest.raises(InvalidRequest):
+        dispatch_of("fastest")
+
+
+def test_cached_prompt_tokens_cost_what_is_left_of_the_prompt():
+    # 10k tok/s up to 1,000 tokens, 5k tok/s at 4,000: T(4000) = 0.8 s, T(1000) = 0.1 s
+    slowing = PrefillProfile(prompt_lens=(1000, 4000), tokens_per_s=(10_000.0, 5_000.0))
+    assert service_mix(slowing, 4000.0) == ((pytest.approx(0.8), 1.0),)
+    # a quarter cached: tokens [1000, 4000) cost T(4000) - T(1000) = 0.7 s (the last tokens are the dear ones),
+    # not 3/4 of 0.8 s
+    assert service_mix(slowing, 4000.0, (), 0.25) == ((pytest.approx(0.7), 1.0),)
+    assert service_mix(PREFILL, 1000.0, ((500.0, 0.5), (1500.0, 0.5)), 0.5) == (
+        (pytest.approx(0.025), 0.5), (pytest.approx(0.075), 0.5))
+    full = Traffic(rate_per_s=16.0, mean_isl=1000, mean_osl=200)
+    cached = Traffic(rate_per_s=16.0, mean_isl=1000, mean_osl=200,
+                     remote=RemotePrefill(rate_per_s=16.0, mean_isl=1000, cached_fraction=0.3))
+    assert plan_pools(SLO, full, PREFILL, DECODE).prefill == 3  # rho 0.8 at 2 workers: 345 ms
+    result = plan_pools(SLO, cached, PREFILL, DECODE)
+    assert result.prefill == 2  # 70 ms prompts: rho 0.56 at 2 workers
+    assert "30.0% of tokens cached: T(L) - T(hL)" in result.explain()
+
+
+def test_the_prefill_pool_is_sized_on_its_own_rate():
+    # the cost policy kept half the requests on the decode workers: the prefill pool sees 10 of 20 per second
+    half = Traffic(rate_per_s=20.0, mean_isl=1000, mean_osl=200, remote=RemotePrefill(rate_per_s=10.0, mean_isl=1000))
+    result = plan_pools(SLO, half, PREFILL, DECODE)
+    assert (result.prefill, result.decode) == (plan(10.0).prefill, plan(20.0).decode) == (2, 3)
+    assert plan(20.0).prefill == 3
+    # the hysteresis band scales the prefill pool's rate too: 1.2 x 14/s needs 3 workers
+    busy = Traffic(rate_per_s=20.0, mean_isl=1000, mean_osl=200, remote=RemotePrefill(rate_per_s=14.0, mean_isl=1000))
+    assert plan_pools(SLO, busy, PREFILL, DECODE).prefill_plan.sticky == 3
+    # without the remote series the plan is today's, field for field
+    same = Traffic(rate_per_s=20.0, mean_isl=1000, mean_osl=200, remote=RemotePrefill(rate_per_s=20.0, mean_isl=1000))
+    assert plan_pools(SLO, same, PREFILL, DECODE).prefill_plan.raw == plan(20.0).prefill_plan.raw
+    with pytest.raises(InvalidRequest):
+        plan_pools(SLO, Traffic(rate_per_s=1.0, mean_isl=1000, mean_osl=200,
+                                remote=RemotePrefill(rate_per_s=1.0, mean_isl=1000, cached_fraction=1.0)),
+                   PREFILL, DECODE)

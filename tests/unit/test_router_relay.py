@@ -275,11 +275,19 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def remote_prefills(stub) -> tuple[float, float, float]:
+    """The router's remote-prefill series so far: (requests, their prompt tokens, the tokens P found cached)."""
+    value = stub.running.relay.metrics.registry.get_sample_value
+    return (value("baton:remote_prefill_prompt_tokens_count"), value("baton:remote_prefill_prompt_tokens_sum"),
+            value("baton:remote_prefill_cached_tokens_total"))
+
+
 def test_short_prompt_is_decoded_locally(stub, cluster, tokenizer, tokens):
     d0 = cluster.add("d0", "decode")
     p0 = cluster.add("p0", "prefill")
+    remote_before = remote_prefills(stub)
     responses = list(stub.Generate(request(SHORT_PROMPT), timeout=10))
-    assert p0.prefill_requests == []
+    assert p0.prefill_requests == [] and remote_prefills(stub) == remote_before  # not the prefill pool's traffic
     sent = d0.decode_requests[0]
     prompt_ids = tokenizer.encode(SHORT_PROMPT)
     assert list(sent.token_ids) == prompt_ids and sent.prompt_len == len(prompt_ids)
@@ -300,8 +308,10 @@ def test_short_prompt_is_decoded_locally(stub, cluster, tokenizer, tokens):
 def test_long_prompt_prefills_remotely_then_decodes_with_the_handle(stub, cluster, tokenizer, tokens):
     d0 = cluster.add("d0", "decode")
     p0 = cluster.add("p0", "prefill")
+    count, prompt, cached = remote_prefills(stub)
     responses = list(stub.Generate(request(LONG_PROMPT), timeout=10))
     prompt_ids = tokenizer.encode(LONG_PROMPT)
+    assert remote_prefills(stub) == (count + 1, prompt + len(prompt_ids), cached + 16)  # the planner's P traffic
     assert len(prompt_ids) > 64
     assert list(responses[0].token_ids) == [tokens[0]]  # P's first token goes out before any decode token
     prefill, decode = p0.prefill_requests[0], d0.decode_requests[0]

@@ -56,6 +56,28 @@ def test_the_window_holds_the_requests_that_finished_in_it():
     assert window_of(records, 2.0, 300.0).span_s == 2.0  # younger than the window: the span it covers
 
 
+def test_the_window_reports_the_prefill_pools_own_traffic():
+    # 10 requests arrive at 1/s; even ones prefilled on P (a quarter of their tokens cached there), odd ones on D
+    records = [RequestRecord(f"r{i}", float(i), 2000 if i % 2 == 0 else 40, 11, first_token_s=i + 0.5,
+                             finished_s=i + 1.5, route_kind="remote" if i % 2 == 0 else "local",
+                             cached_tokens=500 if i % 2 == 0 else 32) for i in range(10)]
+    window = window_of(records, 10.0, 4.0)  # finished in (6, 10]: r5 .. r8; first tokens in it: r6 .. r9
+    assert window.num_remote == 2  # r6 and r8, answered by P in the window
+    assert window.remote.rate_per_s == pytest.approx(0.75 * 2 / 4)  # the arrivals' rate x remote share (r6, r8)
+    assert window.remote.mean_isl == 2000 and window.remote.cached_fraction == pytest.approx(0.25)
+    assert window.remote.isl_mix == ((pytest.approx(2000.0), 1.0),)
+    assert window_of(records[1::2], 10.0, 4.0).remote.rate_per_s == 0.0  # every request local: nothing on P
+
+
+def test_the_planner_plans_with_the_simulated_policys_queue():
+    requests = burst()[:5]
+    for policy, dispatch in (("least_loaded", "pooled"), ("round_robin", "split")):
+        config = ClusterConfig(shape=SHAPE, num_prefill=1, num_decode=1, policy=PolicyConfig(policy=policy))
+        sim = ElasticSimulation(config, requests, SLO, ElasticConfig(), profiles=profiles_for(
+            requests, config.build_time_model(), kv_tokens=1 << 20))
+        assert sim.planner.dispatch == dispatch
+
+
 def test_the_planner_and_its_traffic_reading_are_the_routers_own():
     assert elastic_module.plan_pools is planner_module.plan_pools
     assert elastic_module.traffic_mod.corrections is traffic_module.corrections
