@@ -14,7 +14,7 @@ from router.admin.planner import (
     Corrections, DecodeProfile, PlannerConfig, PoolState, PrefillProfile, RemotePrefill, Slo, Traffic,
     itl_row_at_context, max_batch_at_itl, plan_pools, prefill_ttft_p90_s, service_mix,
 )
-from router.admin.queueing import DISPATCH, dispatch_of, erlang_c, waiting
+from router.admin.queueing import DISPATCH, dispatch_of, erlang_c, wait_phases, waiting
 from router.routing.policy import POLICIES
 
 # 10k tok/s at every length: a 1000-token prompt takes D = 100 ms.
@@ -195,6 +195,30 @@ def test_split_p90_ttft_by_hand():
     _, mixed_s = prefill_ttft_p90_s(10.0, mix, 2, "split")
     assert mixed_s == pytest.approx(0.125 * math.log((math.exp(0.4) + math.exp(1.2)) / 0.4))
     assert prefill_ttft_p90_s(20.0, ONE, 2, "split") == (1.0, math.inf)
+
+
+def test_a_heavy_tailed_split_wait_takes_its_second_moment():
+    # one worker at 1/s: 99% of prompts take 0.1 s, 1% take 10 s: E[S] 0.199, E[S^2] 1.0099, E[S^3] 10.00099
+    mix, rho = ((0.1, 0.99), (10.0, 0.01)), 0.199
+    wait_s = 1.0099 / (2 * (1 - rho))  # P-K
+    wait2 = 2 * wait_s ** 2 + 10.00099 / (3 * (1 - rho))  # Takacs
+    once_s, once2 = wait_s / rho, wait2 / rho
+    assert once2 / once_s ** 2 - 1 == pytest.approx(1.48, abs=0.01)  # more variable than an exponential
+    (p1, m1), (p2, m2) = wait_phases(1.0, mix, 1, "split")
+    assert p1 + p2 == pytest.approx(rho)
+    assert p1 * m1 + p2 * m2 == pytest.approx(wait_s)  # the mean wait, as before
+    assert 2 * (p1 * m1 ** 2 + p2 * m2 ** 2) == pytest.approx(wait2)  # and now its second moment
+    assert p1 * m1 == pytest.approx(p2 * m2)  # balanced means
+    # an exponential of the mean alone puts more of the wait at the p90: the fit predicts a lower one
+    exponential = ((rho, once_s),)
+    p90 = prefill_ttft_p90_s(1.0, mix, 1, "split")[1]
+    above = lambda t, phases: sum(w * (1.0 if t < s else sum(p * math.exp(-(t - s) / m) for p, m in phases))  # noqa
+                                  for s, w in mix)
+    assert above(p90, wait_phases(1.0, mix, 1, "split")) == pytest.approx(0.1, abs=1e-6)
+    assert above(p90, exponential) > 0.1
+    # the pooled wait and a light-tailed split one stay one exponential
+    assert len(wait_phases(1.0, mix, 1, "pooled")) == 1
+    assert len(wait_phases(1.0, ((0.1, 0.9), (3.0, 0.1)), 1, "split")) == 1  # cv2 0.82 once waiting
 
 
 def test_split_dispatch_needs_more_workers_than_pooled():
