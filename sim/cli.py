@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench.trace import Scale, load_trace
 from kv_transfer.hashing import root_hash
+from router.admin.queueing import dispatch_of
 from router.routing.cost_model import CostConfig
 from router.routing.policy import POLICIES, PolicyConfig
 from sim.cluster import PLACEMENTS, ClusterConfig
@@ -182,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         base, requests, slo = setup(args)
-        plan, traffic = plan_for(requests, base.time_model, slo,
-                                 kv_tokens=base.shape.num_blocks * base.shape.block_size)
+        plan, traffic = plan_for(requests, base.time_model, slo,  # the first policy's queue (the terms name it)
+                                 kv_tokens=base.shape.num_blocks * base.shape.block_size,
+                                 dispatch=dispatch_of(policies_of(args.policy)[0]))
     except (ValueError, OSError) as exc:  # InvalidRequest (a planner input) is a ValueError too
         print(f"baton simulate: {exc}", file=sys.stderr)
         return 2

@@ -173,6 +173,10 @@ def test_the_command_line_prints_a_table_and_writes_json_and_a_plot(tmp_path, ca
         ("cost", 1.0), ("round_robin", 1.0), ("cost", 0.25), ("round_robin", 0.25)]
     assert doc["runs"][0]["summary"]["finished"] == 40 and set(doc["distserve_goodput"]) == {"cost", "round_robin"}
     assert doc["config"]["num_blocks"] == SHAPE.num_blocks and doc["planner"]["prefill"] >= 1
+    assert "M/G/n (pooled" in doc["planner"]["explain"]  # the first policy's queue: cost prices the workers' queues
+    assert cli.main(["--trace", str(SLICE), "--limit", "40", "--prefill-workers", "1", "--decode-workers", "1",
+                     "--policy", "round_robin", "--json", str(out)]) == 0
+    assert "n x M/G/1 (split" in json.loads(out.read_text())["planner"]["explain"]
     assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
 
 
