@@ -164,13 +164,22 @@ def test_client_cancel_mid_stream_aborts_on_both_workers(platform):
 
 
 def test_deadline_exceeded(platform):
+    """Left alone the request runs ~2.7 s; its 1 s deadline ends it on D mid-decode. A token after the first came
+    from D's engine, so D must count the abort; on a machine so loaded that none came in 1 s the deadline ended it
+    before D's engine took it (nothing there to abort), and only the pools' return is checked."""
     before = aborted(platform)
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(platform.router.address))
+    params = pb.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPTS[-1]), sampling=params), timeout=1.0)
+    received = 0
     with pytest.raises(grpc.RpcError) as info:
-        generate(platform.router.address, PROMPTS[-1], max_tokens=1500, timeout=1.0)
+        for response in call:
+            received += len(response.token_ids)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_pools_full(platform)
     d = decode_worker(platform)
-    assert aborted(platform)[d] == before[d] + 1  # the deadline aborted it; it did not run to its end
+    if received >= 2:
+        assert aborted(platform)[d] == before[d] + 1  # the deadline aborted it; it did not run to its end
 
 
 def test_bad_input_is_invalid_argument_and_the_platform_keeps_serving(platform, expected):
