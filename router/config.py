@@ -32,6 +32,9 @@ class RouterConfig:
     ns: str = "baton"
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT  # 0: any free port (tests)
+    # share port and http_port with other router processes (SO_REUSEPORT: `--processes N`); off, a port another
+    # process holds is an error at start, not a silent split of the clients between two routers
+    reuse_port: bool = False
     model_name: str | None = None  # None: the folder's name or the file's stem; GenerateRequest.model must match
     max_model_len: int | None = None  # None: config.json's max_position_embeddings
     request_timeout_s: float = 600.0  # applies when the client sets no shorter deadline

@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="router processes serving --port (and --http-port) together through SO_REUSEPORT, each "
                         "on its own core; the kernel hands each client connection to one of them; process i serves "
                         "/metrics on --metrics-port + i (default: %(default)s)")
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="share --port and --http-port with other router processes (SO_REUSEPORT; --processes "
+                        "sets it). Without it a port another process listens on is an error at start")
     parser.add_argument("--ns", "--namespace", dest="ns", default="baton", help="Redis key namespace (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
@@ -155,7 +158,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         model_path=source.path, model_name=args.model_name or source.name,
         redis_url=with_ca(args.redis_url, os.environ.get("BATON_REDIS_CA")),
-        ns=args.ns, host=args.host, port=args.port, max_model_len=args.max_model_len,
+        ns=args.ns, host=args.host, port=args.port, reuse_port=args.reuse_port or args.processes > 1,
+        max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout_s, index_mirror=args.index_mirror,
         index_mirror_max_entries=args.index_mirror_max_entries, kv_layerwise=args.kv_layerwise,
         preselect=PreselectConfig(above=args.preselect_above),

@@ -2,8 +2,10 @@
 
 Every output token crosses a router's event loop, and one Python process uses one core for it (docs/benchmarks.md,
 "Relay capacity"). The kernel's ``SO_REUSEPORT`` lets several processes listen on one port and hands each new
-*connection* to one of them: gRPC's Python server sets it by default on Linux (``grpc.so_reuseport``), and the
-OpenAI front asks for it too (``router.openai.http``). A client's channel is one connection, so it stays with one
+*connection* to one of them. Every process of the group sets it (``--reuse-port``: the first because of
+``--processes``, the others are started with it) on the gRPC server (``grpc.so_reuseport``, which gRPC's Python
+server would set by default on Linux: a router turns it off otherwise, so that a second router on a taken port fails
+at start instead of silently taking half the connections) and on the OpenAI front (``router.openai.http``). A client's channel is one connection, so it stays with one
 process; many clients (or a client with several channels) spread over all of them.
 
 The process started by the user serves as number 0 and starts the N-1 others with its own arguments, each with
@@ -36,7 +38,7 @@ def sibling_argv(argv: list[str], index: int, metrics_port: int) -> list[str]:
             skip = True
         elif not arg.startswith("--processes="):
             out.append(arg)
-    return [*out, "--metrics-port", str(metrics_port + index if metrics_port else 0)]
+    return [*out, "--metrics-port", str(metrics_port + index if metrics_port else 0), "--reuse-port"]
 
 
 def _die_with_parent() -> None:

@@ -214,7 +214,8 @@ async def start_router(
         books_sync.start()
     frontend = Frontend(tokenizer, limits)
     servicer = GenerationServicer(frontend, relay, directory, card, request_timeout_s=config.request_timeout_s)
-    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), ErrorInterceptor(metrics)])
+    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), ErrorInterceptor(metrics)],
+                             options=[("grpc.so_reuseport", int(config.reuse_port))])
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(Registry(redis, config.ns), redis, token=admin_token,
                                                     planner_config=config.planner,
@@ -233,6 +234,6 @@ async def start_router(
     metrics_server = serve_metrics(metrics.registry, config.host, metrics_port, tls)
     http_server = await serve_openai(OpenAIHandlers(frontend, relay, request_timeout_s=config.request_timeout_s,
                                                     metrics_registry=metrics.registry),
-                                     config.host, http_port, tls)
+                                     config.host, http_port, tls, reuse_port=config.reuse_port)
     return RunningRouter(server, port, health_servicer, relay, directory, redis, metrics_server, http_server,
                          books_sync)

@@ -279,7 +279,7 @@ class HttpServer:
 
 
 async def serve_openai(handlers: OpenAIHandlers, host: str, port: int | None,
-                       tls: TlsConfig | None = None) -> HttpServer | None:
+                       tls: TlsConfig | None = None, *, reuse_port: bool = False) -> HttpServer | None:
     """Start the OpenAI front on ``host:port`` (None: not at all; 0: any free port); HTTPS with ``tls``, and
     with its CA every client must present a certificate that CA signed (mTLS)."""
     if port is None:
@@ -287,10 +287,10 @@ async def serve_openai(handlers: OpenAIHandlers, host: str, port: int | None,
     # handler_cancellation: a client that hangs up cancels its handler, so the relay aborts the workers
     runner = web.AppRunner(build_app(handlers), handler_cancellation=True, access_log=None)
     await runner.setup()
-    # reuse_port: several router processes may serve one port (`baton router --processes N`), as gRPC's server
-    # allows by default on Linux; the kernel hands each connection to one of them
+    # reuse_port: several router processes serve one port (`baton router --processes N`); the kernel hands each
+    # connection to one of them. Off, a port another process holds is an error.
     site = web.TCPSite(runner, host, port, ssl_context=None if tls is None else ssl_server_context(tls),
-                       reuse_port=True)
+                       reuse_port=reuse_port)
     await site.start()
     bound = runner.addresses[0][1]
     log.info("OpenAI-compatible HTTP front on %s://%s:%d (%s)", "http" if tls is None else "https", host, bound,

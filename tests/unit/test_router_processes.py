@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_siblings_get_the_arguments_without_processes_and_the_next_metrics_port():
     argv = ["--port", "50051", "--processes", "2", "--metrics-port", "9450", "--processes=2", "--no-uvloop"]
     assert sibling_argv(argv, 1, 9450) == ["--port", "50051", "--metrics-port", "9450", "--no-uvloop",
-                                           "--metrics-port", "9451"]
-    assert sibling_argv(["--metrics-port", "0"], 2, 0)[-2:] == ["--metrics-port", "0"]  # none stays none
+                                           "--metrics-port", "9451", "--reuse-port"]
+    assert sibling_argv(["--metrics-port", "0"], 2, 0)[-3:] == ["--metrics-port", "0", "--reuse-port"]  # none stays
 
 
 @pytest.mark.parametrize(("flag", "env", "expected"), [
@@ -119,3 +119,40 @@ def test_two_router_processes_share_the_grpc_and_http_ports_and_stop_together(tm
             if process.is_running():
                 process.kill()
         proc.wait()
+
+
+def test_a_second_router_on_a_taken_port_fails_at_start_and_the_first_keeps_serving(tmp_path, redis_url):
+    """Without --processes / --reuse-port the ports are not shared: a router left running (or started twice by
+    mistake) would otherwise take half the connections, silently."""
+    model_dir = make_model_folder(tmp_path / "tiny")
+    grpc_port, http_port = free_port(), free_port()
+
+    def router(port: int, http: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "router.main", "--redis-url", redis_url, "--model",
+                                 str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http),
+                                 "--metrics-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+
+    first = router(grpc_port, http_port)
+    try:
+        assert f"listening on 127.0.0.1:{grpc_port}" in _lines(first, 1, timeout_s=30)[0]
+        for port, http in ((grpc_port, free_port()), (free_port(), http_port)):  # the gRPC port, then the HTTP one
+            second = router(port, http)
+            try:
+                assert second.wait(timeout=30) == 1
+                assert "baton router: error:" in second.stderr.read()
+            finally:
+                if second.poll() is None:
+                    second.kill()
+                    second.wait()
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:  # the first still serves: no workers
+            with pytest.raises(grpc.RpcError) as failure:
+                list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(prompt="hi"), timeout=10))
+            assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        first.send_signal(signal.SIGTERM)
+        try:
+            first.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            first.wait()
