@@ -5,8 +5,9 @@ Every output token crosses a router's event loop, and one Python process uses on
 *connection* to one of them. Every process of the group sets it (``--reuse-port``: the first because of
 ``--processes``, the others are started with it) on the gRPC server (``grpc.so_reuseport``, which gRPC's Python
 server would set by default on Linux: a router turns it off otherwise, so that a second router on a taken port fails
-at start instead of silently taking half the connections) and on the OpenAI front (``router.openai.http``). A client's channel is one connection, so it stays with one
-process; many clients (or a client with several channels) spread over all of them.
+at start instead of silently taking half the connections) and on the OpenAI front (``router.openai.http``). A
+client's channel is one connection, so it stays with one process; many clients (or a client with several channels)
+spread over all of them.
 
 The process started by the user serves as number 0 and starts the N-1 others with its own arguments, each with
 ``/metrics`` on the next port (``--metrics-port`` + i: a scrape must reach one process, not whichever the kernel

@@ -7,8 +7,8 @@ tokens; ``router.admin.traffic`` reads the same from the router's histograms), t
 (``traffic.corrections``, the real function), then ``plan_pools`` with the pools' state (the desired sizes and
 when they last changed) for its hysteresis and cool-downs, and the queue model of the simulated policy
 (``router.admin.queueing.dispatch_of``, as the router's servicer takes its own). No finished request in the window:
-no plan (the servicer refuses one). The desired sizes are reconciled as ``baton up``'s pool manager does: a new worker registers
-``startup_s`` after it is asked for (model load) and costs GPU-seconds from the ask; a pool that shrinks drains
+no plan (the servicer refuses one). The desired sizes are reconciled as ``baton up``'s pool manager does: a new
+worker registers ``startup_s`` after it is asked for (model load) and costs GPU-seconds from the ask; a pool that shrinks drains
 its newest workers (no new requests, gone once idle), cancelling a worker still starting first.
 
 One approximation, said here: the ITL percentiles are those of the finished requests' mean token gaps (TPOT), not

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequest
 from router.admin.profiles import DecodeProfile, PrefillProfile, interpolate, itl_row_at_context
-from router.admin.queueing import Dispatch, model_name, prefill_ttft_p90_s
+from router.admin.queueing import Dispatch, model_name, moments, prefill_ttft_p90_s
 
 __all__ = [  # the profiles are the planner's inputs: importable from here as before
     "Corrections", "DecodeProfile", "Plan", "PlannerConfig", "PoolPlan", "PoolState", "PrefillProfile", "RemotePrefill",
@@ -193,8 +193,7 @@ def size_prefill(slo: Slo, traffic: Traffic, profile: PrefillProfile, correction
                  dispatch: Dispatch = "pooled") -> PoolPlan:
     remote = traffic.prefill_side()
     services = service_mix(profile, remote.mean_isl, remote.isl_mix, remote.cached_fraction)
-    service_s = sum(s * w for s, w in services)
-    cs2 = max(sum(s * s * w for s, w in services) / service_s ** 2 - 1.0, 0.0)
+    service_s, cs2 = moments(services)
     spread = "over the prompt-length mix" if len(services) > 1 else "isl / throughput"
     cached = f", {remote.cached_fraction:.1%} of tokens cached: T(L) - T(hL)" if remote.cached_fraction > 0 else ""
     model = model_name(dispatch)

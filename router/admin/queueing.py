@@ -31,7 +31,8 @@ from typing import Literal
 
 from engine.errors import InvalidRequest
 
-__all__ = ["DISPATCH", "Dispatch", "dispatch_of", "erlang_c", "model_name", "prefill_ttft_p90_s", "wait_phases", "waiting"]
+__all__ = ["DISPATCH", "Dispatch", "dispatch_of", "erlang_c", "model_name", "moments", "prefill_ttft_p90_s",
+           "wait_phases", "waiting"]
 
 Dispatch = Literal["pooled", "split"]
 # every routing policy (router.routing.policy.POLICIES) and how it picks a prefill worker
@@ -61,17 +62,22 @@ def erlang_c(workers: int, offered: float) -> float:
     return workers * blocked / (workers - offered * (1 - blocked))
 
 
+def moments(services: tuple[tuple[float, float], ...]) -> tuple[float, float]:
+    """(mean, squared coefficient of variation) of a mix of (seconds, share) service times."""
+    mean_s = sum(s * w for s, w in services)
+    return mean_s, max(sum(s * s * w for s, w in services) / mean_s ** 2 - 1.0, 0.0)
+
+
 def wait_phases(rate_per_s: float, services: tuple[tuple[float, float], ...], workers: int,
                 dispatch: Dispatch) -> tuple[tuple[float, float], ...]:
     """The wait as (probability, mean) phases: ``P(wait > t) = sum p_i exp(-t / mean_i)`` (rho < 1); see the module."""
-    mean_s = sum(s * w for s, w in services)
-    cs2 = max(sum(s * s * w for s, w in services) / mean_s ** 2 - 1.0, 0.0)
+    mean_s, cs2 = moments(services)
     waits, once_s = waiting(rate_per_s, mean_s, cs2, workers, dispatch)
     if dispatch != "split" or waits <= 0:
         return ((waits, once_s),)
-    rate, rho = rate_per_s / workers, rate_per_s * mean_s / workers
-    wait_s = rate * sum(s ** 2 * w for s, w in services) / (2 * (1 - rho))
-    wait2 = 2 * wait_s ** 2 + rate * sum(s ** 3 * w for s, w in services) / (3 * (1 - rho))
+    rho = waits  # split: a prompt waits with probability rho, and E[W] = rho x the mean once waiting (P-K)
+    wait_s = rho * once_s
+    wait2 = 2 * wait_s ** 2 + rate_per_s / workers * sum(s ** 3 * w for s, w in services) / (3 * (1 - rho))
     cv2 = (wait2 / rho) / once_s ** 2 - 1.0  # once waiting: mean E[W] / rho, second moment E[W^2] / rho
     if cv2 <= 1.0:
         return ((waits, once_s),)
