@@ -103,7 +103,12 @@ def add_worker_options(group) -> None:
                        help="at start, time a prefill of this many tokens and one decode step, so the router prices "
                        "this worker from its first heartbeat (default: %(default)s; 0: learn from traffic only)")
     group.add_argument("--lease-ttl-s", type=float, default=30.0, help="how long unpulled KV stays pinned")
-    group.add_argument("--heartbeat-ttl-s", type=float, default=6.0)
+    group.add_argument("--heartbeat-ttl-s", type=float, default=6.0,
+                       help="the registration and load report expire this long after the last heartbeat (default: "
+                       "%(default)s)")
+    group.add_argument("--heartbeat-interval-s", type=float, default=None,
+                       help="heartbeat (and load report) period; below --heartbeat-ttl-s (default: a third of the TTL, "
+                       "at most 2 s)")
     group.add_argument("--drain-settle-s", type=float, default=5.0,
                        help="while draining, exit only after this long with nothing in flight (default: %(default)s)")
 
@@ -124,6 +129,18 @@ def _num_threads(args: argparse.Namespace) -> int | None:
     if args.num_threads or args.tensor_parallel_size <= 1:
         return args.num_threads
     return max(1, (os.cpu_count() or 1) // args.tensor_parallel_size)
+
+
+def heartbeat_interval_s(args: argparse.Namespace) -> float:
+    """``--heartbeat-interval-s``, or a third of the TTL (at most 2 s): a registration outlives two missed beats."""
+    if args.heartbeat_ttl_s <= 0:
+        raise ValueError(f"--heartbeat-ttl-s must be positive, got {args.heartbeat_ttl_s}")
+    if args.heartbeat_interval_s is None:
+        return min(2.0, args.heartbeat_ttl_s / 3)
+    if not 0 < args.heartbeat_interval_s < args.heartbeat_ttl_s:
+        raise ValueError(f"--heartbeat-interval-s must be positive and below --heartbeat-ttl-s "
+                         f"({args.heartbeat_ttl_s}), got {args.heartbeat_interval_s}")
+    return args.heartbeat_interval_s
 
 
 def _speculative(text: str | None) -> SpeculativeConfig | None:
@@ -224,7 +241,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         kv_advertise_uri=args.kv_advertise_uri, kv_checksum=args.kv_checksum, kv_io_timeout_s=args.kv_io_timeout_s,
         kv_secret=load_secret(args.kv_secret_file),
         calibrate_tokens=args.calibrate_tokens, lease_ttl_s=args.lease_ttl_s, heartbeat_ttl_s=args.heartbeat_ttl_s,
-        heartbeat_interval_s=min(2.0, args.heartbeat_ttl_s / 3), metrics_port=args.metrics_port,
+        heartbeat_interval_s=heartbeat_interval_s(args), metrics_port=args.metrics_port,
         on_drain=args.on_drain, drain_settle_s=args.drain_settle_s, tls=tls_config,
         kv_staging=args.kv_staging, kv_staging_blocks=args.kv_staging_blocks,
         fault_step_delay_s=args.fault_step_delay_s, fault_layer_delay_s=args.fault_layer_delay_s,

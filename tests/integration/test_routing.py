@@ -199,17 +199,24 @@ def test_a_saturated_prefill_pool_makes_prompts_go_local(chunked):
 
 # --- several routers in front of the same workers ---------------------------------------------------
 
-BURST, BURST_GAP_S = 12, 0.06  # 4 per router, one every 60 ms (each router publishes and reads every 50 ms)
+# 4 per router, one every 120 ms: each router publishes and reads every 50 ms, so a send sees the ones before it (with
+# room for a loaded machine's late loop); the whole burst fits between two of d0's heartbeats (6 s apart)
+BURST, BURST_GAP_S = 12, 0.12
 
 
 @pytest.fixture(scope="module")
 def routers(model_dir, tmp_path_factory):
-    """3 decode workers; in front of them 3 routers that share their books and 3 that do not."""
+    """3 decode workers; in front of them 3 routers that share their books and 3 that do not. d0 reports its load
+    every 6 s (a burst fits between two reports: only the books can spread it), d1 and d2 every 0.25 s (the load
+    another client gives them is seen at once, before it ends)."""
     require_redis_server()
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("routers-logs"))
     try:
-        cluster.workers = [cluster.start_worker("decode", worker_id=f"d{i}", num_blocks=2048) for i in range(3)]
+        beats = {"d0": ("--heartbeat-ttl-s", "20", "--heartbeat-interval-s", "6"),
+                 "d1": ("--heartbeat-interval-s", "0.25"), "d2": ("--heartbeat-interval-s", "0.25")}
+        cluster.workers = [cluster.start_worker("decode", *beat, worker_id=worker_id, num_blocks=2048)
+                           for worker_id, beat in beats.items()]
         # least loaded: the decision turns on the books alone, not on rates learned on a busy machine
         cluster.shared = [cluster.start_router("--policy", "least_loaded") for _ in range(3)]
         cluster.alone = [cluster.start_router("--policy", "least_loaded", "--no-shared-books") for _ in range(3)]
@@ -229,6 +236,11 @@ def reported_running(cluster) -> dict[str, int]:
             for info, load in asyncio.run(_list_workers(cluster))}
 
 
+def reported_at_ms(cluster, worker_id: str) -> int | None:
+    return next((load.reported_unix_ms for info, load in asyncio.run(_list_workers(cluster))
+                 if info.worker_id == worker_id and load is not None), None)
+
+
 async def _list_workers(cluster):
     redis = connect(cluster.redis_url)
     try:
@@ -238,9 +250,16 @@ async def _list_workers(cluster):
 
 
 def keep_busy(cluster, streams_per_worker: int = 3) -> list:
-    """Another client's long streams on d1 and d2, sent straight to them: their heartbeats report 3 running each
-    while d0 reports none, so every router sees d0 as the idle one."""
-    params = pb.SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
+    """Right after a heartbeat of d0 reporting it idle, another client's long streams on d1 and d2, sent straight
+    to them: once their heartbeats report 3 running each, every router sees d0 as the idle one, until d0's next
+    heartbeat 6 s later."""
+    deadline = time.monotonic() + 20
+    last = reported_at_ms(cluster, "d0")
+    while (at := reported_at_ms(cluster, "d0")) == last or reported_running(cluster)["d0"]:
+        assert time.monotonic() < deadline, ("d0 never reported itself idle", reported_running(cluster))
+        last = at if reported_running(cluster)["d0"] else last
+        time.sleep(0.01)
+    params = pb.SamplingParams(temperature=0.0, max_tokens=2040, ignore_eos=True)  # 3 s or more on this machine
     calls = []
     for worker in cluster.workers[1:]:
         stub = pb_grpc.WorkerStub(grpc.insecure_channel(worker.address))
@@ -248,10 +267,9 @@ def keep_busy(cluster, streams_per_worker: int = 3) -> list:
             request = pb.DecodeRequest(request_id=f"busy-{worker.name}-{i}-{time.monotonic_ns()}", prompt_len=4,
                                        token_ids=[30 + i, 31, 32, 33], sampling=params)
             calls.append(stub.Decode(request, timeout=60))
-    deadline = time.monotonic() + 15
     while reported_running(cluster) != {"d0": 0, "d1": streams_per_worker, "d2": streams_per_worker}:
         assert time.monotonic() < deadline, reported_running(cluster)
-        time.sleep(0.1)
+        time.sleep(0.02)
     time.sleep(0.6)  # the routers' listings (0.5 s) catch up with the heartbeats
     return calls
 
@@ -259,20 +277,26 @@ def keep_busy(cluster, streams_per_worker: int = 3) -> list:
 def burst(cluster, routers) -> tuple[Counter, list[str]]:
     """``BURST`` long prompts sent round-robin through ``routers``, one every ``BURST_GAP_S``: where each was
     decoded, and why."""
-    def send(i: int) -> pb.GenerateResponse:
-        time.sleep(i * BURST_GAP_S)
-        stub = pb_grpc.GenerationStub(grpc.insecure_channel(routers[i % len(routers)].address))
-        params = pb.SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=fresh_prompt(300)), sampling=params)
-        return list(stub.Generate(request, timeout=60))[-1]
-
+    channels = [grpc.insecure_channel(router.address) for router in routers]
+    for channel in channels:  # connected before the burst: a send's connect does not delay it past the next
+        grpc.channel_ready_future(channel).result(timeout=10)
+    stubs = [pb_grpc.GenerationStub(channel) for channel in channels]
+    # long enough to stay in flight until the burst ends: a router's books count a stream until it finishes
+    params = pb.SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
+    requests = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=fresh_prompt(300)), sampling=params)
+                for _ in range(BURST)]
     calls = keep_busy(cluster)
     try:
-        with ThreadPoolExecutor(max_workers=BURST) as pool:
-            finals = list(pool.map(send, range(BURST)))
+        start, streams = time.monotonic(), []
+        for i, request in enumerate(requests):  # one thread: a call is sent when it is made
+            time.sleep(max(0.0, start + i * BURST_GAP_S - time.monotonic()))
+            streams.append(stubs[i % len(stubs)].Generate(request, timeout=60))
+        finals = [list(stream)[-1] for stream in streams]
     finally:
         for call in calls:
             call.cancel()
+        for channel in channels:
+            channel.close()
     return Counter(f.timings.decode_worker for f in finals), [f.timings.route_reason for f in finals]
 
 
@@ -280,8 +304,9 @@ def test_routers_sharing_their_books_spread_a_burst_that_routers_alone_pile_onto
     shared, why_shared = burst(routers, routers.shared)
     alone, why_alone = burst(routers, routers.alone)
     # alone, each router sends d0 (the one idle worker in the last heartbeat) its 4 before its own books make d0
-    # look busier than the others' 3 streams: d0 takes the whole burst, unless a heartbeat shows it busier first
+    # look busier than the others' 3 streams: d0 takes the whole burst
     assert alone["d0"] >= 8, (alone, why_alone)
     # sharing, each router counts the others' sends (as of their last publish, <= 100 ms old): d0 takes about its
-    # share (4, or 5 when a send is missed within a period) and the burst spreads over all three
+    # share (4, or 5 when a send is missed within a period) and the burst spreads over all three (d1 and d2 read 3
+    # until the routers' own count passes it, then 4 each)
     assert shared["d0"] <= 6 and max(shared.values()) <= 6 and len(shared) == 3, (shared, alone, why_shared)

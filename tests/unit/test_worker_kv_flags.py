@@ -103,3 +103,14 @@ def test_tensor_parallel_size_reaches_the_engine_with_a_share_of_the_cores_per_r
     assert config("prefill", "--tensor-parallel-size", "2", "--num-threads", "3").engine.num_threads == 3
     with pytest.raises(ValueError, match="--kv-staging always is not combined with --tensor-parallel-size"):
         config("decode", "--tensor-parallel-size", "2", "--kv-staging", "always")
+
+
+def test_heartbeat_interval_defaults_to_a_third_of_the_ttl_at_most_2_s_and_must_stay_below_the_ttl():
+    assert config("decode").heartbeat_interval_s == 2.0
+    assert config("decode", "--heartbeat-ttl-s", "3").heartbeat_interval_s == 1.0
+    assert config("decode", "--heartbeat-interval-s", "0.25").heartbeat_interval_s == 0.25
+    c = config("decode", "--heartbeat-ttl-s", "20", "--heartbeat-interval-s", "6")
+    assert (c.heartbeat_ttl_s, c.heartbeat_interval_s) == (20.0, 6.0)
+    for flags in (["--heartbeat-interval-s", "6"], ["--heartbeat-interval-s", "0"], ["--heartbeat-ttl-s", "0"]):
+        with pytest.raises(ValueError, match="heartbeat"):
+            config("decode", *flags)
