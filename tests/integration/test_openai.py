@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 import urllib.request
 
@@ -18,7 +19,7 @@ from engine.tokenizer import Tokenizer
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import free_port
-from tests.integration.test_e2e import assert_pools_full, start_cluster
+from tests.integration.test_e2e import aborted, assert_pools_full, start_cluster
 from tests.tiny_model import shared_tiny
 
 MAX_TOKENS = 12
@@ -141,6 +142,33 @@ def test_bad_request_is_400_with_a_message_and_the_front_keeps_serving(platform,
     assert "'gpt-4' is not served here" in info.value.message
     out = client.completions.create(model=platform.model_dir.name, prompt=PROMPTS[0], max_tokens=2, temperature=0)
     assert out.usage.completion_tokens >= 1
+
+
+def test_a_client_hanging_up_mid_stream_aborts_the_request_quietly(platform, client):
+    """The connection closed while D decodes: D aborts the request (pools back to full), the router logs no
+    error for it, and serves the next request."""
+    log_before, before = platform.router.log_path.stat().st_size, aborted(platform)
+    body = json.dumps({"model": platform.model_dir.name, "prompt": PROMPTS[1], "max_tokens": 1500,
+                       "ignore_eos": True, "temperature": 0, "stream": True}).encode()
+    host, port = platform.http_url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = b""
+        while received.count(b"data: {") < 3:  # P sent the first token, D the next ones: D is decoding it
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200"), received[:200]
+    assert_pools_full(platform, timeout_s=30)
+    after = aborted(platform)
+    assert sum(after.values()) == sum(before.values()) + 1, (before, after)  # aborted, not run to its 1,500th token
+    out = client.completions.create(model=platform.model_dir.name, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens >= 1
+    with platform.router.log_path.open("rb") as log:
+        log.seek(log_before)
+        logged = log.read().decode(errors="replace")
+    assert "Traceback" not in logged and " ERROR " not in logged, logged[-3000:]
 
 
 @pytest.fixture(scope="module")
