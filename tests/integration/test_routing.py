@@ -8,8 +8,10 @@ the workers, where routers that do not pile it onto the one that looked idle."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -236,9 +238,10 @@ def reported_running(cluster) -> dict[str, int]:
             for info, load in asyncio.run(_list_workers(cluster))}
 
 
-def reported_at_ms(cluster, worker_id: str) -> int | None:
-    return next((load.reported_unix_ms for info, load in asyncio.run(_list_workers(cluster))
-                 if info.worker_id == worker_id and load is not None), None)
+def d0_report(cluster) -> tuple[int | None, int]:
+    """d0's last load report: when (ms), and how many it runs or queues."""
+    load = next(load for info, load in asyncio.run(_list_workers(cluster)) if info.worker_id == "d0")
+    return (None, 0) if load is None else (load.reported_unix_ms, load.running + load.waiting)
 
 
 async def _list_workers(cluster):
@@ -249,55 +252,83 @@ async def _list_workers(cluster):
         await redis.aclose()
 
 
-def keep_busy(cluster, streams_per_worker: int = 3) -> list:
-    """Right after a heartbeat of d0 reporting it idle, another client's long streams on d1 and d2, sent straight
-    to them: once their heartbeats report 3 running each, every router sees d0 as the idle one, until d0's next
-    heartbeat 6 s later."""
+class Busy:
+    """Another client's long streams on d1 and d2, sent straight to them and read to their end on a thread each:
+    ``ended_s`` is when the first of them ended (monotonic; None while all run)."""
+
+    def __init__(self, cluster, streams_per_worker: int) -> None:
+        params = pb.SamplingParams(temperature=0.0, max_tokens=2040, ignore_eos=True)  # 3 s or more on this machine
+        self.calls, self.ended_s = [], None
+        for worker in cluster.workers[1:]:
+            stub = pb_grpc.WorkerStub(grpc.insecure_channel(worker.address))
+            for i in range(streams_per_worker):
+                request = pb.DecodeRequest(request_id=f"busy-{worker.name}-{i}-{time.monotonic_ns()}", prompt_len=4,
+                                           token_ids=[30 + i, 31, 32, 33], sampling=params)
+                self.calls.append(stub.Decode(request, timeout=60))
+        self._readers = [threading.Thread(target=self._read, args=(call,), daemon=True) for call in self.calls]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, call) -> None:
+        with contextlib.suppress(grpc.RpcError):  # cancelled by stop()
+            for _ in call:
+                pass
+        if self.ended_s is None:
+            self.ended_s = time.monotonic()
+
+    def stop(self) -> None:
+        for call in self.calls:
+            call.cancel()
+        for reader in self._readers:
+            reader.join(timeout=10)
+
+
+def keep_busy(cluster, streams_per_worker: int = 3) -> Busy:
+    """Right after a heartbeat of d0 reporting it idle, busy streams on d1 and d2: once their heartbeats report 3
+    running each, every router sees d0 as the idle one, until d0's next heartbeat 6 s later."""
     deadline = time.monotonic() + 20
-    last = reported_at_ms(cluster, "d0")
-    while (at := reported_at_ms(cluster, "d0")) == last or reported_running(cluster)["d0"]:
-        assert time.monotonic() < deadline, ("d0 never reported itself idle", reported_running(cluster))
-        last = at if reported_running(cluster)["d0"] else last
+    first_at, _ = d0_report(cluster)
+    while (report := d0_report(cluster))[0] == first_at or report[1]:
+        assert time.monotonic() < deadline, ("d0 never reported itself idle", report)
         time.sleep(0.01)
-    params = pb.SamplingParams(temperature=0.0, max_tokens=2040, ignore_eos=True)  # 3 s or more on this machine
-    calls = []
-    for worker in cluster.workers[1:]:
-        stub = pb_grpc.WorkerStub(grpc.insecure_channel(worker.address))
-        for i in range(streams_per_worker):
-            request = pb.DecodeRequest(request_id=f"busy-{worker.name}-{i}-{time.monotonic_ns()}", prompt_len=4,
-                                       token_ids=[30 + i, 31, 32, 33], sampling=params)
-            calls.append(stub.Decode(request, timeout=60))
+    busy = Busy(cluster, streams_per_worker)
     while reported_running(cluster) != {"d0": 0, "d1": streams_per_worker, "d2": streams_per_worker}:
         assert time.monotonic() < deadline, reported_running(cluster)
         time.sleep(0.02)
     time.sleep(0.6)  # the routers' listings (0.5 s) catch up with the heartbeats
-    return calls
+    return busy
 
 
 def burst(cluster, routers) -> tuple[Counter, list[str]]:
     """``BURST`` long prompts sent round-robin through ``routers``, one every ``BURST_GAP_S``: where each was
-    decoded, and why."""
+    decoded, and why. Sent again (twice at most) when a busy stream ended before the routers had routed the whole
+    burst (a machine faster than this one decodes its 2,040 tokens sooner): then d1 and d2 were not the busy ones."""
     channels = [grpc.insecure_channel(router.address) for router in routers]
     for channel in channels:  # connected before the burst: a send's connect does not delay it past the next
         grpc.channel_ready_future(channel).result(timeout=10)
     stubs = [pb_grpc.GenerationStub(channel) for channel in channels]
     # long enough to stay in flight until the burst ends: a router's books count a stream until it finishes
     params = pb.SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
-    requests = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=fresh_prompt(300)), sampling=params)
-                for _ in range(BURST)]
-    calls = keep_busy(cluster)
     try:
-        start, streams = time.monotonic(), []
-        for i, request in enumerate(requests):  # one thread: a call is sent when it is made
-            time.sleep(max(0.0, start + i * BURST_GAP_S - time.monotonic()))
-            streams.append(stubs[i % len(stubs)].Generate(request, timeout=60))
-        finals = [list(stream)[-1] for stream in streams]
+        for _ in range(3):
+            requests = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=fresh_prompt(300)), sampling=params)
+                        for _ in range(BURST)]
+            busy = keep_busy(cluster)
+            try:
+                start, streams = time.monotonic(), []
+                for i, request in enumerate(requests):  # one thread: a call is sent when it is made
+                    time.sleep(max(0.0, start + i * BURST_GAP_S - time.monotonic()))
+                    streams.append(stubs[i % len(stubs)].Generate(request, timeout=60))
+                routed_s = time.monotonic() + 0.6  # the last send routed, and its listing's view of d1 and d2 too
+                finals = [list(stream)[-1] for stream in streams]
+            finally:
+                busy.stop()
+            if busy.ended_s is None or busy.ended_s > routed_s:
+                return Counter(f.timings.decode_worker for f in finals), [f.timings.route_reason for f in finals]
+        raise AssertionError("the busy streams ended before every burst was routed, three times")
     finally:
-        for call in calls:
-            call.cancel()
         for channel in channels:
             channel.close()
-    return Counter(f.timings.decode_worker for f in finals), [f.timings.route_reason for f in finals]
 
 
 def test_routers_sharing_their_books_spread_a_burst_that_routers_alone_pile_onto_one_worker(routers):
