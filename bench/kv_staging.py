@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     stop = ctx.Event()
-    server = ctx.Process(target=transport_server, args=("tcp", total, False, "cpu", child, stop), daemon=True)
+    server = ctx.Process(target=transport_server, args=("tcp", total, False, "cpu", [], child, stop), daemon=True)
     server.start()
     status, endpoint = parent.recv()
     if status != "ok":

@@ -119,13 +119,18 @@ def _reason(exc: BaseException) -> str:
 # --- server processes (each replies ("ok", endpoint) or ("skip", reason), then serves until stop) ---
 
 
-def transport_server(kind: str, num_blocks: int, use_uvloop: bool, device: str, conn, stop) -> None:
-    """Serve one lease over every block of the source buffer with Baton transport ``kind`` (on ``device``)."""
+def transport_server(kind: str, num_blocks: int, use_uvloop: bool, device: str, tokens: list[int], conn,
+                     stop) -> None:
+    """Serve the source buffer with Baton transport ``kind`` (on ``device``): a lease per prompt's source blocks
+    (as a prefill worker leases exactly a prompt's blocks; ``leases``: [source ids, lease id] pairs), and one
+    over every block (the device path's)."""
     _install_loop(use_uvloop)
 
     async def main() -> None:
         buffer, table = source_buffer(num_blocks), LeaseTable(default_ttl_s=3600.0)
         lease = table.create(range(num_blocks), now=time.monotonic())
+        sources = {tuple(src) for n in tokens for src, _ in prompt_blocks(n, num_blocks).values()}
+        leases = [[list(src), table.create(src, now=time.monotonic()).lease_id] for src in sources]
         try:
             if device == "cuda":  # pragma: no cover - never run here (no GPU)
                 server = kv_device.serve(kind, SMALL, buffer.array, table, lease.lease_id, time.monotonic)
@@ -135,7 +140,7 @@ def transport_server(kind: str, num_blocks: int, use_uvloop: bool, device: str, 
         except Exception as exc:  # noqa: BLE001 - a missing package or no GPU: skipped, not a crash
             conn.send(("skip", _reason(exc)))
             return
-        conn.send(("ok", {"uri": uri, "lease_id": lease.lease_id}))
+        conn.send(("ok", {"uri": uri, "lease_id": lease.lease_id, "leases": leases}))
         while not stop.is_set():
             await asyncio.sleep(0.05)
         await server.stop()
@@ -196,7 +201,7 @@ def start_servers(args: argparse.Namespace, num_blocks: int) -> Servers:
     servers, pipes = Servers(stop=ctx.Event()), {}
     targets = {BASELINE: (raw_server, (num_blocks * SMALL.bytes_per_block,))}
     for kind in args.transports:
-        targets[kind] = (transport_server, (kind, num_blocks, args.uvloop, getattr(args, "device", "cpu")))
+        targets[kind] = (transport_server, (kind, num_blocks, args.uvloop, getattr(args, "device", "cpu"), args.tokens))
     for name in args.peers:  # "<peer>-peer": Baton has a nixl transport of its own, measured beside NIXL itself
         targets[peer_system(name)] = (peer_server, (name, num_blocks, _peer_options(args)))
     for name, (target, extra) in targets.items():
@@ -332,8 +337,10 @@ def _client(name: str, endpoint: dict, args: argparse.Namespace, dst: KVBuffer, 
 
         return device_pull, getattr(client, "close", lambda: None)
 
+    leases = {tuple(src): lease_id for src, lease_id in endpoint["leases"]}
+
     def baton_pull(src_ids: list[int], dst_ids: list[int]) -> tuple[float, int]:
-        pull = client.pull(endpoint["uri"], SMALL, endpoint["lease_id"], src_ids, dst, dst_ids)
+        pull = client.pull(endpoint["uri"], SMALL, leases[tuple(src_ids)], src_ids, dst, dst_ids)
         stats = loop.run_until_complete(pull)
         return stats.seconds, stats.num_bytes
 

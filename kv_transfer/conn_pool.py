@@ -131,11 +131,12 @@ class PooledClient(KVClient):
         self.pool.close()
 
     async def one_sided_read(self, request: Pull, scheme: str, kinds: ReadKinds, read_done: int, flags: int,
-                             read: Callable[[socket.socket], Awaitable[None]]) -> None:
+                             read: Callable[[socket.socket], Awaitable[bool | None]]) -> None:
         """A pull whose bytes the client reads itself (cma, nixl), as one exchange on a pooled connection:
         HELLO + READ (signed per attempt: a retry carries a fresh nonce; ``flags`` and READ_CHECKSUM as
         configured) -> HELLO_OK checked -> ``read(sock)`` (the transport's answer frame and its reading of
-        the bytes) -> ``read_done`` -> DONE, whose checksums are verified when asked."""
+        the bytes; True if it sent ``read_done`` itself) -> ``read_done`` -> DONE, whose checksums are verified
+        when asked."""
         uri, layout = request.uri, request.layout
         io_s, what = self.config.io_timeout_s, f"KV server {uri}"
 
@@ -147,8 +148,8 @@ class PooledClient(KVClient):
             await send_request(sock, [encode_frame(kinds.hello, hello), encode_frame(kinds.read, payload, code)],
                                self.config, what)
             check_hello_ok(uri, layout, await recv_frame(sock, io_s, what), kinds.hello_ok)
-            await read(sock)
-            await send_frame(sock, encode_frame(read_done), io_s, what)
+            if not await read(sock):  # the transport may have sent ``read_done`` itself
+                await send_frame(sock, encode_frame(read_done), io_s, what)
             done = await recv_frame(sock, io_s, what)
             if done.kind != DONE:
                 raise remote_error(uri, done)

@@ -137,7 +137,7 @@ def check_hello_ok(uri: str, layout: KVLayout, frame: Frame, ok_kind: int = HELL
     server's layout JSON (checked here too, so a mismatch names the differing fields)."""
     if frame.kind not in (ok_kind, ERROR) or (frame.kind == ERROR and frame.code != ERR_LAYOUT):
         raise remote_error(uri, frame)
-    layout.check_compatible(KVLayout.from_json(frame.payload))
+    layout.check_compatible(_parse_layout(frame.payload))
     if frame.kind == ERROR:
         raise LayoutMismatch(f"KV server {uri} refused the layout")
 

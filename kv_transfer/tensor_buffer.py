@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.layout import KVBuffer, KVLayout, check_block_ids
 
 # The transports that register or move device memory, so serve and pull a device-resident cache in place
 # (GPU-direct); the others (tcp, cma: host sockets and process_vm_readv) need host memory, so a device cache
@@ -66,9 +66,7 @@ class TensorKVBuffer:
 
     def check_block_ids(self, block_ids: Sequence[int]) -> None:
         """Raise KVTransferError unless every id is an int in ``[0, num_blocks)``."""
-        for block_id in block_ids:
-            if not isinstance(block_id, (int, np.integer)) or not 0 <= block_id < self.num_blocks:
-                raise KVTransferError(f"block id {block_id!r} out of range [0, {self.num_blocks})")
+        check_block_ids(block_ids, self.num_blocks)
 
     def take(self, block_ids: Sequence[int]) -> Any:
         """A copy of the blocks, ``[num_layers, n, segment_bytes]`` on the buffer's device, ready to read."""

@@ -186,11 +186,26 @@ def check_read(buffer: AnyKVBuffer, resolve: Resolver, lease_id: str, block_ids:
     leased = resolve(lease_id)
     if leased is None:
         raise LeaseNotFound("unknown or expired transfer lease")
-    allowed = set(leased)
-    outside = [b for b in block_ids if b not in allowed]
-    if outside:
-        raise KVTransferError(f"blocks {outside[:8]} are not in the lease ({len(outside)} in all)")
+    if not _leased_run(leased, block_ids):
+        allowed = set(leased)
+        outside = [b for b in block_ids if b not in allowed]
+        if outside:
+            raise KVTransferError(f"blocks {outside[:8]} are not in the lease ({len(outside)} in all)")
     buffer.check_block_ids(block_ids)
+
+
+def _leased_run(leased: Sequence[int], block_ids: Sequence[int]) -> bool:
+    """True when ``block_ids`` are a slice of ``leased`` in order (a whole lease, or what a prefix hit leaves to
+    pull): compared in C, where a set of the lease per read cost ~0.2 ms per 1,000 blocks. False: look closer."""
+    ids = tuple(block_ids)
+    if not ids:
+        return True
+    leased = leased if isinstance(leased, tuple) else tuple(leased)
+    try:
+        start = leased.index(ids[0])
+    except ValueError:
+        return False
+    return leased[start:start + len(ids)] == ids
 
 
 def kind_available(kind: str) -> str | None:

@@ -181,9 +181,7 @@ def test_rows_pair_by_byte_offset_whatever_either_side_cuts():
     remote = rows.buffer_iovecs(src, server_ids)
     local, paired = rows.pair_rows(dst, dst_ids, remote, "test://")
     assert (local[:, 1] == paired[:, 1]).all() and len(local) == 5 * LAYOUT.num_layers
-    for (to, n), (frm, _) in zip(local.tolist(), paired.tolist()):  # a memcpy per piece, by address
-        dst.array.reshape(-1)[to - dst.base_ptr : to - dst.base_ptr + n] = src.array.reshape(-1)[
-            frm - src.base_ptr : frm - src.base_ptr + n]
+    copy_pieces(src, dst, local, paired)
     assert np.array_equal(dst.array[:, dst_ids], src.array[:, server_ids])
     with pytest.raises(KVTransferError, match="do not cover"):
         rows.pair_rows(dst, dst_ids[:4], remote, "test://")
@@ -192,6 +190,42 @@ def test_rows_pair_by_byte_offset_whatever_either_side_cuts():
     skewed[3, 1] -= LAYOUT.bytes_per_block_per_layer // 2
     with pytest.raises(KVTransferError, match="each layer"):
         rows.pair_rows(dst, dst_ids, skewed, "test://")
+
+
+def copy_pieces(src: KVBuffer, dst: KVBuffer, local: np.ndarray, remote: np.ndarray) -> None:
+    """What a one-sided READ of the paired rows does: a memcpy per piece, by address."""
+    for (to, n), (frm, _) in zip(local.tolist(), remote.tolist()):
+        dst.array.reshape(-1)[to - dst.base_ptr : to - dst.base_ptr + n] = src.array.reshape(-1)[
+            frm - src.base_ptr : frm - src.base_ptr + n]
+
+
+def test_rows_of_whole_blocks_pair_as_the_general_cut_does_and_copy_the_same_bytes():
+    """A server lists whole blocks, so the reader pairs them block by block (``_pair_blocks``): the pieces equal
+    the general cut's (``_pair_cuts``), rows split into single blocks pair to the same pieces, a piece never
+    crosses a layer (the last case: both sides are contiguous across every layer)."""
+    rng = np.random.default_rng(11)
+    num_blocks, seg = 24, LAYOUT.bytes_per_block_per_layer
+    src = KVBuffer(LAYOUT, rng.integers(0, 256, LAYOUT.bytes_per_block * num_blocks, np.uint8))
+    cases = [(sorted(rng.choice(num_blocks, n, replace=False).tolist()), rng.choice(num_blocks, n, replace=False))
+             for n in (1, 2, 5, 9, 17, 24)]
+    cases += [(list(range(4, 14)), np.arange(10)), (list(range(num_blocks)), np.arange(num_blocks))]
+    for server_ids, dst_ids in cases:
+        dst_ids = [int(b) for b in dst_ids]
+        remote = rows.buffer_iovecs(src, server_ids)
+        dst = KVBuffer.allocate(LAYOUT, num_blocks)
+        local, paired = rows.pair_rows(dst, dst_ids, remote, "test://")
+        general = rows._pair_cuts(dst, dst_ids, remote, remote[:, 1].astype(np.int64), "test://")
+        assert np.array_equal(local, general[0]) and np.array_equal(paired, general[1])
+        single = rows.split_rows(remote, remote, seg)[1]  # the same bytes, a row per block
+        assert all(np.array_equal(a, b) for a, b in zip(rows.pair_rows(dst, dst_ids, single, "test://"),
+                                                        (local, paired)))
+        copy_pieces(src, dst, local, paired)
+        assert np.array_equal(dst.array[:, dst_ids], src.array[:, server_ids])
+    assert len(local) == LAYOUT.num_layers  # every block in order: a piece per layer, though the layers touch
+    rows_of = lambda ids: rows.buffer_iovecs(src, ids).reshape(LAYOUT.num_layers, -1, 2)  # noqa: E731
+    uneven = np.concatenate([rows_of([3, 4, 5])[0], rows_of([3, 9, 5])[1], rows_of([3, 4, 5])[2]])
+    with pytest.raises(KVTransferError, match="each layer"):  # whole blocks, but layer 1 read from elsewhere
+        rows.pair_rows(KVBuffer.allocate(LAYOUT, num_blocks), [0, 1, 2], uneven, "test://")
 
 
 def test_an_nccl_plan_must_partition_the_destination_into_runs():

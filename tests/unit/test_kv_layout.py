@@ -107,9 +107,11 @@ def test_scatter_gather_and_copy_round_trip() -> None:
 
 def test_block_ids_out_of_range_are_refused() -> None:
     buffer = KVBuffer.allocate(TINY, 4)
-    for bad in ([4], [-1], [0, 99]):
+    for bad in ([4], [-1], [0, 99], [1.0], [None], ["2"], [0, 2**64]):
         with pytest.raises(KVTransferError, match="out of range"):
             buffer.segments(bad)
+    buffer.check_block_ids([np.int64(3), np.uint32(0), 2])  # numpy's integers are ids too
+    buffer.check_block_ids(())
 
 
 def test_kvbuffer_refuses_a_cache_that_does_not_fit_the_layout() -> None:

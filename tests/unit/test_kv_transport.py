@@ -23,7 +23,7 @@ from kv_transfer import checksum, wire
 from kv_transfer.errors import ChecksumMismatch, KVTransferError, LayoutMismatch, LeaseNotFound
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
-from kv_transfer.transport import TransportConfig, connect, make_server, pull
+from kv_transfer.transport import TransportConfig, check_read, connect, make_server, pull
 
 LAYOUT = KVLayout(
     model_fingerprint=b"conformance", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8
@@ -164,6 +164,23 @@ def test_unknown_or_expired_lease_is_refused_and_nothing_is_written(kind: str) -
             assert_untouched(dst)
 
     run(scenario())
+
+
+def test_a_read_may_take_any_of_its_leases_blocks_in_any_order_and_nothing_else() -> None:
+    """The server's check: a slice of the lease in order (the whole lease; what a prefix hit leaves) is found
+    by the fast path, any other subset by the set, in either case only blocks the lease and the buffer hold."""
+    buffer, leased = KVBuffer.allocate(LAYOUT, 16), (5, 9, 2, 3, 12, 7)
+    resolve = {"l": leased, "list": list(leased)}.get
+    for ids in (leased, leased[3:], leased[1:4], (7, 5), (12,), [np.int64(2), 3], ()):
+        check_read(buffer, resolve, "l", ids)
+        check_read(buffer, resolve, "list", list(ids))
+    for ids in ((5, 9, 4), (4,), (7, 5, 1), (3, 12, 7, 8)):
+        with pytest.raises(KVTransferError, match="not in the lease"):
+            check_read(buffer, resolve, "l", ids)
+    with pytest.raises(KVTransferError, match="out of range"):
+        check_read(buffer, {"l": (15, 16)}.get, "l", (15, 16))
+    with pytest.raises(LeaseNotFound):
+        check_read(buffer, resolve, "gone", (5,))
 
 
 @pytest.mark.parametrize("kind", KINDS)
