@@ -47,9 +47,12 @@ def router_args(spec: BatonGraphDeployment) -> list[str]:
 
 def worker_args(spec: BatonGraphDeployment, service: Service) -> list[str]:
     # The worker advertises --host in the registry, so it binds the pod IP, not 0.0.0.0.
-    return ["--redis-url", redis_url(spec), "--model", model_dir(spec), "--namespace", spec.name,
+    args = ["--redis-url", redis_url(spec), "--model", model_dir(spec), "--namespace", spec.name,
             "--host", "$(POD_IP)", "--port", str(WORKER_PORT), "--kv-transport", spec.kv_transport.backend,
-            "--kv-port", str(KV_PORT), "--worker-id", "$(POD_NAME)"] + list(service.args)
+            "--kv-port", str(KV_PORT), "--worker-id", "$(POD_NAME)"]
+    if service.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(service.tensor_parallel_size)]
+    return args + list(service.args)
 
 
 def deployment(spec: BatonGraphDeployment, service: Service) -> dict[str, Any]:

@@ -70,7 +70,7 @@ class Service:
     node_selector: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = ()  # extra flags appended to the `baton <role>` command
-    tensor_parallel_size: int = 1  # noted on the pod; GPUs per replica must cover it
+    tensor_parallel_size: int = 1  # the workers' --tensor-parallel-size, noted on the pod; GPUs per replica cover it
     termination_grace_s: int = 60
     autoscaling: Autoscaling | None = None
 
@@ -178,6 +178,9 @@ def _service(f: Fields, role: str) -> Service:
     f.done()
     if role == "router" and (service.resources.gpu or service.tensor_parallel_size > 1):
         raise SpecError(f.at("resources.gpu"), "the router needs no GPU")
+    if any(arg.split("=", 1)[0] == "--tensor-parallel-size" for arg in service.args):
+        raise SpecError(f.at("args"), "set tensorParallelSize instead of --tensor-parallel-size (the pod's GPUs are "
+                        "checked against it)")
     gpus = service.resources.gpu.count if service.resources.gpu else 0
     if service.tensor_parallel_size > 1 and gpus < service.tensor_parallel_size:
         raise SpecError(f.at("tensorParallelSize"), f"needs resources.gpu.count >= {service.tensor_parallel_size}, "

@@ -72,6 +72,8 @@ def test_every_container_command_parses_with_the_real_cli(example):
         else:
             args = worker_parser(role).parse_args(argv)
             assert args.port == container["ports"][0]["containerPort"] and args.namespace == spec.name
+            service = getattr(spec, role)
+            assert args.tensor_parallel_size == service.tensor_parallel_size  # the spec's degree reaches the worker
             # a transport the worker knows (whether it can run is checked where the worker runs: ucx needs ucxx)
             assert set(args.kv_transport.split(",")) <= set(TRANSPORT_KINDS) - {"local"}
     assert seen == {"router", "prefill", "decode"}

@@ -78,6 +78,8 @@ def test_misspelled_field_is_rejected_not_ignored():
      "spec.services.router.resources.gpu"),
     (lambda d: d["spec"]["services"]["prefill"].update(tensorParallelSize=4),
      "spec.services.prefill.tensorParallelSize"),
+    (lambda d: d["spec"]["services"]["decode"].update(args=["--tensor-parallel-size=2"]),
+     "spec.services.decode.args"),
     (lambda d: d["spec"]["slo"].update(ttftP90Ms=0), "spec.slo.ttftP90Ms"),
     (lambda d: d["spec"]["services"]["decode"]["autoscaling"].update(maxReplicas=1),
      "spec.services.decode.autoscaling.maxReplicas"),
