@@ -35,10 +35,10 @@ import numpy as np
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, paired_runs
-from kv_transfer.nixl import environment  # imports no NIXL
+from kv_transfer.nixl_agent import environment  # imports no NIXL
 
 # per peer, its packages and the modules they import as, in order of preference (NIXL: CUDA 13's first, as
-# kv_transfer.nixl.NIXL_MODULES; the lent GPU machine has nixl-cu13, this one nixl-cu12)
+# kv_transfer.nixl_agent.NIXL_MODULES; the lent GPU machine has nixl-cu13, this one nixl-cu12)
 PEER_PACKAGES = {"nixl": ("nixl-cu13", "nixl-cu12", "nixl"), "mooncake": ("mooncake-transfer-engine-non-cuda",)}
 PEER_NAMES = tuple(PEER_PACKAGES)
 _MODULES = {"nixl": ("nixl_cu13", "nixl_cu12", "nixl"), "mooncake": ("mooncake.engine",)}

@@ -176,12 +176,12 @@ def test_descriptors_name_the_servers_memory_and_refuse_malformed_frames() -> No
 
     head = nixl.DESCS_HEAD.pack(b"i" * 8, 3, 1, b"t" * 16, 4, 2)
     rows = np.array([[4096, 64], [8192, 64]], np.uint64).tobytes()
-    descs = nixl._parse_descs("nixl://h:1", Frame(nixl.N_DESCS, 0, head + b"meta" + rows))
+    descs = nixl.parse_descs("nixl://h:1", Frame(nixl.N_DESCS, 0, head + b"meta" + rows))
     assert (descs.incarnation, descs.device_id, nixl.MEM_KINDS[descs.memory_kind]) == (b"i" * 8, 3, "VRAM")
     assert descs.metadata == b"meta" and descs.rows.tolist() == [[4096, 64], [8192, 64]]
     for bad in (head + b"meta" + rows[:8], nixl.DESCS_HEAD.pack(b"i" * 8, 0, 7, b"t" * 16, 0, 0), b"short"):
         with pytest.raises(KVTransferError, match="malformed N_DESCS"):
-            nixl._parse_descs("nixl://h:1", Frame(nixl.N_DESCS, 0, bad))
+            nixl.parse_descs("nixl://h:1", Frame(nixl.N_DESCS, 0, bad))
 
 
 @own_process
