@@ -119,12 +119,14 @@ class LLM:
         completion = state.output.outputs[0]
         completion.token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs:
-            completion.logprobs = (completion.logprobs or []) + list(delta.new_logprobs)
+            if completion.logprobs is None:
+                completion.logprobs = []
+            completion.logprobs.extend(delta.new_logprobs)
         finished = delta.finish_reason is not None
         if state.text is not None:
-            completion.text += state.text.add(delta.new_token_ids).text
+            state.text.add(delta.new_token_ids)
             if finished and not state.text.stopped:
-                completion.text += state.text.finish().text  # held-back text; a stop string it completes
+                state.text.finish()  # held-back text; a stop string it completes
             if state.text.stopped and completion.finish_reason is None:
                 completion.finish_reason, completion.stop_reason = "stop", state.text.stop_string
                 if not finished:
@@ -133,6 +135,8 @@ class LLM:
         if finished and completion.finish_reason is None:
             completion.finish_reason = delta.finish_reason.value
         if finished:
+            if state.text is not None:
+                completion.text = state.text.text  # joined once: grown per step it was copied whole each time
             state.output.num_cached_tokens = delta.num_cached_tokens
             done[delta.request_id] = state.output
 

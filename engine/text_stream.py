@@ -19,33 +19,35 @@ class TextPiece:
 
 
 class TextStream:
-    """Feed output token ids in order; get the text that is safe to send."""
+    """Feed output token ids in order; get the text that is safe to send. The text sent is kept in pieces and
+    only the unsent tail as one string: appending each token's text to the whole output copied all of it per
+    token (quadratic in the output's length)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stop = tuple(s for s in stop if s)
         self._longest_stop = max((len(s) for s in self._stop), default=0)
-        self._text = ""  # everything decoded so far (cut at the stop string once one matched)
-        self._num_sent = 0  # chars of _text already returned
+        self._sent: list[str] = []  # the text returned so far
+        self._unsent = ""  # decoded, not returned yet: a stop string may still begin here (sent text never starts one)
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that matched, once one did
 
     @property
     def text(self) -> str:
         """All text returned so far."""
-        return self._text[: self._num_sent]
+        return "".join(self._sent)
 
     def add(self, token_ids: Sequence[int]) -> TextPiece:
         """Add output tokens; after a stop string matched, further tokens are ignored."""
         if self.stopped:
             return TextPiece("", True)
-        self._text += self._detokenizer.step(token_ids)
+        self._unsent += self._detokenizer.step(token_ids)
         return self._release(final=False)
 
     def finish(self) -> TextPiece:
         """End of stream: flush any held-back text (and an incomplete character, as U+FFFD)."""
         if not self.stopped:
-            self._text += self._detokenizer.finish()
+            self._unsent += self._detokenizer.finish()
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> TextPiece:
@@ -53,27 +55,28 @@ class TextStream:
             return TextPiece("", True)
         cut = self._find_stop()
         if cut is not None:
-            self.stop_string = next(s for s in self._stop if self._text.startswith(s, cut))
-            self._text, self.stopped = self._text[:cut], True
+            self.stop_string = next(s for s in self._stop if self._unsent.startswith(s, cut))
+            self.stopped = True
             return self._send_up_to(cut)
-        return self._send_up_to(len(self._text) - (0 if final else self._held_back()))
+        return self._send_up_to(len(self._unsent) - (0 if final else self._held_back()))
 
     def _send_up_to(self, end: int) -> TextPiece:
-        piece = self._text[self._num_sent : end]
-        self._num_sent = max(self._num_sent, end)
+        """Return the unsent text up to ``end``; after a stop, what follows it is dropped."""
+        piece, self._unsent = self._unsent[:end], ("" if self.stopped else self._unsent[end:])
+        if piece:
+            self._sent.append(piece)
         return TextPiece(piece, self.stopped)
 
     def _find_stop(self) -> int | None:
-        """Earliest index where a stop string starts in unsent text (sent text never starts one: it is
+        """Earliest index in the unsent text where a stop string starts (sent text never starts one: it is
         released only once no suffix of it can begin a stop string)."""
-        hits = [i for s in self._stop if (i := self._text.find(s, self._num_sent)) >= 0]
+        hits = [i for s in self._stop if (i := self._unsent.find(s)) >= 0]
         return min(hits, default=None)
 
     def _held_back(self) -> int:
         """Length of the longest unsent suffix that is a proper prefix of some stop string."""
-        unsent = len(self._text) - self._num_sent
-        for length in range(min(unsent, self._longest_stop - 1), 0, -1):
-            tail = self._text[-length:]
+        for length in range(min(len(self._unsent), self._longest_stop - 1), 0, -1):
+            tail = self._unsent[-length:]
             if any(s.startswith(tail) for s in self._stop):
                 return length
         return 0

@@ -25,7 +25,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -59,7 +59,7 @@ _OBJECTS = {Endpoint.COMPLETIONS: ("text_completion", "text_completion", "cmpl")
 class _Outcome:
     """What a finished request's responses add up to."""
 
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the text, joined once at the end (not grown per token)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     logprobs: LogprobsBuilder | None = None  # None: the client asked for none
@@ -131,9 +131,9 @@ class OpenAIHandlers:
         logprobs = outcome.logprobs.take() if outcome.logprobs is not None else None
         choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": logprobs}
         if request.endpoint is Endpoint.CHAT:
-            choice["message"] = {"role": "assistant", "content": outcome.text}
+            choice["message"] = {"role": "assistant", "content": "".join(outcome.pieces)}
         else:
-            choice["text"] = outcome.text
+            choice["text"] = "".join(outcome.pieces)
         body = self._envelope(request, job, _OBJECTS[request.endpoint][0])
         return web.json_response({**body, "choices": [choice], "usage": outcome.usage})
 
@@ -202,7 +202,8 @@ class OpenAIHandlers:
 
 
 def _accumulate(outcome: _Outcome, response: pb.GenerateResponse) -> None:
-    outcome.text += response.text
+    if response.text:
+        outcome.pieces.append(response.text)
     if outcome.logprobs is not None and response.token_ids:
         outcome.logprobs.add(response.token_ids, response.logprobs)
     if response.finish_reason:
