@@ -80,3 +80,25 @@ def test_stop_string_at_the_very_start(tokenizer):
     stream = TextStream(tokenizer, ids("Q"), ("\n",))
     piece = stream.add(ids("\n"))
     assert (piece.text, piece.stopped, stream.text) == ("", True, "")
+
+
+def test_random_streams_send_exactly_the_text_before_the_first_stop(tokenizer):
+    """Whatever the chunking and stops: the pieces add up to the text cut before the earliest stop string, no
+    piece is sent that a later token turns into a stop, and ``text`` is what was sent."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        text = "".join(rng.choice("ab .\n") for _ in range(rng.randint(1, 40)))
+        stops = ["".join(rng.choice("ab .\n") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 3))]
+        starts = [i for s in stops if (i := text.find(s)) >= 0]
+        expected = text[: min(starts)] if starts else text
+        stream, sent, i = TextStream(tokenizer, ids("Q"), stops), [], 0
+        while i < len(text) and not stream.stopped:
+            k = rng.randint(1, 5)
+            sent.append(stream.add(ids(text[i : i + k])).text)
+            assert expected.startswith("".join(sent))  # nothing sent that a stop later cuts
+            i += k
+        sent.append(stream.finish().text)
+        assert "".join(sent) == expected == stream.text
+        assert stream.stopped == bool(starts)
