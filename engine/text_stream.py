@@ -27,6 +27,7 @@ class TextStream:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stop = tuple(s for s in stop if s)
         self._longest_stop = max((len(s) for s in self._stop), default=0)
+        self._stop_prefixes = frozenset(s[:k] for s in self._stop for k in range(1, len(s)))  # proper prefixes
         self._sent: list[str] = []  # the text returned so far
         self._unsent = ""  # decoded, not returned yet: a stop string may still begin here (sent text never starts one)
         self.stopped = False
@@ -76,7 +77,6 @@ class TextStream:
     def _held_back(self) -> int:
         """Length of the longest unsent suffix that is a proper prefix of some stop string."""
         for length in range(min(len(self._unsent), self._longest_stop - 1), 0, -1):
-            tail = self._unsent[-length:]
-            if any(s.startswith(tail) for s in self._stop):
+            if self._unsent[-length:] in self._stop_prefixes:
                 return length
         return 0
