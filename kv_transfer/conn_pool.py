@@ -131,16 +131,20 @@ class PooledClient(KVClient):
         self.pool.close()
 
     async def one_sided_read(self, request: Pull, scheme: str, kinds: ReadKinds, read_done: int, flags: int,
-                             read: Callable[[socket.socket], Awaitable[bool | None]]) -> None:
+                             read: Callable[[socket.socket], Awaitable[bool | None]],
+                             shortcut: Callable[[socket.socket], Awaitable[Frame | None]] | None = None) -> None:
         """A pull whose bytes the client reads itself (cma, nixl), as one exchange on a pooled connection:
         HELLO + READ (signed per attempt: a retry carries a fresh nonce; ``flags`` and READ_CHECKSUM as
         configured) -> HELLO_OK checked -> ``read(sock)`` (the transport's answer frame and its reading of
         the bytes; True if it sent ``read_done`` itself) -> ``read_done`` -> DONE, whose checksums are verified
-        when asked."""
+        when asked. ``shortcut(sock)``, tried first on each connection: the DONE frame of an exchange of the
+        transport's own, or None (nothing sent) for the one above."""
         uri, layout = request.uri, request.layout
         io_s, what = self.config.io_timeout_s, f"KV server {uri}"
 
         async def exchange(sock: socket.socket) -> Frame:
+            if shortcut is not None and (done := await shortcut(sock)) is not None:
+                return done
             hello = layout.to_json().encode()
             payload, signed = sign_read(self.config, kinds.read, hello,
                                         encode_read(ReadRequest(request.lease_id, request.src_ids)))

@@ -17,8 +17,9 @@ pulls (``conn_pool``), exactly as ``cma://``'s. One pull is one exchange:
            or N_HELLO_OK  the server's KVLayout JSON, then
               ERROR       unauthenticated, unknown/expired lease, block not in the lease, out of range
            or N_DESCS     8-byte incarnation | u32 device id | u8 memory kind (0 DRAM, 1 VRAM) | 16-byte
-                          notification tag | u32 metadata length | u32 count | the server agent's metadata |
-                          count x (u64 address, u64 length): one row per layer per run of source blocks
+                          notification tag | u32 metadata length | u32 count | u64 base address | u64 blocks |
+                          u8 flags (POSTED_READS) | the server agent's metadata | count x (u64 address,
+                          u64 length): one row per layer per run of source blocks
     client               loads the agent metadata unless it holds this incarnation's already (a server
                           restarted on the same address has a new incarnation: its old agent is removed
                           first, so no READ ever targets a stale registration), pairs the rows with its
@@ -32,6 +33,22 @@ pulls (``conn_pool``), exactly as ``cma://``'s. One pull is one exchange:
     server -> DONE        the lease was still live after the notification (so no block was freed and reused
                           under the read); one xxh3-64 per block, computed BEFORE N_DESCS, when asked
            or ERROR       the lease ended during the read, or no notification came in time
+
+A pull on a connection that has read from the server before takes one round trip, if the server said it
+takes posted reads (no staging, no credentials: its N_DESCS flags) and the client asks for no checksums:
+
+    client               READs at once: it holds the server's agent (the incarnation it read from on this
+                          connection; a restarted server closed the connection) and its geometry (base address,
+                          blocks), so it makes the rows itself, ids range-checked first; the tag is its own
+    client -> N_READ_POSTED  8-byte incarnation | 16-byte tag | ``wire.encode_read``, sent from the agent's
+                          thread just before it posts the READ: the server wakes and progresses its agent during
+                          the READ (a READ that UCX runs over messages needs it; one by cma completes sooner)
+           -> N_READ_DONE once the READ is complete, as in the full exchange
+    server               waits for the hint and the tag's notification as above (a notification that came
+                          before its N_READ_POSTED, taken by a poll for another read, is kept for it)
+    server -> DONE        (no checksums) if the lease is live now and covers the blocks: it was granted before
+                          the client learnt its id and no lease revives, so it held for the whole READ
+           or ERROR       as above; the client's destination blocks are then undefined
 
 A client whose READ fails (state ERR: the server died mid-read) or does not complete within its bound raises
 KVTransferError; its destination blocks are then undefined (the caller recomputes). A transfer the client
@@ -49,6 +66,7 @@ import os
 import secrets
 import socket
 import time
+from collections import OrderedDict
 
 from kv_transfer import checksum
 from kv_transfer.errors import KVTransferError
@@ -56,7 +74,9 @@ from kv_transfer.nixl_agent import (  # noqa: F401 - INSTALL_HINT, installed, en
     INSTALL_HINT, MEM_KINDS, NIXL_MODULES, Agent, Memory, environment, installed, nixl_module, unavailable_reason,
 )
 from kv_transfer.nixl_client import NixlClient  # noqa: F401 - the registry finds both classes here
-from kv_transfer.nixl_wire import DESCS_HEAD, KINDS, N_DESCS, N_READ_DONE, Descs, parse_descs  # noqa: F401
+from kv_transfer.nixl_wire import (  # noqa: F401 - the tests read the frames' shapes here
+    DESCS_HEAD, KINDS, N_DESCS, N_READ_DONE, N_READ_POSTED, POSTED_READS, Descs, parse_descs, parse_posted,
+)
 from kv_transfer.progress import ProgressLookup
 from kv_transfer.rows import buffer_iovecs
 from kv_transfer.socket_server import SocketServer
@@ -67,6 +87,7 @@ from kv_transfer.wire import DONE, ERR_PROTOCOL, ERR_REFUSED, ERROR, MAX_PAYLOAD
 
 logger = logging.getLogger(__name__)
 POLL_S = (0.0, 0.0, 0.0001, 0.0002, 0.0005, 0.001)  # the server's successive waits between polls of notifications
+EARLY_TAGS = 1024  # notifications kept that came before their N_READ_POSTED (another read's poll took them)
 
 
 class NixlServer(SocketServer):
@@ -86,9 +107,17 @@ class NixlServer(SocketServer):
         self._metadata = b""
         self._waiting: dict[bytes, asyncio.Future[None]] = {}  # notification tag -> its read's waiter
         self._hinted: set[bytes] = set()  # tags whose client said its READ is complete: polled without pause
+        self._early: OrderedDict[bytes, None] = OrderedDict()  # notified tags no read waited for (yet), newest last
         self._wake = asyncio.Event()
         self._notifications: asyncio.Task | None = None
         self.num_notifications = 0
+        self.num_posted_reads = 0  # one-round-trip reads answered DONE
+
+    @property
+    def takes_posted_reads(self) -> bool:
+        """A client may READ first and ask after (N_READ_POSTED): its blocks are served in place (no staging
+        copies them in on request) and no credentials guard them (those sign each request before any byte)."""
+        return self.locate is None and self.auth is None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
         if (why := unavailable_reason()) is not None:
@@ -111,9 +140,12 @@ class NixlServer(SocketServer):
             self.agent = None
 
     async def _serve(self, sock: socket.socket) -> bytes | None:
-        """Serve one N_HELLO + N_READ, then wait for the READ's notification; returns the ERROR frame to close
-        with, None after a DONE (the connection then serves the client's next request)."""
-        accepted = await self._receive_read(sock)
+        """Serve one N_HELLO + N_READ, then wait for the READ's notification (or one N_READ_POSTED); returns the
+        ERROR frame to close with, None after a DONE (the connection then serves the client's next request)."""
+        first = await recv_frame(sock, self.config.io_timeout_s, "KV client")
+        if first.kind == N_READ_POSTED:
+            return await self._serve_posted(sock, first.payload)
+        accepted = await self._receive_read(sock, first)
         if isinstance(accepted, bytes):
             return accepted
         request, io_s, what = accepted.request, self.config.io_timeout_s, "KV client"
@@ -127,8 +159,9 @@ class NixlServer(SocketServer):
         sums = checksum.block_checksums(self.buffer, block_ids).tobytes() if accepted.flags & READ_CHECKSUM else b""
         tag = secrets.token_bytes(16)
         head = DESCS_HEAD.pack(self.incarnation, self.memory.device_id, MEM_KINDS.index(self.memory.kind), tag,
-                               len(self._metadata), len(rows))
-        done = self._waiting[tag] = asyncio.get_running_loop().create_future()
+                               len(self._metadata), len(rows), self.buffer.base_ptr, self.buffer.num_blocks,
+                               POSTED_READS if self.takes_posted_reads else 0)
+        done = self._waiter(tag)
         try:
             await send_frame(sock, accepted.hello_ok + encode_frame(N_DESCS, head + self._metadata + rows.tobytes()),
                              io_s, what)
@@ -146,6 +179,41 @@ class NixlServer(SocketServer):
             return refusal
         await send_frame(sock, encode_frame(DONE, sums), io_s, what)
         return None
+
+    async def _serve_posted(self, sock: socket.socket, payload: bytes) -> bytes | None:
+        """Answer a READ the client posted without asking (N_READ_POSTED: on a connection where it read from this
+        incarnation before): DONE once its N_READ_DONE and notification came, if the lease was live then and
+        covers its blocks (the lease was granted before the client learnt its id and, live now, was live
+        throughout the READ: no lease revives); else the ERROR frame. Never checksums (a client asks for those
+        by the full exchange)."""
+        if not self.takes_posted_reads:
+            return encode_frame(ERROR, b"this nixl:// server takes no N_READ_POSTED (it stages or authenticates "
+                                b"its reads): send N_HELLO + N_READ", ERR_PROTOCOL)
+        incarnation, tag, request = parse_posted(payload)
+        if incarnation != self.incarnation:
+            return encode_frame(ERROR, b"the READ went to another incarnation of this server", ERR_REFUSED)
+        done = self._waiter(tag)
+        try:
+            self._wake.set()  # the agent progresses while the client READs
+            bound_s = self.config.io_timeout_s + len(request.block_ids) * self.buffer.layout.bytes_per_block / 1e9
+            refusal = await self._await_notification(sock, tag, done, bound_s)
+        finally:
+            self._waiting.pop(tag, None)
+            self._hinted.discard(tag)
+        refusal = refusal or self._check_read(request.lease_id, request.block_ids)
+        if refusal is not None:
+            return refusal
+        await send_frame(sock, encode_frame(DONE), self.config.io_timeout_s, "KV client")
+        self.num_posted_reads += 1
+        return None
+
+    def _waiter(self, tag: bytes) -> asyncio.Future[None]:
+        """The future the notification of ``tag`` completes: already done if it came before anyone waited."""
+        done = self._waiting[tag] = asyncio.get_running_loop().create_future()
+        if tag in self._early:
+            del self._early[tag]
+            done.set_result(None)
+        return done
 
     async def _await_notification(self, sock: socket.socket, tag: bytes, done: asyncio.Future[None],
                                   timeout_s: float) -> bytes | None:
@@ -208,8 +276,13 @@ class NixlServer(SocketServer):
         for messages in notifs.values():
             for message in messages:
                 self.num_notifications += 1
-                waiter = self._waiting.get(bytes(message))
-                if waiter is not None and not waiter.done():
+                tag = bytes(message)
+                waiter = self._waiting.get(tag)
+                if waiter is None:  # its N_READ_POSTED is still on its way (or never comes: the client died)
+                    self._early[tag] = None
+                    if len(self._early) > EARLY_TAGS:
+                        self._early.popitem(last=False)
+                elif not waiter.done():
                     waiter.set_result(None)
                     delivered = True
         return delivered

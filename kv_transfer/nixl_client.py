@@ -1,5 +1,6 @@
 """``nixl://``'s pulling side (the exchange: ``kv_transfer/nixl.py``): control over pooled connections, the bytes
-by one NIXL READ per pull on the agent's own thread."""
+by one NIXL READ per pull on the agent's own thread; on a connection that read from the server before, the READ
+goes first and one round trip follows (N_READ_POSTED)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,21 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
-from kv_transfer.conn_pool import PooledClient
+from kv_transfer.conn_pool import NotAnswered, PooledClient
 from kv_transfer.errors import KVTransferError
+from kv_transfer.layout import KVLayout, check_block_ids
 from kv_transfer.nixl_agent import MEM_KINDS, Agent, Memory
-from kv_transfer.nixl_wire import KINDS, N_READ_DONE, READ_DONE_FRAME, Descs, parse_descs
-from kv_transfer.rows import pair_rows
-from kv_transfer.tcp_wire import recv_frame, transfer
+from kv_transfer.nixl_wire import KINDS, N_READ_DONE, POSTED_READS, READ_DONE_FRAME, Descs, encode_posted, parse_descs
+from kv_transfer.protocol import remote_error
+from kv_transfer.rows import pair_rows, paired_rows
+from kv_transfer.tcp_wire import peek_byte, recv_frame, transfer
 from kv_transfer.tensor_buffer import AnyKVBuffer
 from kv_transfer.transport import Pull, TransportConfig
+from kv_transfer.wire import DONE, Frame, ReadRequest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,6 +39,7 @@ REGISTERED_BUFFERS = 8  # destination buffers a client keeps registered (a worke
 POLL_SLEEP_S = 0.0  # the client's pause between polls of its READ, on the agent's thread (0: yield the GIL only)
 POLL_SLICE_S = 0.005  # ... for at most this long a call, so other pulls' calls interleave
 CLOSE_TIMEOUT_S = 5.0
+NO_ROWS = np.empty((0, 2), np.uint64)
 
 
 class NixlClient(PooledClient):
@@ -42,7 +48,13 @@ class NixlClient(PooledClient):
     Every call into its agent runs on one thread of its own (NIXL agents are not thread-safe in the mode
     used, and posting a READ that UCX serves by cma copies the bytes inside the call): the event loop is
     never blocked by a copy. The agent is made at the first pull; ``close()`` removes the remote agents and
-    deregisters memory. A ``TensorKVBuffer`` destination on CUDA is registered as VRAM and read into in place."""
+    deregisters memory. A ``TensorKVBuffer`` destination on CUDA is registered as VRAM and read into in place.
+
+    A connection on which a pull read from a server that takes posted reads (``POSTED_READS``) remembers that
+    server's incarnation and geometry: the next pull on it with the same layout READs at once and then sends
+    N_READ_POSTED, one round trip instead of two (never with credentials or checksums configured: those go by
+    the full exchange). A live connection is to the incarnation it first read from: a restarted server closed
+    it, and the pool then opens a new one, whose first pull is a full exchange again."""
 
     pulls_into_tensors = True
 
@@ -54,6 +66,8 @@ class NixlClient(PooledClient):
         self._buffers: OrderedDict[tuple[int, int], Memory] = OrderedDict()  # registered destinations, LRU
         self._abandoned: list[tuple[Any, AnyKVBuffer]] = []  # READs given up on, kept until NIXL releases them
         self.num_agents_loaded = 0  # remote agent metadata loaded so far (once per server incarnation)
+        self._posted: WeakKeyDictionary[socket.socket, tuple[KVLayout, Descs]] = WeakKeyDictionary()
+        self.num_posted_pulls = 0  # pulls that READ first and took one round trip
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -64,11 +78,47 @@ class NixlClient(PooledClient):
         async def read(sock: socket.socket) -> bool:
             descs = parse_descs(uri, await recv_frame(sock, self.config.io_timeout_s, f"KV server {uri}"))
             local, remote = pair_rows(request.dst_buffer, request.dst_ids, descs.rows, uri)
-            await self._read(descs, local, remote, request, sock)
+            await self._read(descs, local, remote, request, sock, READ_DONE_FRAME)
             request.landed.first_layer()
+            if descs.flags & POSTED_READS and not (self.config.secret or self.config.checksum):
+                self._posted[sock] = (request.layout, Descs(descs.incarnation, descs.device_id, descs.memory_kind,
+                                                            b"", b"", NO_ROWS, descs.base_ptr,
+                                                            descs.num_blocks, descs.flags))
             return True  # N_READ_DONE sent
 
-        await self.one_sided_read(request, "nixl", KINDS, N_READ_DONE, 0, read)
+        async def posted(sock: socket.socket) -> Frame | None:
+            return await self._posted_read(request, sock)
+
+        await self.one_sided_read(request, "nixl", KINDS, N_READ_DONE, 0, read, posted)
+
+    async def _posted_read(self, request: Pull, sock: socket.socket) -> Frame | None:
+        """The pull in one round trip on a connection that read from this server's incarnation before: the READ
+        at once (its rows from the server's geometry), N_READ_POSTED sent as it is posted (the server then
+        progresses its agent during the READ: a READ that UCX runs over messages needs that, and one by cma
+        completes 0.5 ms sooner at 1k tokens), N_READ_DONE once it is complete, then the server's DONE (returned).
+        None, having sent nothing, when the connection has not (or read with another layout)."""
+        known = self._posted.get(sock)
+        uri = request.uri
+        if known is None or known[0] != request.layout or self._remotes.get(uri, (b"",))[0] != known[1].incarnation:
+            return None
+        server, dst, what = known[1], request.dst_buffer, f"KV server {uri}"
+        check_block_ids(request.src_ids, server.num_blocks)  # out of its registered memory NIXL refuses anyway
+        local, remote = paired_rows(dst, request.dst_ids, server.base_ptr, server.num_blocks, request.src_ids)
+        read = Descs(server.incarnation, server.device_id, server.memory_kind, secrets.token_bytes(16), b"", remote)
+        posted = encode_posted(server.incarnation, read.tag, ReadRequest(request.lease_id, request.src_ids))
+        try:
+            await self._read(read, local, remote, request, sock, posted + READ_DONE_FRAME, len(posted))
+            request.landed.first_layer()
+            answered = await peek_byte(sock, self.config.io_timeout_s, what)
+        except OSError as exc:
+            raise NotAnswered(f"{what}: connection failed before an answer: {exc!r}") from exc
+        if not answered:  # closed idle meanwhile: the pool runs the full exchange on a new connection
+            raise NotAnswered(f"{what} closed the connection before answering")
+        done = await recv_frame(sock, self.config.io_timeout_s, what)
+        if done.kind != DONE:
+            raise remote_error(uri, done)
+        self.num_posted_pulls += 1
+        return done
 
     # --- on the agent's thread -------------------------------------------------------------------
 
@@ -114,8 +164,8 @@ class NixlClient(PooledClient):
     def _post(self, uri: str, descs: Descs, buffer: AnyKVBuffer, local: np.ndarray, remote: np.ndarray,
               job: dict, until: float) -> str:
         """One call for a READ that completes at once (UCX's cma copies inside ``transfer``): ``buffer``
-        registered (``_prepare``), the READ prepared and posted (``job["handle"]`` holds it as soon as it
-        exists), then polled until ``until``; returns its state."""
+        registered (``_prepare``), the READ prepared (``job["handle"]`` holds it as soon as it exists), what
+        goes out before it sent, the READ posted, then polled until ``until``; returns its state."""
         memory = self._prepare(buffer)
         nixl = self.agent.nixl
         remote_name = self._remote_agent(uri, descs)
@@ -127,28 +177,36 @@ class NixlClient(PooledClient):
             job["handle"] = nixl.initialize_xfer("READ", local_descs, remote_descs, remote_name, descs.tag)
         except Exception as exc:  # noqa: BLE001
             raise KVTransferError(f"KV server {uri}: NIXL could not prepare the READ: {exc!r}") from exc
+        self._send(job, job["early"])  # N_READ_POSTED: the server wakes and progresses its agent during the copy
         state = nixl.transfer(job["handle"])
         return self._poll(job, until) if state == "PROC" else self._finish(job, state)
+
+    def _send(self, job: dict, upto: int) -> None:
+        """``job["out"]`` up to byte ``upto`` sent on the pull's connection, as far as it takes it without waiting,
+        unless the loop took the connection back (``job["sock"]`` gone: it gave up, or sends the rest itself)."""
+        with job["lock"]:
+            sock = job.get("sock")
+            if sock is not None and job["sent"] < upto:
+                with contextlib.suppress(OSError):  # BlockingIOError too: the loop sends what is left
+                    job["sent"] += sock.send(memoryview(job["out"])[job["sent"]:upto])
 
     def _poll(self, job: dict, until: float) -> str:
         """The READ's state once it is no longer in progress, or at ``until`` (time.monotonic)."""
         state = self.agent.nixl.check_xfer_state(job["handle"])
         while state == "PROC" and time.monotonic() < until:
+            if job["sent"] < job["early"]:
+                self._send(job, job["early"])
             time.sleep(POLL_SLEEP_S)
             state = self.agent.nixl.check_xfer_state(job["handle"])
         return self._finish(job, state)
 
     def _finish(self, job: dict, state: str) -> str:
-        """Once the READ is DONE, N_READ_DONE sent from this thread at once (the server starts on its DONE while
-        the event loop wakes up), unless the loop took the connection back (``job["sock"]`` gone: it gave up);
-        then, the READ over either way, its handle released here too (released later from another call, it
-        held the GIL while the loop's next pull was sending: 0.5 ms per request in the bench)."""
+        """Once the READ is DONE, what the pull sends then (N_READ_DONE, after N_READ_POSTED if not sent yet) sent
+        from this thread at once (the server starts on its DONE while the event loop wakes up); then, the READ over
+        either way, its handle released here too (released later from another call, it held the GIL while the
+        loop's next pull was sending: 0.5 ms per request in the bench)."""
         if state == "DONE":
-            with job["lock"]:
-                sock = job.pop("sock", None)
-                if sock is not None:
-                    with contextlib.suppress(OSError):  # BlockingIOError too: the loop sends what is left
-                        job["hinted"] = sock.send(READ_DONE_FRAME)
+            self._send(job, len(job["out"]))
         if state != "PROC":
             job["released"] = self._release(job["handle"])
         return state
@@ -180,14 +238,15 @@ class NixlClient(PooledClient):
     # ---------------------------------------------------------------------------------------------
 
     async def _read(self, descs: Descs, local: np.ndarray, remote: np.ndarray, request: Pull,
-                    sock: socket.socket) -> None:
+                    sock: socket.socket, out: bytes, early: int = 0) -> None:
         """One READ of ``remote`` rows into ``local`` ones, notifying the server's tag when complete, on the
         agent's thread (polled in slices, so other pulls' calls interleave), bounded by io_timeout_s plus
-        1 s per GB; then N_READ_DONE on ``sock`` (from the agent's thread as the READ completes, or what is left
-        of it from here). Given up on (a timeout, a cancellation), its handle and destination are kept until
-        NIXL lets them go, and no hint goes out."""
+        1 s per GB; ``out`` sent on ``sock`` from the agent's thread, its first ``early`` bytes just before the READ
+        is posted, the rest once it is complete (what is left of it from here). Given up on (a timeout, a
+        cancellation), its handle and destination are kept until NIXL lets them go, and no more goes out."""
         uri, state = request.uri, "PROC"
-        job: dict[str, Any] = {"handle": None, "sock": sock, "lock": threading.Lock(), "hinted": 0}
+        job: dict[str, Any] = {"handle": None, "sock": sock, "out": out, "early": early, "sent": 0,
+                               "lock": threading.Lock()}
         budget_s = self.config.io_timeout_s + request.num_bytes / 1e9
         deadline = time.monotonic() + budget_s
         try:
@@ -201,8 +260,8 @@ class NixlClient(PooledClient):
                 raise KVTransferError(f"NIXL READ from KV server {uri} failed (the server died mid-read?)")
             if state != "DONE":
                 raise KVTransferError(f"NIXL READ from KV server {uri} did not complete in {budget_s:.1f} s")
-            if job["hinted"] < len(READ_DONE_FRAME):
-                await transfer(sock, [memoryview(READ_DONE_FRAME)[job["hinted"]:]], write=True,
+            if job["sent"] < len(out):  # the agent's thread is done with this READ: no send of its can interleave
+                await transfer(sock, [memoryview(out)[job["sent"]:]], write=True,
                                timeout_s=self.config.io_timeout_s, what=f"KV server {uri}")
         finally:
             with job["lock"]:

@@ -17,10 +17,15 @@ from kv_transfer.tensor_buffer import AnyKVBuffer
 def buffer_iovecs(buffer: AnyKVBuffer, block_ids: Sequence[int]) -> np.ndarray:
     """uint64 [layers x runs, 2]: (address, length) of ``block_ids`` in ``buffer`` (host or device memory), per
     layer per run of consecutive ids, in wire order (what a server hands out; a puller's own rows too)."""
-    seg, num_layers = buffer.segment_bytes, buffer.layout.num_layers
+    return region_iovecs(buffer.base_ptr, buffer.num_blocks, buffer.segment_bytes, buffer.layout.num_layers,
+                         block_ids)
+
+
+def region_iovecs(base_ptr: int, num_blocks: int, seg: int, num_layers: int, block_ids: Sequence[int]) -> np.ndarray:
+    """``buffer_iovecs`` of a buffer known by its geometry only (a server's, to a client that read it before)."""
     runs = id_runs(block_ids)
     out = np.empty((num_layers, len(runs), 2), np.int64)  # addresses fit: user space is below 2**63
-    layer_base = np.arange(num_layers, dtype=np.int64) * (buffer.num_blocks * seg) + buffer.base_ptr
+    layer_base = np.arange(num_layers, dtype=np.int64) * (num_blocks * seg) + base_ptr
     np.add(layer_base[:, None], runs[:, 0] * seg, out=out[:, :, 0])
     out[:, :, 1] = runs[:, 1] * seg
     return out.reshape(-1, 2).view(np.uint64)
@@ -51,6 +56,24 @@ def pair_rows(dst: AnyKVBuffer, dst_ids: list[int], remote: np.ndarray, uri: str
     if total and not (lengths % dst.segment_bytes).any():  # whole blocks, as a server lists them
         return _pair_blocks(dst, dst_ids, remote, lengths // dst.segment_bytes, uri)
     return _pair_cuts(dst, dst_ids, remote, lengths, uri)
+
+
+def paired_rows(dst: AnyKVBuffer, dst_ids: Sequence[int], src_base_ptr: int, src_num_blocks: int,
+                src_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``pair_rows`` of a source buffer known by its geometry (``dst``'s layout, ``src_num_blocks`` blocks from
+    ``src_base_ptr``): one row per layer per run of blocks consecutive on both sides, built at once."""
+    seg, num_layers = dst.segment_bytes, dst.layout.num_layers
+    src, near = np.asarray(src_ids, np.int64), np.asarray(dst_ids, np.int64)
+    edge = np.ones(len(src) + 1, bool)  # a run starts at 0 and wherever either side's id is not its predecessor + 1
+    np.logical_or(src[1:] - src[:-1] != 1, near[1:] - near[:-1] != 1, out=edge[1:-1])
+    bounds = np.flatnonzero(edge)
+    first = bounds[:-1]
+    layers = np.arange(num_layers, dtype=np.int64)[:, None] * seg
+    local, remote = np.empty((num_layers, len(first), 2), np.int64), np.empty((num_layers, len(first), 2), np.int64)
+    np.add(layers * dst.num_blocks + dst.base_ptr, near[first] * seg, out=local[:, :, 0])
+    np.add(layers * src_num_blocks + src_base_ptr, src[first] * seg, out=remote[:, :, 0])
+    local[:, :, 1] = remote[:, :, 1] = (bounds[1:] - first) * seg
+    return local.reshape(-1, 2).view(np.uint64), remote.reshape(-1, 2).view(np.uint64)
 
 
 def _pair_cuts(dst: AnyKVBuffer, dst_ids: list[int], remote: np.ndarray, lengths: np.ndarray,

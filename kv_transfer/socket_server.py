@@ -22,7 +22,7 @@ from kv_transfer.protocol import locate_read, refuse_layout, refuse_read, refuse
 from kv_transfer.tcp_wire import open_listener, peek_byte, recv_frame, send_refusal, server_uri, tune_socket
 from kv_transfer.tensor_buffer import AnyKVBuffer
 from kv_transfer.transport import Locator, Resolver, TransportConfig
-from kv_transfer.wire import ERR_PROTOCOL, ERROR, READ_AUTH, ReadRequest, decode_read, encode_frame
+from kv_transfer.wire import ERR_PROTOCOL, ERROR, READ_AUTH, Frame, ReadRequest, decode_read, encode_frame
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +133,14 @@ class SocketServer:
         """Serve one request; returns the ERROR frame to close with, None when the connection may go on."""
         raise NotImplementedError
 
-    async def _receive_read(self, sock: socket.socket) -> AcceptedRead | bytes:
-        """A HELLO and its pipelined READ, checked in order (the layouts, the credentials over HELLO + READ,
-        where its blocks are, the lease): the accepted read (its block ids translated by ``locate``), or the
-        ERROR frame to close with (behind HELLO_OK once the layouts match, so the client checks the server's
-        layout too)."""
+    async def _receive_read(self, sock: socket.socket, hello: Frame | None = None) -> AcceptedRead | bytes:
+        """A HELLO (``hello`` if the caller received it) and its pipelined READ, checked in order (the layouts,
+        the credentials over HELLO + READ, where its blocks are, the lease): the accepted read (its block ids
+        translated by ``locate``), or the ERROR frame to close with (behind HELLO_OK once the layouts match, so
+        the client checks the server's layout too)."""
         io_s, what, kinds = self.config.io_timeout_s, "KV client", self.kinds
-        hello = await recv_frame(sock, io_s, what)
+        if hello is None:
+            hello = await recv_frame(sock, io_s, what)
         if hello.kind != kinds.hello:
             return encode_frame(ERROR, kinds.not_hello, ERR_PROTOCOL)
         refusal = refuse_layout(self.buffer.layout, hello.payload)

@@ -201,8 +201,9 @@ def copy_pieces(src: KVBuffer, dst: KVBuffer, local: np.ndarray, remote: np.ndar
 
 def test_rows_of_whole_blocks_pair_as_the_general_cut_does_and_copy_the_same_bytes():
     """A server lists whole blocks, so the reader pairs them block by block (``_pair_blocks``): the pieces equal
-    the general cut's (``_pair_cuts``), rows split into single blocks pair to the same pieces, a piece never
-    crosses a layer (the last case: both sides are contiguous across every layer)."""
+    the general cut's (``_pair_cuts``) and those built from the server's geometry alone (``paired_rows``), rows
+    split into single blocks pair to the same pieces, a piece never crosses a layer (the last case: both sides
+    are contiguous across every layer)."""
     rng = np.random.default_rng(11)
     num_blocks, seg = 24, LAYOUT.bytes_per_block_per_layer
     src = KVBuffer(LAYOUT, rng.integers(0, 256, LAYOUT.bytes_per_block * num_blocks, np.uint8))
@@ -216,6 +217,8 @@ def test_rows_of_whole_blocks_pair_as_the_general_cut_does_and_copy_the_same_byt
         local, paired = rows.pair_rows(dst, dst_ids, remote, "test://")
         general = rows._pair_cuts(dst, dst_ids, remote, remote[:, 1].astype(np.int64), "test://")
         assert np.array_equal(local, general[0]) and np.array_equal(paired, general[1])
+        known = rows.paired_rows(dst, dst_ids, src.base_ptr, num_blocks, server_ids)  # nixl's posted read
+        assert np.array_equal(local, known[0]) and np.array_equal(paired, known[1])
         single = rows.split_rows(remote, remote, seg)[1]  # the same bytes, a row per block
         assert all(np.array_equal(a, b) for a, b in zip(rows.pair_rows(dst, dst_ids, single, "test://"),
                                                         (local, paired)))

@@ -1,7 +1,9 @@
 """nixl:// beyond the conformance suite (tests/unit/test_kv_transport.py runs it too): a server restarted on
 the same address is a new incarnation whose agent replaces the old one's; the READ's notification is what
 ends the server's part (none: the pull fails, within its bound); a client that gives up mid-wait frees the
-server's waiter; ``auto`` prefers nixl for a CUDA cache only.
+server's waiter; a kept connection READs first and asks after (N_READ_POSTED: one round trip), answered only
+while the lease is live, never by a staged or authenticated server; ``auto`` prefers nixl for a CUDA cache
+only.
 
 Every nixl case (these, nixl's in test_kv_transport.py, test_kv_staging.py and test_kv_in_place.py, and the
 worker-level faults of tests/integration/test_nixl_faults.py) runs in a pytest process
@@ -13,6 +15,7 @@ random later points (a SIGSEGV in ucxx's progress, in protoc, ...), as two UCX c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import subprocess
@@ -134,6 +137,12 @@ def test_without_the_reads_notification_the_pull_fails_within_its_bound(monkeypa
             await client.pull(uri, LAYOUT, lease, [1, 2, 3], dst, [1, 2, 3])
             assert np.array_equal(dst.array[:, [1, 2, 3]], server.buffer.array[:, [1, 2, 3]])
             assert server.num_notifications >= 1
+            lose_notifications(monkeypatch, server)  # a READ posted before asking: bounded just the same
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(KVTransferError, match="notification|silent"):
+                await client.pull(uri, LAYOUT, lease, [1, 2, 3], dst, [1, 2, 3])
+            assert asyncio.get_running_loop().time() - started < CONFIG.io_timeout_s + 2.0
+            assert client.pool.num_idle() == 0 and not server._waiting and server.num_posted_reads == 0
         finally:
             client.close()
             await server.stop()
@@ -171,15 +180,153 @@ def test_a_client_that_gives_up_mid_wait_frees_the_servers_waiter(monkeypatch) -
 
 
 @own_process
+def test_a_kept_connection_reads_first_and_asks_after_in_one_round_trip() -> None:
+    """The first pull on a connection is the full exchange; every later one on it READs at once and sends
+    N_READ_POSTED (the bytes are right, scattered or not); the connection stays the one connection."""
+    async def scenario() -> None:
+        table = LeaseTable()
+        server = make_server("nixl", buffer=filled(5), resolve=table.resolver(lambda: 0.0), config=CONFIG)
+        uri = await server.start()
+        client = nixl.NixlClient(CONFIG)
+        try:
+            rng = np.random.default_rng(0)
+            for i in range(6):
+                src = rng.choice(NUM_BLOCKS, 1 + 3 * i, replace=False).tolist()
+                dst_ids = rng.choice(NUM_BLOCKS, len(src), replace=False).tolist()
+                dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
+                await client.pull(uri, LAYOUT, table.create(src, now=0.0).lease_id, src, dst, dst_ids)
+                assert np.array_equal(dst.array[:, dst_ids], server.buffer.array[:, src])
+                assert client.num_posted_pulls == server.num_posted_reads == i  # all but the first
+            assert server.num_accepted == 1 and client.pool.num_idle(uri) == 1 and not server._waiting
+        finally:
+            client.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@own_process
+def test_a_posted_read_of_an_ended_lease_is_refused_and_the_next_pull_asks_first() -> None:
+    """A READ posted before asking is only as good as the lease found live after it: an ended lease is refused
+    (the connection closes), and the next pull runs the full exchange on a new connection."""
+    from kv_transfer.errors import LeaseNotFound
+
+    async def scenario() -> None:
+        table = LeaseTable()
+        server = make_server("nixl", buffer=filled(6), resolve=table.resolver(lambda: 0.0), config=CONFIG)
+        uri = await server.start()
+        client = nixl.NixlClient(CONFIG)
+        try:
+            dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
+            await client.pull(uri, LAYOUT, table.create([1], now=0.0).lease_id, [1], dst, [1])
+            with pytest.raises(KVTransferError, match="out of range"):  # beyond the server's blocks: no READ
+                await client.pull(uri, LAYOUT, table.create([2], now=0.0).lease_id, [NUM_BLOCKS], dst, [2])
+            await client.pull(uri, LAYOUT, table.create([3], now=0.0).lease_id, [3], dst, [3])
+            ended = table.create([4, 5], now=0.0).lease_id
+            table.release(ended)
+            with pytest.raises(LeaseNotFound):
+                await client.pull(uri, LAYOUT, ended, [4, 5], dst, [4, 5])
+            assert client.pool.num_idle() == 0 and server.num_posted_reads == 0
+            await client.pull(uri, LAYOUT, table.create([4, 5], now=0.0).lease_id, [4, 5], dst, [6, 7])
+            assert np.array_equal(dst.array[:, [6, 7]], server.buffer.array[:, [4, 5]])
+            assert server.num_accepted == 3 and client.num_posted_pulls == 0  # each new connection asked first
+        finally:
+            client.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@own_process
+def test_a_posted_reads_notification_taken_by_another_poll_still_ends_it(monkeypatch) -> None:
+    """The notification of a posted READ may reach the server's agent, and be taken by a poll for other reads,
+    before its N_READ_POSTED is read: the server keeps it, and the read still ends in DONE."""
+    from kv_transfer import nixl_client
+
+    async def scenario() -> None:
+        table = LeaseTable()
+        server = make_server("nixl", buffer=filled(7), resolve=table.resolver(lambda: 0.0), config=CONFIG)
+        uri = await server.start()
+        client = nixl.NixlClient(CONFIG)
+        try:
+            dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
+            await client.pull(uri, LAYOUT, table.create([1], now=0.0).lease_id, [1], dst, [1])
+            real_transfer = nixl_client.transfer
+
+            async def other_reads_poll() -> None:  # progresses the server's agent, takes what notifications come
+                while True:
+                    server._poll_notifications()
+                    await asyncio.sleep(0.001)
+
+            async def notified_first(sock, views, **kwargs):  # the loop sends N_READ_POSTED once it is taken
+                for _ in range(400):
+                    if server._early:
+                        break
+                    await asyncio.sleep(0.005)
+                assert server._early, "the notification did not come first"
+                return await real_transfer(sock, views, **kwargs)
+
+            monkeypatch.setattr(client, "_send", lambda job, upto: None)  # nothing from the agent's thread
+            monkeypatch.setattr(nixl_client, "transfer", notified_first)
+            poller = asyncio.create_task(other_reads_poll())
+            try:
+                await client.pull(uri, LAYOUT, table.create([8, 9], now=0.0).lease_id, [8, 9], dst, [2, 3])
+            finally:
+                poller.cancel()
+            assert np.array_equal(dst.array[:, [2, 3]], server.buffer.array[:, [8, 9]])
+            assert server.num_posted_reads == 1 and not server._early
+        finally:
+            client.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@own_process
+def test_a_server_that_stages_or_authenticates_takes_no_posted_reads() -> None:
+    """A staged server copies a lease's blocks in when asked, an authenticated one checks each request before
+    any byte: neither may be read first. Their clients always ask first, and a posted read is refused."""
+    from kv_transfer.nixl_wire import encode_posted
+    from kv_transfer.wire import ERROR, HEADER, ReadRequest
+
+    async def scenario() -> None:
+        table = LeaseTable()
+        authenticated = dataclasses.replace(CONFIG, secret=b"s" * 32)
+        for config, locate in ((authenticated, None), (CONFIG, lambda lease_id, ids: list(ids))):
+            server = make_server("nixl", buffer=filled(8), resolve=table.resolver(lambda: 0.0), config=config,
+                                 locate=locate)
+            uri = await server.start()
+            client = nixl.NixlClient(config)
+            try:
+                dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
+                for i in range(3):
+                    await client.pull(uri, LAYOUT, table.create([i], now=0.0).lease_id, [i], dst, [i + 3])
+                assert np.array_equal(dst.array[:, [3, 4, 5]], server.buffer.array[:, [0, 1, 2]])
+                assert client.num_posted_pulls == 0 and server.num_accepted == 1
+                host, port = uri.removeprefix("nixl://").rsplit(":", 1)
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(encode_posted(server.incarnation, b"t" * 16, ReadRequest("x", [1])))
+                await writer.drain()
+                _, _, kind, _, length = HEADER.unpack(await reader.readexactly(HEADER.size))
+                assert kind == ERROR and b"takes no N_READ_POSTED" in await reader.readexactly(length)
+                writer.close()
+            finally:
+                client.close()
+                await server.stop()
+
+    run(scenario())
+
+
+@own_process
 def test_descriptors_name_the_servers_memory_and_refuse_malformed_frames() -> None:
     from kv_transfer.wire import Frame
 
-    head = nixl.DESCS_HEAD.pack(b"i" * 8, 3, 1, b"t" * 16, 4, 2)
+    head = nixl.DESCS_HEAD.pack(b"i" * 8, 3, 1, b"t" * 16, 4, 2, 4096, 32, nixl.POSTED_READS)
     rows = np.array([[4096, 64], [8192, 64]], np.uint64).tobytes()
     descs = nixl.parse_descs("nixl://h:1", Frame(nixl.N_DESCS, 0, head + b"meta" + rows))
     assert (descs.incarnation, descs.device_id, nixl.MEM_KINDS[descs.memory_kind]) == (b"i" * 8, 3, "VRAM")
     assert descs.metadata == b"meta" and descs.rows.tolist() == [[4096, 64], [8192, 64]]
-    for bad in (head + b"meta" + rows[:8], nixl.DESCS_HEAD.pack(b"i" * 8, 0, 7, b"t" * 16, 0, 0), b"short"):
+    for bad in (head + b"meta" + rows[:8], nixl.DESCS_HEAD.pack(b"i" * 8, 0, 7, b"t" * 16, 0, 0, 0, 0, 0), b"short"):
         with pytest.raises(KVTransferError, match="malformed N_DESCS"):
             nixl.parse_descs("nixl://h:1", Frame(nixl.N_DESCS, 0, bad))
 
