@@ -182,7 +182,8 @@ def test_a_client_that_gives_up_mid_wait_frees_the_servers_waiter(monkeypatch) -
 @own_process
 def test_a_kept_connection_reads_first_and_asks_after_in_one_round_trip() -> None:
     """The first pull on a connection is the full exchange; every later one on it READs at once and sends
-    N_READ_POSTED (the bytes are right, scattered or not); the connection stays the one connection."""
+    N_READ_POSTED (the bytes are right, scattered or not); the connection stays the one connection. A client
+    that asks for checksums always takes the full exchange (they are computed before the READ)."""
     async def scenario() -> None:
         table = LeaseTable()
         server = make_server("nixl", buffer=filled(5), resolve=table.resolver(lambda: 0.0), config=CONFIG)
@@ -198,6 +199,15 @@ def test_a_kept_connection_reads_first_and_asks_after_in_one_round_trip() -> Non
                 assert np.array_equal(dst.array[:, dst_ids], server.buffer.array[:, src])
                 assert client.num_posted_pulls == server.num_posted_reads == i  # all but the first
             assert server.num_accepted == 1 and client.pool.num_idle(uri) == 1 and not server._waiting
+            checked = nixl.NixlClient(dataclasses.replace(CONFIG, checksum=True))  # DONE carries the checksums
+            try:
+                for i in range(3):
+                    dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
+                    await checked.pull(uri, LAYOUT, table.create([i, 9], now=0.0).lease_id, [i, 9], dst, [1, 2])
+                    assert np.array_equal(dst.array[:, [1, 2]], server.buffer.array[:, [i, 9]])
+                assert checked.num_posted_pulls == 0 and server.num_posted_reads == 5
+            finally:
+                checked.close()
         finally:
             client.close()
             await server.stop()
