@@ -15,11 +15,13 @@ random later points (a SIGSEGV in ucxx's progress, in protoc, ...), as two UCX c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import re
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -117,35 +119,46 @@ def test_a_server_restarted_on_its_address_is_a_new_incarnation_whose_agent_repl
     run(scenario())
 
 
+@contextlib.asynccontextmanager
+async def served(seed: int, config: TransportConfig = CONFIG, client_config: TransportConfig | None = None,
+                 locate=None) -> AsyncIterator[tuple[LeaseTable, nixl.NixlServer, str, nixl.NixlClient]]:
+    """A started nixl:// server over ``filled(seed)`` with its lease table, its URI and a client; both closed after."""
+    table = LeaseTable()
+    server = make_server("nixl", buffer=filled(seed), resolve=table.resolver(lambda: 0.0), config=config,
+                         locate=locate)
+    uri = await server.start()
+    client = nixl.NixlClient(client_config or config)
+    try:
+        yield table, server, uri, client
+    finally:
+        client.close()
+        await server.stop()
+
+
+async def fails_within_bound(client, server, uri: str, lease: str, ids: list[int]) -> None:
+    """The pull raises for want of a notification, within io_timeout_s (+2 s), and leaves nothing behind."""
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(KVTransferError, match="notification|silent"):
+        await client.pull(uri, LAYOUT, lease, ids, KVBuffer.allocate(LAYOUT, NUM_BLOCKS), ids)
+    assert asyncio.get_running_loop().time() - started < CONFIG.io_timeout_s + 2.0
+    assert client.pool.num_idle() == 0 and not server._waiting
+
+
 @own_process
 def test_without_the_reads_notification_the_pull_fails_within_its_bound(monkeypatch) -> None:
     async def scenario() -> None:
-        table = LeaseTable()
-        server = make_server("nixl", buffer=filled(3), resolve=table.resolver(lambda: 0.0), config=CONFIG)
-        uri = await server.start()
-        client = nixl.NixlClient(CONFIG)
-        try:
+        async with served(3) as (table, server, uri, client):
             lease = table.create([1, 2, 3], now=0.0).lease_id
             lose_notifications(monkeypatch, server)
-            dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
-            started = asyncio.get_running_loop().time()
-            with pytest.raises(KVTransferError, match="notification|silent"):
-                await client.pull(uri, LAYOUT, lease, [1, 2, 3], dst, [1, 2, 3])
-            assert asyncio.get_running_loop().time() - started < CONFIG.io_timeout_s + 2.0
-            assert client.pool.num_idle() == 0 and not server._waiting
+            await fails_within_bound(client, server, uri, lease, [1, 2, 3])
             monkeypatch.undo()  # notifications flow again: the same lease reads
+            dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
             await client.pull(uri, LAYOUT, lease, [1, 2, 3], dst, [1, 2, 3])
             assert np.array_equal(dst.array[:, [1, 2, 3]], server.buffer.array[:, [1, 2, 3]])
             assert server.num_notifications >= 1
             lose_notifications(monkeypatch, server)  # a READ posted before asking: bounded just the same
-            started = asyncio.get_running_loop().time()
-            with pytest.raises(KVTransferError, match="notification|silent"):
-                await client.pull(uri, LAYOUT, lease, [1, 2, 3], dst, [1, 2, 3])
-            assert asyncio.get_running_loop().time() - started < CONFIG.io_timeout_s + 2.0
-            assert client.pool.num_idle() == 0 and not server._waiting and server.num_posted_reads == 0
-        finally:
-            client.close()
-            await server.stop()
+            await fails_within_bound(client, server, uri, lease, [1, 2, 3])
+            assert server.num_posted_reads == 0
 
     run(scenario())
 
@@ -153,12 +166,8 @@ def test_without_the_reads_notification_the_pull_fails_within_its_bound(monkeypa
 @own_process
 def test_a_client_that_gives_up_mid_wait_frees_the_servers_waiter(monkeypatch) -> None:
     async def scenario() -> None:
-        table = LeaseTable()
-        server = make_server("nixl", buffer=filled(4), resolve=table.resolver(lambda: 0.0),
-                             config=TransportConfig(connect_timeout_s=2.0, io_timeout_s=30.0))
-        uri = await server.start()
-        client = nixl.NixlClient(CONFIG)
-        try:
+        patient = TransportConfig(connect_timeout_s=2.0, io_timeout_s=30.0)
+        async with served(4, patient, CONFIG) as (table, server, uri, client):
             lose_notifications(monkeypatch, server)
             pulling = asyncio.create_task(client.pull(uri, LAYOUT, table.create([7], now=0.0).lease_id, [7],
                                                       KVBuffer.allocate(LAYOUT, NUM_BLOCKS), [0]))
@@ -172,9 +181,6 @@ def test_a_client_that_gives_up_mid_wait_frees_the_servers_waiter(monkeypatch) -
                     break
                 await asyncio.sleep(0.005)
             assert not server._waiting and not server._connections
-        finally:
-            client.close()
-            await server.stop()
 
     run(scenario())
 
@@ -185,11 +191,7 @@ def test_a_kept_connection_reads_first_and_asks_after_in_one_round_trip() -> Non
     N_READ_POSTED (the bytes are right, scattered or not); the connection stays the one connection. A client
     that asks for checksums always takes the full exchange (they are computed before the READ)."""
     async def scenario() -> None:
-        table = LeaseTable()
-        server = make_server("nixl", buffer=filled(5), resolve=table.resolver(lambda: 0.0), config=CONFIG)
-        uri = await server.start()
-        client = nixl.NixlClient(CONFIG)
-        try:
+        async with served(5) as (table, server, uri, client):
             rng = np.random.default_rng(0)
             for i in range(6):
                 src = rng.choice(NUM_BLOCKS, 1 + 3 * i, replace=False).tolist()
@@ -208,9 +210,6 @@ def test_a_kept_connection_reads_first_and_asks_after_in_one_round_trip() -> Non
                 assert checked.num_posted_pulls == 0 and server.num_posted_reads == 5
             finally:
                 checked.close()
-        finally:
-            client.close()
-            await server.stop()
 
     run(scenario())
 
@@ -222,11 +221,7 @@ def test_a_posted_read_of_an_ended_lease_is_refused_and_the_next_pull_asks_first
     from kv_transfer.errors import LeaseNotFound
 
     async def scenario() -> None:
-        table = LeaseTable()
-        server = make_server("nixl", buffer=filled(6), resolve=table.resolver(lambda: 0.0), config=CONFIG)
-        uri = await server.start()
-        client = nixl.NixlClient(CONFIG)
-        try:
+        async with served(6) as (table, server, uri, client):
             dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
             await client.pull(uri, LAYOUT, table.create([1], now=0.0).lease_id, [1], dst, [1])
             with pytest.raises(KVTransferError, match="out of range"):  # beyond the server's blocks: no READ
@@ -240,9 +235,6 @@ def test_a_posted_read_of_an_ended_lease_is_refused_and_the_next_pull_asks_first
             await client.pull(uri, LAYOUT, table.create([4, 5], now=0.0).lease_id, [4, 5], dst, [6, 7])
             assert np.array_equal(dst.array[:, [6, 7]], server.buffer.array[:, [4, 5]])
             assert server.num_accepted == 3 and client.num_posted_pulls == 0  # each new connection asked first
-        finally:
-            client.close()
-            await server.stop()
 
     run(scenario())
 
@@ -254,11 +246,7 @@ def test_a_posted_reads_notification_taken_by_another_poll_still_ends_it(monkeyp
     from kv_transfer import nixl_client
 
     async def scenario() -> None:
-        table = LeaseTable()
-        server = make_server("nixl", buffer=filled(7), resolve=table.resolver(lambda: 0.0), config=CONFIG)
-        uri = await server.start()
-        client = nixl.NixlClient(CONFIG)
-        try:
+        async with served(7) as (table, server, uri, client):
             dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
             await client.pull(uri, LAYOUT, table.create([1], now=0.0).lease_id, [1], dst, [1])
             real_transfer = nixl_client.transfer
@@ -285,9 +273,6 @@ def test_a_posted_reads_notification_taken_by_another_poll_still_ends_it(monkeyp
                 poller.cancel()
             assert np.array_equal(dst.array[:, [2, 3]], server.buffer.array[:, [8, 9]])
             assert server.num_posted_reads == 1 and not server._early
-        finally:
-            client.close()
-            await server.stop()
 
     run(scenario())
 
@@ -300,14 +285,9 @@ def test_a_server_that_stages_or_authenticates_takes_no_posted_reads() -> None:
     from kv_transfer.wire import ERROR, HEADER, ReadRequest
 
     async def scenario() -> None:
-        table = LeaseTable()
         authenticated = dataclasses.replace(CONFIG, secret=b"s" * 32)
         for config, locate in ((authenticated, None), (CONFIG, lambda lease_id, ids: list(ids))):
-            server = make_server("nixl", buffer=filled(8), resolve=table.resolver(lambda: 0.0), config=config,
-                                 locate=locate)
-            uri = await server.start()
-            client = nixl.NixlClient(config)
-            try:
+            async with served(8, config, locate=locate) as (table, server, uri, client):
                 dst = KVBuffer.allocate(LAYOUT, NUM_BLOCKS)
                 for i in range(3):
                     await client.pull(uri, LAYOUT, table.create([i], now=0.0).lease_id, [i], dst, [i + 3])
@@ -320,9 +300,6 @@ def test_a_server_that_stages_or_authenticates_takes_no_posted_reads() -> None:
                 _, _, kind, _, length = HEADER.unpack(await reader.readexactly(HEADER.size))
                 assert kind == ERROR and b"takes no N_READ_POSTED" in await reader.readexactly(length)
                 writer.close()
-            finally:
-                client.close()
-                await server.stop()
 
     run(scenario())
 
