@@ -93,7 +93,7 @@ class NixlClient(PooledClient):
 
     async def _posted_read(self, request: Pull, sock: socket.socket) -> Frame | None:
         """The pull in one round trip on a connection that read from this server's incarnation before: the READ
-        at once (its rows from the server's geometry), N_READ_POSTED sent as it is posted (the server then
+        at once (its rows from the server's geometry), N_READ_POSTED sent just before it is posted (the server then
         progresses its agent during the READ: a READ that UCX runs over messages needs that, and one by cma
         completes 0.5 ms sooner at 1k tokens), N_READ_DONE once it is complete, then the server's DONE (returned).
         None, having sent nothing, when the connection has not (or read with another layout)."""
