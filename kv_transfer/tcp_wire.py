@@ -20,6 +20,8 @@ from kv_transfer.wire import (  # noqa: F401 - re-exported for tests/integration
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 YIELD_EVERY = 16  # successive non-blocking socket calls before yielding to other tasks
+RCVLOWAT_BYTES = 1 << 20  # a reader of a longer stream is woken per this many bytes (SO_RCVLOWAT), not per segment
+MIN_RCVLOWAT = 64 << 10  # ... when more than 4x this is left to read (a frame's few bytes: no extra system calls)
 
 
 # --- non-blocking socket I/O on the running event loop -------------------------------------------
@@ -63,23 +65,38 @@ async def transfer(
 ) -> None:
     """Send (``write``) or receive every byte of ``views`` in order, gather/scatter, IOV_MAX views a call."""
     pending = [v for v in views if v.nbytes]
-    total, done, i, streak = sum(v.nbytes for v in pending), 0, 0, 0
-    while i < len(pending):
-        batch = pending[i : i + IOV_MAX]
-        try:
-            n = sock.sendmsg(batch) if write else sock.recvmsg_into(batch)[0]
-        except (BlockingIOError, InterruptedError):
-            await _wait_ready(sock, write=write, timeout_s=timeout_s, what=what)
-            streak = 0
-            continue
-        if n == 0:
-            raise KVTransferError(f"{what}: peer closed the connection after {done} of {total} bytes")
-        done += n
-        i = _advance(pending, i, n)
-        streak += 1
-        if streak == YIELD_EVERY:  # a fast stream must not starve the loop's other tasks
-            streak = 0
-            await asyncio.sleep(0)
+    total, done, i, streak, lowat = sum(v.nbytes for v in pending), 0, 0, 0, 1
+    try:
+        while i < len(pending):
+            batch = pending[i : i + IOV_MAX]
+            try:
+                n = sock.sendmsg(batch) if write else sock.recvmsg_into(batch)[0]
+            except (BlockingIOError, InterruptedError):
+                if not write:  # never above what is left: the peer may send nothing more until we answer
+                    want = min(total - done, RCVLOWAT_BYTES) if total - done > 4 * MIN_RCVLOWAT else 1
+                    if want != lowat:
+                        lowat = _set_rcvlowat(sock, want)
+                await _wait_ready(sock, write=write, timeout_s=timeout_s, what=what)
+                streak = 0
+                continue
+            if n == 0:
+                raise KVTransferError(f"{what}: peer closed the connection after {done} of {total} bytes")
+            done += n
+            i = _advance(pending, i, n)
+            streak += 1
+            if streak == YIELD_EVERY:  # a fast stream must not starve the loop's other tasks
+                streak = 0
+                await asyncio.sleep(0)
+    finally:
+        if lowat != 1:  # the next frame's header must wake its reader at its first byte
+            _set_rcvlowat(sock, 1)
+
+
+def _set_rcvlowat(sock: socket.socket, num_bytes: int) -> int:
+    """A reader waiting for a long stream is woken once ``num_bytes`` are in (or at EOF), not per segment."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, num_bytes)
+    return num_bytes
 
 
 async def send_frame(sock: socket.socket, frame: bytes, timeout_s: float, what: str) -> None:
