@@ -67,6 +67,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from kv_transfer import checksum
 from kv_transfer.errors import KVTransferError
@@ -148,7 +149,7 @@ class NixlServer(SocketServer):
         accepted = await self._receive_read(sock, first)
         if isinstance(accepted, bytes):
             return accepted
-        request, io_s, what = accepted.request, self.config.io_timeout_s, "KV client"
+        request = accepted.request
         lease_id, block_ids = request.lease_id, list(request.block_ids)
         rows = buffer_iovecs(self.buffer, block_ids)  # the registered memory's addresses (VRAM: the device's)
         head_bytes = DESCS_HEAD.size + len(self._metadata) + rows.nbytes
@@ -161,24 +162,8 @@ class NixlServer(SocketServer):
         head = DESCS_HEAD.pack(self.incarnation, self.memory.device_id, MEM_KINDS.index(self.memory.kind), tag,
                                len(self._metadata), len(rows), self.buffer.base_ptr, self.buffer.num_blocks,
                                POSTED_READS if self.takes_posted_reads else 0)
-        done = self._waiter(tag)
-        try:
-            await send_frame(sock, accepted.hello_ok + encode_frame(N_DESCS, head + self._metadata + rows.tobytes()),
-                             io_s, what)
-            self._wake.set()
-            bound_s = io_s + len(block_ids) * self.buffer.layout.bytes_per_block / 1e9
-            refusal = await self._await_notification(sock, tag, done, bound_s)
-        finally:
-            self._waiting.pop(tag, None)
-            self._hinted.discard(tag)
-        if refusal is not None:
-            return refusal
-        # DONE only if the lease held for the whole read: its blocks cannot have been freed and reused.
-        refusal = self._check_read(lease_id, block_ids)
-        if refusal is not None:
-            return refusal
-        await send_frame(sock, encode_frame(DONE, sums), io_s, what)
-        return None
+        answer = accepted.hello_ok + encode_frame(N_DESCS, head + self._metadata + rows.tobytes())
+        return await self._read_then_done(sock, tag, lease_id, block_ids, answer, sums)
 
     async def _serve_posted(self, sock: socket.socket, payload: bytes) -> bytes | None:
         """Answer a READ the client posted without asking (N_READ_POSTED: on a connection where it read from this
@@ -192,20 +177,30 @@ class NixlServer(SocketServer):
         incarnation, tag, request = parse_posted(payload)
         if incarnation != self.incarnation:
             return encode_frame(ERROR, b"the READ went to another incarnation of this server", ERR_REFUSED)
+        refusal = await self._read_then_done(sock, tag, request.lease_id, request.block_ids)
+        self.num_posted_reads += refusal is None
+        return refusal
+
+    async def _read_then_done(self, sock: socket.socket, tag: bytes, lease_id: str, block_ids: Sequence[int],
+                              answer: bytes = b"", sums: bytes = b"") -> bytes | None:
+        """``answer`` sent (what the client READs by; none for a posted READ), the READ's hint and notification
+        awaited (the agent progresses meanwhile), then DONE (carrying ``sums``) only if the lease held for the whole
+        READ: its blocks cannot have been freed and reused. Returns the ERROR frame to close with instead."""
+        io_s, what = self.config.io_timeout_s, "KV client"
         done = self._waiter(tag)
         try:
-            self._wake.set()  # the agent progresses while the client READs
-            bound_s = self.config.io_timeout_s + len(request.block_ids) * self.buffer.layout.bytes_per_block / 1e9
+            if answer:
+                await send_frame(sock, answer, io_s, what)
+            self._wake.set()
+            bound_s = io_s + len(block_ids) * self.buffer.layout.bytes_per_block / 1e9
             refusal = await self._await_notification(sock, tag, done, bound_s)
         finally:
             self._waiting.pop(tag, None)
             self._hinted.discard(tag)
-        refusal = refusal or self._check_read(request.lease_id, request.block_ids)
-        if refusal is not None:
-            return refusal
-        await send_frame(sock, encode_frame(DONE), self.config.io_timeout_s, "KV client")
-        self.num_posted_reads += 1
-        return None
+        refusal = refusal or self._check_read(lease_id, block_ids)
+        if refusal is None:
+            await send_frame(sock, encode_frame(DONE, sums), io_s, what)
+        return refusal
 
     def _waiter(self, tag: bytes) -> asyncio.Future[None]:
         """The future the notification of ``tag`` completes: already done if it came before anyone waited."""

@@ -17,15 +17,10 @@ from kv_transfer.tensor_buffer import AnyKVBuffer
 def buffer_iovecs(buffer: AnyKVBuffer, block_ids: Sequence[int]) -> np.ndarray:
     """uint64 [layers x runs, 2]: (address, length) of ``block_ids`` in ``buffer`` (host or device memory), per
     layer per run of consecutive ids, in wire order (what a server hands out; a puller's own rows too)."""
-    return region_iovecs(buffer.base_ptr, buffer.num_blocks, buffer.segment_bytes, buffer.layout.num_layers,
-                         block_ids)
-
-
-def region_iovecs(base_ptr: int, num_blocks: int, seg: int, num_layers: int, block_ids: Sequence[int]) -> np.ndarray:
-    """``buffer_iovecs`` of a buffer known by its geometry only (a server's, to a client that read it before)."""
+    seg, num_layers = buffer.segment_bytes, buffer.layout.num_layers
     runs = id_runs(block_ids)
     out = np.empty((num_layers, len(runs), 2), np.int64)  # addresses fit: user space is below 2**63
-    layer_base = np.arange(num_layers, dtype=np.int64) * (num_blocks * seg) + base_ptr
+    layer_base = np.arange(num_layers, dtype=np.int64) * (buffer.num_blocks * seg) + buffer.base_ptr
     np.add(layer_base[:, None], runs[:, 0] * seg, out=out[:, :, 0])
     out[:, :, 1] = runs[:, 1] * seg
     return out.reshape(-1, 2).view(np.uint64)

@@ -21,7 +21,7 @@ from kv_transfer.wire import (  # noqa: F401 - re-exported for tests/integration
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 YIELD_EVERY = 16  # successive non-blocking socket calls before yielding to other tasks
 RCVLOWAT_BYTES = 1 << 20  # a reader of a longer stream is woken per this many bytes (SO_RCVLOWAT), not per segment
-MIN_RCVLOWAT = 64 << 10  # ... when more than 4x this is left to read (a frame's few bytes: no extra system calls)
+RCVLOWAT_FROM = 256 << 10  # ... when more than this is left to read (a frame's few bytes: no extra system calls)
 
 
 # --- non-blocking socket I/O on the running event loop -------------------------------------------
@@ -73,7 +73,7 @@ async def transfer(
                 n = sock.sendmsg(batch) if write else sock.recvmsg_into(batch)[0]
             except (BlockingIOError, InterruptedError):
                 if not write:  # never above what is left: the peer may send nothing more until we answer
-                    want = min(total - done, RCVLOWAT_BYTES) if total - done > 4 * MIN_RCVLOWAT else 1
+                    want = min(total - done, RCVLOWAT_BYTES) if total - done > RCVLOWAT_FROM else 1
                     if want != lowat:
                         lowat = _set_rcvlowat(sock, want)
                 await _wait_ready(sock, write=write, timeout_s=timeout_s, what=what)
