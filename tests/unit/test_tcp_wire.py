@@ -24,6 +24,18 @@ def connected_pair() -> tuple[socket.socket, socket.socket]:
     return reader, writer
 
 
+def with_sender(reader: socket.socket, writer: socket.socket, send, receive):
+    """``receive()`` run on an event loop while ``send()`` runs on a thread; both sockets closed after."""
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        return asyncio.run(asyncio.wait_for(receive(), 10.0))
+    finally:
+        sender.join()
+        reader.close()
+        writer.close()
+
+
 def test_a_long_read_wakes_per_low_water_mark_takes_its_short_tail_and_then_the_next_frame(monkeypatch) -> None:
     """4 MiB arrive in 64 KiB pieces a millisecond apart, then (after a pause) a 100 KiB tail, then (after another)
     a frame: the reader wakes a few times, not per piece; neither pause stalls it (the mark never exceeds what is
@@ -51,21 +63,14 @@ def test_a_long_read_wakes_per_low_water_mark_takes_its_short_tail_and_then_the_
     async def receive() -> tuple[bytearray, tcp_wire.Frame]:
         got = bytearray(len(body))
         halves = [memoryview(got)[: len(got) // 2], memoryview(got)[len(got) // 2:]]
-        await tcp_wire.transfer(reader, halves, write=False, timeout_s=2.0, what="test")
+        await tcp_wire.transfer(reader, halves, write=False, timeout_s=5.0, what="test")
         num_waits = len(waits)
-        answer = await tcp_wire.recv_frame(reader, 2.0, "test")
+        answer = await tcp_wire.recv_frame(reader, 5.0, "test")
         assert len(waits) - num_waits <= 2  # the frame: one wake for its header (its payload came with it)
         return got, answer
 
     monkeypatch.setattr(tcp_wire, "_wait_ready", counted)
-    sender = threading.Thread(target=send)
-    sender.start()
-    try:
-        got, answer = asyncio.run(asyncio.wait_for(receive(), 10.0))
-    finally:
-        sender.join()
-        reader.close()
-        writer.close()
+    got, answer = with_sender(reader, writer, send, receive)
     assert bytes(got) == body and answer.payload == b"after the stream"
     assert len(waits) <= 12, f"{len(waits)} wake-ups for 4 MiB"  # per piece, it was ~60
 
@@ -84,15 +89,8 @@ def test_a_read_that_ends_at_its_low_water_mark_leaves_none_for_the_next_frame()
 
     async def receive() -> tuple[bytearray, tcp_wire.Frame]:
         got = bytearray(len(body))
-        await tcp_wire.transfer(reader, [memoryview(got)], write=False, timeout_s=2.0, what="test")
-        return got, await tcp_wire.recv_frame(reader, 2.0, "test")
+        await tcp_wire.transfer(reader, [memoryview(got)], write=False, timeout_s=5.0, what="test")
+        return got, await tcp_wire.recv_frame(reader, 5.0, "test")
 
-    sender = threading.Thread(target=send)
-    sender.start()
-    try:
-        got, answer = asyncio.run(asyncio.wait_for(receive(), 10.0))
-    finally:
-        sender.join()
-        reader.close()
-        writer.close()
+    got, answer = with_sender(reader, writer, send, receive)
     assert bytes(got) == body and answer.payload == b"next"
