@@ -6,7 +6,9 @@ in ``kv_transfer/tcp.py``."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import os
 import socket
 import time
@@ -19,6 +21,8 @@ from kv_transfer.wire import (  # noqa: F401 - re-exported for tests/integration
 )
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
+CALL_BYTES = 2 << 20  # one sendmsg/recvmsg_into is handed the views covering this many bytes, not IOV_MAX of them:
+# each view costs it ~0.1 us, taken or not (1,024 views of which a call takes 64: ~130 us a call against ~30)
 YIELD_EVERY = 16  # successive non-blocking socket calls before yielding to other tasks
 RCVLOWAT_BYTES = 1 << 20  # a reader of a longer stream is woken per this many bytes (SO_RCVLOWAT), not per segment
 RCVLOWAT_FROM = 256 << 10  # ... when more than this is left to read (a frame's few bytes: no extra system calls)
@@ -63,12 +67,14 @@ def _advance(views: list[memoryview], i: int, num_bytes: int) -> int:
 async def transfer(
     sock: socket.socket, views: Sequence[memoryview], *, write: bool, timeout_s: float, what: str
 ) -> None:
-    """Send (``write``) or receive every byte of ``views`` in order, gather/scatter, IOV_MAX views a call."""
+    """Send (``write``) or receive every byte of ``views`` in order, gather/scatter: a call is handed the views
+    covering its next CALL_BYTES (IOV_MAX at most)."""
     pending = [v for v in views if v.nbytes]
-    total, done, i, streak, lowat = sum(v.nbytes for v in pending), 0, 0, 0, 1
+    ends = list(itertools.accumulate(v.nbytes for v in pending))  # the stream offset where each view ends
+    total, done, i, streak, lowat = ends[-1] if ends else 0, 0, 0, 0, 1
     try:
         while i < len(pending):
-            batch = pending[i : i + IOV_MAX]
+            batch = pending[i : min(bisect.bisect_left(ends, done + CALL_BYTES, i) + 1, i + IOV_MAX)]
             try:
                 n = sock.sendmsg(batch) if write else sock.recvmsg_into(batch)[0]
             except (BlockingIOError, InterruptedError):
