@@ -7,8 +7,8 @@ Baton connection, a NIXL agent, a Mooncake engine) in a child process of its own
 size with the same block lists and byte checks as a shared run (``kv_transfer.run``), and stops all of
 them before the next phase starts. The client runs in a child process because a peer's close does not
 always stop its threads: importing ``mooncake.engine`` starts threads that last as long as the process.
-Raw is measured in every phase, so each system's ratio is taken against the raw figures of its own
-phase. Each phase's thread counts are recorded as evidence: the client's peak, what is still running
+Raw (and plain, per pattern) is measured in every phase, so each system's ratios are taken against the raw
+(plain) figures of its own phase. Each phase's thread counts are recorded as evidence: the client's peak, what is still running
 after its closers ran, and how many of the phase's processes were still alive after it ended.
 """
 
@@ -22,7 +22,8 @@ import time
 from bench import kv_transfer as kt
 
 BASELINE = kt.BASELINE
-POOLED = (*kt.RAW_VARIANTS, kt.REFERENCE)  # measured in every phase: pooled over them (raw: the faster variant)
+# measured in every phase, pooled over them (raw: the faster variant)
+POOLED = (*kt.RAW_VARIANTS, kt.REFERENCE, *(f"{kt.PLAIN}/{p}" for p in kt.PATTERNS))
 
 
 def task_count(pid: int | None = None) -> int:
@@ -125,9 +126,10 @@ def _raw_entry(result: dict) -> dict:
 
 def merge(phases: dict[str, dict]) -> list[dict]:
     """One result per prompt size: each system's figures from its own phase (its ratio against that
-    phase's raw, ``raw_gbps`` beside it); ``raw`` and ``memcpy`` pooled over every phase's."""
+    phase's raw, ``raw_gbps`` beside it, and its plain); ``raw``, ``memcpy`` and ``plain/*`` pooled over every
+    phase's."""
     merged: dict[int, dict] = {}
-    pooled_seconds: dict[int, dict[str, list[float]]] = {}  # raw and the memcpy reference, every phase's
+    pooled_seconds: dict[int, dict[str, list[float]]] = {}  # raw, memcpy and plain, every phase's
     for label, phase in phases.items():
         for result in phase["results"]:
             tokens, raw = result["tokens"], result["systems"][BASELINE]

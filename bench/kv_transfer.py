@@ -19,6 +19,11 @@ Systems:
   layout: ``raw/blocking`` (one ``recv_into(MSG_WAITALL)`` into one contiguous buffer) and ``raw/epoll``
   (non-blocking ``recv_into`` until EAGAIN, then ``epoll``). Neither is always the faster here: on this
   VM a non-blocking receiver often moves 1.3-1.6x what a blocking one does, and then not;
+- ``plain/<pattern>``: a control per pattern, a plain blocking socket moving the same blocks to the same
+  places: the request names the source blocks, the raw server ``sendmsg``s their views (one per layer per
+  run of blocks: the gather tcp's server does) and the client ``recvmsg_into``s the destination blocks'
+  views (tcp's scatter), IOV_MAX views a call, ``MSG_WAITALL``. What the kernel's gather and scatter cost,
+  apart from ours: each pattern system's ``vs plain`` is against the plain row of its pattern;
 - ``memcpy``: a reference, not a transfer: ``np.copyto`` of the same bytes inside this process (the
   memory's own ceiling on this machine; a loopback TCP byte is copied twice, in and out of the kernel);
 - every Baton transport in ``kv_transfer.transport.TRANSPORT_KINDS`` but ``local`` (``make_server`` /
@@ -30,7 +35,7 @@ Systems:
 A system that is not installed or fails to start is reported as skipped with the reason. Every system's
 first (warm-up) transfer of each size is checked byte for byte. Runs alternate systems (rotating who goes
 first) so machine noise hits each alike. Reports median GB/s, per-transfer p50/p99 latency and ratios
-vs raw; prints a table and writes ``bench/results/kv_transfer.json`` and ``.png`` (or ``--out``).
+vs raw (and vs plain, per pattern); prints a table and writes ``bench/results/kv_transfer.json`` and ``.png`` (or ``--out``).
 
 ``--device cuda`` moves the KV between two processes' CUDA tensors instead (``bench/kv_device.py``: nixl,
 ucx and nccl in place, tcp and cma through pinned host staging, as a worker on a GPU serves them), with the
@@ -79,8 +84,11 @@ SMALL = KVLayout(
 RESULTS = Path(__file__).parent / "results" / "kv_transfer.json"
 BASELINE = "raw"  # the faster of RAW_VARIANTS, per prompt size
 RAW_VARIANTS = ("raw/blocking", "raw/epoll")
+PLAIN = "plain"  # plain/<pattern>: a plain blocking socket moving the same blocks as the pattern (gather, scatter)
 REFERENCE = "memcpy"
 PATTERNS = ("contiguous", "scattered", "merged")
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
+BLOCKS_REQUEST = 1 << 63  # a raw request's u64 with this bit: the low bits count u32 source block ids that follow
 # Mooncake's TCP transport refuses a batch with more slices than this queue (one per layer per run of
 # blocks here): it must hold the largest prompt's worst case.
 MOONCAKE_QUEUE = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
@@ -163,8 +171,10 @@ def peer_server(name: str, num_blocks: int, options: dict[str, str], conn, stop)
 
 def raw_server(max_bytes: int, conn, stop) -> None:
     """A thread per connection, until its client closes it: read a u64 byte count, ``sendall`` that many
-    bytes of the source pattern on a blocking socket."""
-    data = memoryview(source_buffer(-(-max_bytes // SMALL.bytes_per_block)).array.reshape(-1))
+    bytes of the source pattern on a blocking socket; or (``BLOCKS_REQUEST``) a count of source block ids and
+    the ids, ``sendmsg`` of those blocks' views (``plain/<pattern>``)."""
+    buffer = source_buffer(-(-max_bytes // SMALL.bytes_per_block))
+    data = memoryview(buffer.array.reshape(-1))
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.05)
     conn.send(("ok", {"port": listener.getsockname()[1]}))
@@ -176,7 +186,12 @@ def raw_server(max_bytes: int, conn, stop) -> None:
                 request = sock.recv(8, socket.MSG_WAITALL)
                 if len(request) < 8:
                     return  # the client closed its connection
-                sock.sendall(data[: struct.unpack("<Q", request)[0]])
+                count = struct.unpack("<Q", request)[0]
+                if count & BLOCKS_REQUEST:
+                    ids = np.frombuffer(sock.recv(4 * (count ^ BLOCKS_REQUEST), socket.MSG_WAITALL), np.uint32)
+                    send_views(sock, buffer.segments(ids.tolist()))
+                else:
+                    sock.sendall(data[:count])
 
     while not stop.is_set():
         try:
@@ -185,6 +200,33 @@ def raw_server(max_bytes: int, conn, stop) -> None:
             continue
         sock.setblocking(True)
         threading.Thread(target=serve, args=(sock,), daemon=True).start()
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Every byte of ``views`` in order on a blocking socket, IOV_MAX views a ``sendmsg``."""
+    i = 0
+    while i < len(views):
+        i = _advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Every byte of ``views`` in order from a blocking socket, IOV_MAX views a ``recvmsg_into(MSG_WAITALL)``."""
+    i = 0
+    while i < len(views):
+        n = sock.recvmsg_into(views[i : i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+        if n == 0:
+            raise ConnectionError("raw server closed early")
+        i = _advance(views, i, n)
+
+
+def _advance(views: list[memoryview], i: int, num_bytes: int) -> int:
+    """``num_bytes`` of ``views[i:]`` done: the index of the first view not yet full (its rest in place)."""
+    while num_bytes and num_bytes >= views[i].nbytes:
+        num_bytes -= views[i].nbytes
+        i += 1
+    if num_bytes:
+        views[i] = views[i][num_bytes:]
+    return i
 
 
 @dataclass(slots=True)
@@ -297,6 +339,11 @@ def make_systems(
 
     systems = [System(name, "contiguous", lambda s, d, raw=raw: raw.pull(raw_landed(s, d)), raw_landed,
                       raw_expected, raw_clear) for name, raw in raws.items()]
+    if device is None:  # a plain socket moving the same blocks to the same places as each pattern
+        plain = RawClient(port)
+        systems += [System(f"{PLAIN}/{p}", p, lambda s, d: plain.pull_blocks(s, dst, d), lambda _s, d: dst.array[:, d],
+                           kv_expected, kv_clear) for p in PATTERNS]
+        raws[PLAIN] = plain
     if device is not None:  # pragma: no cover - never run here (no GPU): the device's own copy is the ceiling
         ceiling = kv_device.d2d_copy(ref.array)
         memcpy = lambda s, d: ceiling(raw_landed(s, d), None)  # noqa: E731
@@ -375,6 +422,16 @@ class RawClient:
             got += n
         return time.perf_counter() - start, got
 
+    def pull_blocks(self, src_ids: list[int], dst: KVBuffer, dst_ids: list[int]) -> tuple[float, int]:
+        """``plain/<pattern>``: source blocks ``src_ids`` into ``dst_ids`` of ``dst`` (blocking: the gather and
+        scatter of the same views as tcp's; the views are made inside the timing, as a transport makes them)."""
+        start = time.perf_counter()
+        ids = np.asarray(src_ids, np.uint32)
+        self._sock.sendall(struct.pack("<Q", BLOCKS_REQUEST | len(ids)) + ids.tobytes())
+        views = dst.segments(dst_ids)
+        recv_views(self._sock, views)
+        return time.perf_counter() - start, len(dst_ids) * SMALL.bytes_per_block
+
     def close(self) -> None:
         self._sock.close()
         if self._epoll is not None:
@@ -449,7 +506,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize(seconds: dict[str, list[float]], moved: dict[str, int], num_bytes: int) -> dict[str, dict]:
     """Per system: median GB/s, p50/p99 latency, ratio vs ``raw``, which is added first: a copy of the
-    faster of ``RAW_VARIANTS`` (``best_of`` names it)."""
+    faster of ``RAW_VARIANTS`` (``best_of`` names it); a pattern's system also vs ``plain/<pattern>`` when that
+    ran (``ratio_vs_plain``, ``plain_gbps``)."""
     out = {}
     for name, values in seconds.items():
         out[name] = {"gbps": num_bytes / statistics.median(values) / 1e9,
@@ -457,8 +515,11 @@ def summarize(seconds: dict[str, list[float]], moved: dict[str, int], num_bytes:
                      "bytes_moved": moved[name], "seconds": values}
     best = max((name for name in RAW_VARIANTS if name in out), key=lambda name: out[name]["gbps"])
     out = {BASELINE: {**out[best], "best_of": best}, **out}
-    for stats in out.values():
+    for name, stats in out.items():
         stats["ratio_vs_raw"] = stats["gbps"] / out[BASELINE]["gbps"]
+        system, _, pattern = name.rpartition("/")
+        if pattern in PATTERNS and system != PLAIN and (plain := out.get(f"{PLAIN}/{pattern}")) is not None:
+            stats["plain_gbps"], stats["ratio_vs_plain"] = plain["gbps"], stats["gbps"] / plain["gbps"]
     return out
 
 
@@ -470,6 +531,8 @@ def describe(started: list[str], args: argparse.Namespace) -> dict[str, str]:
     out = {BASELINE: "the faster of raw/blocking and raw/epoll, per prompt size",
            "raw/blocking": "sendall / one recv_into(MSG_WAITALL) of one contiguous buffer, one kept-alive connection",
            "raw/epoll": "sendall / non-blocking recv_into + epoll of one contiguous buffer, one kept-alive connection",
+           f"{PLAIN}/<pattern>": "sendmsg / recvmsg_into(MSG_WAITALL) of the pattern's source and destination block "
+                                 "views (tcp's gather and scatter), blocking, one kept-alive connection",
            REFERENCE: "np.copyto of the same bytes inside the pulling process (a reference, not a transfer)"
            if args.device == "cpu" else "torch copy_ of the same bytes between two CUDA tensors (the device's copy)"}
     for name in started:
@@ -486,15 +549,16 @@ def describe(started: list[str], args: argparse.Namespace) -> dict[str, str]:
 
 
 def print_table(results: list[dict], skipped: dict[str, str], isolated: bool = False) -> None:
-    """Isolated: raw is pooled over the phases, and each system's "vs raw" is against the raw of its own
-    phase, shown in the last column."""
-    print(f"\n{'tokens':>7} {'MiB':>6}  {'system':<22} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7}"
-          + (f" {'phase raw GB/s':>14}" if isolated else ""))
+    """Isolated: raw and plain are pooled over the phases, and each system's "vs raw" ("vs plain") is against the
+    raw (plain) of its own phase, shown in the last column."""
+    print(f"\n{'tokens':>7} {'MiB':>6}  {'system':<22} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7} "
+          f"{'vs plain':>8}" + (f" {'phase raw GB/s':>14}" if isolated else ""))
     for r in results:
         for name, s in r["systems"].items():
             phase_raw = f" {s['raw_gbps']:>14.2f}" if isolated and "raw_gbps" in s else ""
+            vs_plain = f"{s['ratio_vs_plain']:>8.0%}" if "ratio_vs_plain" in s else f"{'':>8}"
             print(f"{r['tokens']:>7} {r['num_bytes'] / 2**20:>6.1f}  {name:<22} {s['gbps']:>6.2f} "
-                  f"{s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['ratio_vs_raw']:>7.0%}{phase_raw}")
+                  f"{s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['ratio_vs_raw']:>7.0%} {vs_plain}{phase_raw}")
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
 

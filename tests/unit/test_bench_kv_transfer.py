@@ -25,13 +25,14 @@ def test_tiny_run_writes_results_with_the_expected_bytes(tmp_path, monkeypatch):
 
     doc = json.loads(out.read_text())
     assert doc["runs"] == 2
-    assert set(doc["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", "tcp"}
+    assert set(doc["systems"]) == {"raw", "raw/blocking", "raw/epoll", "plain/<pattern>", "memcpy", "tcp"}
     assert set(doc["skipped"]) == {"nosuch"}  # an unknown kind is reported, not a crash
     [result] = doc["results"]
     assert (result["tokens"], result["blocks"]) == (64, 4)
     assert result["num_bytes"] == 4 * SMALL.bytes_per_block == 4 * 128 * 1024
-    assert set(result["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", "tcp/contiguous", "tcp/scattered",
-                                      "tcp/merged"}
+    assert set(result["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", *PLAIN_ROWS, "tcp/contiguous",
+                                      "tcp/scattered", "tcp/merged"}
+    _assert_each_pattern_is_against_its_plain_row(result["systems"])
     for name, stats in result["systems"].items():
         assert stats["bytes_moved"] == result["num_bytes"], name
         assert len(stats["seconds"]) == 2 and all(s > 0 for s in stats["seconds"])
@@ -39,6 +40,18 @@ def test_tiny_run_writes_results_with_the_expected_bytes(tmp_path, monkeypatch):
     assert result["systems"]["raw"]["ratio_vs_raw"] == 1.0
     _assert_raw_is_the_faster_variant(result["systems"])
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+PLAIN_ROWS = ("plain/contiguous", "plain/scattered", "plain/merged")
+
+
+def _assert_each_pattern_is_against_its_plain_row(systems: dict) -> None:
+    for pattern in kv_transfer.PATTERNS:
+        stats, plain = systems[f"tcp/{pattern}"], systems[f"plain/{pattern}"]
+        assert stats["plain_gbps"] == plain["gbps"]
+        assert stats["ratio_vs_plain"] == pytest.approx(stats["gbps"] / plain["gbps"])
+        assert "ratio_vs_plain" not in plain
+    assert "ratio_vs_plain" not in systems["raw"] and "ratio_vs_plain" not in systems["memcpy"]
 
 
 def _assert_raw_is_the_faster_variant(systems: dict) -> None:
@@ -57,15 +70,18 @@ def test_isolated_run_has_a_phase_per_system_with_its_own_raw(tmp_path, monkeypa
 
     doc = json.loads(out.read_text())
     assert doc["isolated"] is True
-    assert set(doc["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", "tcp"} and set(doc["skipped"]) == {"nosuch"}
+    assert set(doc["systems"]) == {"raw", "raw/blocking", "raw/epoll", "plain/<pattern>", "memcpy", "tcp"}
+    assert set(doc["skipped"]) == {"nosuch"}
     [phase_raw] = doc["phases"]["tcp"]["raw"]
     assert phase_raw["tokens"] == 64 and len(phase_raw["seconds"]) == 2
     threads = doc["phases"]["tcp"]["threads"]
     assert threads["processes_left_after_phase"] == 0 and threads["client_peak"] >= 1
     [result] = doc["results"]
-    assert set(result["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", "tcp/contiguous", "tcp/scattered",
-                                      "tcp/merged"}
-    assert len(result["systems"]["memcpy"]["seconds"]) == 2  # measured in the phase, pooled like raw
+    assert set(result["systems"]) == {"raw", "raw/blocking", "raw/epoll", "memcpy", *PLAIN_ROWS, "tcp/contiguous",
+                                      "tcp/scattered", "tcp/merged"}
+    for name in ("memcpy", *PLAIN_ROWS):  # measured in the phase, pooled like raw
+        assert len(result["systems"][name]["seconds"]) == 2 and "phase" not in result["systems"][name]
+    _assert_each_pattern_is_against_its_plain_row(result["systems"])  # one phase: its plain rows are the pooled
     for name in ("tcp/contiguous", "tcp/scattered", "tcp/merged"):
         stats = result["systems"][name]
         assert stats["bytes_moved"] == result["num_bytes"] and stats["phase"] == "tcp"
