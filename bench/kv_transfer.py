@@ -76,6 +76,7 @@ import numpy as np
 from bench import kv_device, kv_peers
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
+from kv_transfer.tcp_wire import IOV_MAX, advance
 from kv_transfer.transport import TRANSPORT_KINDS, connect, make_server
 
 SMALL = KVLayout(
@@ -87,7 +88,6 @@ RAW_VARIANTS = ("raw/blocking", "raw/epoll")
 PLAIN = "plain"  # plain/<pattern>: a plain blocking socket moving the same blocks as the pattern (gather, scatter)
 REFERENCE = "memcpy"
 PATTERNS = ("contiguous", "scattered", "merged")
-IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 BLOCKS_REQUEST = 1 << 63  # a raw request's u64 with this bit: the low bits count u32 source block ids that follow
 # Mooncake's TCP transport refuses a batch with more slices than this queue (one per layer per run of
 # blocks here): it must hold the largest prompt's worst case.
@@ -206,7 +206,7 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Every byte of ``views`` in order on a blocking socket, IOV_MAX views a ``sendmsg``."""
     i = 0
     while i < len(views):
-        i = _advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
+        i = advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
 
 
 def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -216,17 +216,7 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
         n = sock.recvmsg_into(views[i : i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
         if n == 0:
             raise ConnectionError("raw server closed early")
-        i = _advance(views, i, n)
-
-
-def _advance(views: list[memoryview], i: int, num_bytes: int) -> int:
-    """``num_bytes`` of ``views[i:]`` done: the index of the first view not yet full (its rest in place)."""
-    while num_bytes and num_bytes >= views[i].nbytes:
-        num_bytes -= views[i].nbytes
-        i += 1
-    if num_bytes:
-        views[i] = views[i][num_bytes:]
-    return i
+        i = advance(views, i, n)
 
 
 @dataclass(slots=True)

@@ -54,7 +54,7 @@ async def _wait_ready(sock: socket.socket, *, write: bool, timeout_s: float, wha
         timer.cancel()
 
 
-def _advance(views: list[memoryview], i: int, num_bytes: int) -> int:
+def advance(views: list[memoryview], i: int, num_bytes: int) -> int:
     """Consume ``num_bytes`` from ``views[i:]``; returns the index of the first view not yet full."""
     while num_bytes and num_bytes >= views[i].nbytes:
         num_bytes -= views[i].nbytes
@@ -88,7 +88,7 @@ async def transfer(
             if n == 0:
                 raise KVTransferError(f"{what}: peer closed the connection after {done} of {total} bytes")
             done += n
-            i = _advance(pending, i, n)
+            i = advance(pending, i, n)
             streak += 1
             if streak == YIELD_EVERY:  # a fast stream must not starve the loop's other tasks
                 streak = 0
