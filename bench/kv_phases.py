@@ -8,8 +8,9 @@ size with the same block lists and byte checks as a shared run (``kv_transfer.ru
 them before the next phase starts. The client runs in a child process because a peer's close does not
 always stop its threads: importing ``mooncake.engine`` starts threads that last as long as the process.
 Raw (and plain, per pattern) is measured in every phase, so each system's ratios are taken against the raw
-(plain) figures of its own phase. Each phase's thread counts are recorded as evidence: the client's peak, what is still running
-after its closers ran, and how many of the phase's processes were still alive after it ended.
+(plain) figures of its own phase. Each phase's thread counts are recorded as evidence: the client's peak,
+what is still running after its closers ran, and how many of the phase's processes were still alive after it
+ended.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ Systems:
 A system that is not installed or fails to start is reported as skipped with the reason. Every system's
 first (warm-up) transfer of each size is checked byte for byte. Runs alternate systems (rotating who goes
 first) so machine noise hits each alike. Reports median GB/s, per-transfer p50/p99 latency and ratios
-vs raw (and vs plain, per pattern); prints a table and writes ``bench/results/kv_transfer.json`` and ``.png`` (or ``--out``).
+vs raw (and vs plain, per pattern); prints a table and writes ``bench/results/kv_transfer.json`` and ``.png``
+(or ``--out``).
 
 ``--device cuda`` moves the KV between two processes' CUDA tensors instead (``bench/kv_device.py``: nixl,
 ucx and nccl in place, tcp and cma through pinned host staging, as a worker on a GPU serves them), with the
@@ -334,7 +335,7 @@ def make_systems(
         systems += [System(f"{PLAIN}/{p}", p, lambda s, d: plain.pull_blocks(s, dst, d), lambda _s, d: dst.array[:, d],
                            kv_expected, kv_clear) for p in PATTERNS]
         raws[PLAIN] = plain
-    if device is not None:  # pragma: no cover - never run here (no GPU): the device's own copy is the ceiling
+    else:  # pragma: no cover - never run here (no GPU): the device's own copy is the ceiling
         ceiling = kv_device.d2d_copy(ref.array)
         memcpy = lambda s, d: ceiling(raw_landed(s, d), None)  # noqa: E731
     systems.append(System(REFERENCE, "contiguous", memcpy, raw_landed, raw_expected, raw_clear))

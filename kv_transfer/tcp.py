@@ -39,7 +39,8 @@ server that predates keep-alive closes after each exchange, which its clients no
 Zero copy: the server hands the leased blocks' memoryviews (one per layer per run of consecutive
 block ids) to ``sendmsg`` (gather), and the client ``recvmsg_into``s the stream straight into the
 destination blocks' memoryviews (scatter), each system call handed the views its next 2 MiB cover
-(``tcp_wire.CALL_BYTES``, IOV_MAX at most), on non-blocking sockets driven by the event loop. Every wait on the peer is bounded by ``TransportConfig`` timeouts.
+(``tcp_wire.CALL_BYTES``, IOV_MAX at most), on non-blocking sockets driven by the event loop. Every wait
+on the peer is bounded by ``TransportConfig`` timeouts.
 """
 
 from __future__ import annotations
