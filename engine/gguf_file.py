@@ -1,4 +1,5 @@
-"""A GGUF file's metadata, read with the format's own reader (the ``gguf`` package). Torch-free.
+"""A GGUF file's metadata and tensors (parsed by ``engine.gguf_format``; the ``gguf`` package names the types and
+dequantizes). Torch-free.
 
 The router reads its model card and tokenizer from here; the engine also reads the config and the tensors
 (``engine.model.gguf_loader`` dequantizes them). The tensor data is memory-mapped: opening a file reads its
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.gguf_format import GGUFFormatError, read_gguf, tensor_array
 
 # general.architecture -> (Hugging Face architecture, whether llama.cpp permuted Q/K rows for its RoPE kernel)
 ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -33,7 +35,7 @@ class GGUFTensor:
     name: str  # llama.cpp's name, e.g. "blk.0.attn_q.weight"
     type_name: str  # GGMLQuantizationType name, e.g. "Q4_1"
     shape: tuple[int, ...]  # numpy order (rows first): [out_features, in_features] for a weight
-    raw: Any  # the stored bytes (a memory-mapped numpy array); reader-specific dtype
+    raw: Any  # the stored bytes (a memory-mapped numpy array): a plain type's elements, else uint8 block rows
     qtype: Any  # gguf.GGMLQuantizationType
     offset: int  # where the stored bytes start in the file
 
@@ -42,18 +44,16 @@ class GGUFFile:
     """One opened GGUF file: metadata values by key, the tensors, and the config they describe."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf  # numpy + the format's reader; imported only when a GGUF is opened
-
         self.path = Path(path)
         try:
-            self._reader = gguf.GGUFReader(str(self.path))
-        except Exception as exc:  # noqa: BLE001 - the reader raises whatever a malformed file trips
-            raise ModelLoadError(f"cannot read GGUF file {self.path}: {exc!r}") from exc
+            self._contents = read_gguf(self.path)
+        except (GGUFFormatError, OSError, ValueError) as exc:  # ValueError: numpy cannot map an empty file
+            raise ModelLoadError(f"cannot read GGUF file {self.path}: {exc}") from exc
+        self.metadata = self._contents.metadata
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value (str, number, bool, or a list of them); ``default`` when the key is absent."""
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -67,16 +67,25 @@ class GGUFFile:
 
     @cached_property
     def tensors(self) -> list[GGUFTensor]:
-        return [GGUFTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), t.data,
-                           t.tensor_type, int(t.data_offset)) for t in self._reader.tensors]
+        from gguf import GGMLQuantizationType  # imported only when tensors are read
 
-    @property
+        out = []
+        for info in self._contents.tensors:
+            try:
+                raw = tensor_array(self._contents, info)
+            except GGUFFormatError as exc:
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: {exc}") from exc
+            qtype = GGMLQuantizationType(info.ggml_type)
+            out.append(GGUFTensor(info.name, qtype.name, tuple(reversed(info.dims)), raw, qtype, info.data_offset))
+        return out
+
+    @cached_property
     def tensor_names(self) -> set[str]:
-        return {t.name for t in self._reader.tensors}
+        return {t.name for t in self._contents.tensors}
 
     @property
     def has_tokenizer(self) -> bool:
-        return "tokenizer.ggml.tokens" in self._reader.fields
+        return "tokenizer.ggml.tokens" in self.metadata
 
     @property
     def permuted_qk(self) -> bool:

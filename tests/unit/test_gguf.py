@@ -80,6 +80,22 @@ def test_every_parameter_is_the_gguf_packages_dequantization(tiny_checkpoints, g
         np.testing.assert_array_equal(_engine_tensor(params, key, config).numpy(), expected, err_msg=key)
 
 
+@pytest.mark.parametrize("qtype", [t for t in TESTED_TYPES if t not in ("F32", "F16")])
+def test_a_tensor_dequantized_in_chunks_is_the_gguf_packages_whole_dequantization(monkeypatch, qtype):
+    import gguf as gguf_package
+
+    from engine.gguf_file import GGUFTensor
+    from engine.model import gguf_loader
+
+    kind = gguf_package.GGMLQuantizationType[qtype]
+    values = np.random.default_rng(1).standard_normal((37, 64)).astype(np.float32)
+    raw = gguf_package.quants.quantize(values, kind)
+    monkeypatch.setattr(gguf_loader, "CHUNK_BYTES", 5 * raw.shape[1])  # 8 chunks, the last one 2 rows
+    got = gguf_loader.dequantize(GGUFTensor("blk.0.ffn_up.weight", qtype, (37, 64), raw, kind, 0))
+    assert got.dtype == np.float32 and got.flags.writeable
+    np.testing.assert_array_equal(got, gguf_package.quants.dequantize(raw, kind).reshape(37, 64))
+
+
 def _engine_tensor(params, key: str, config) -> torch.Tensor:
     """The engine's copy of a checkpoint tensor (a row range of a fused parameter for q/k/v, gate/up)."""
     fused = {"q_proj": ("qkv_proj", 0, config.q_size), "k_proj": ("qkv_proj", config.q_size, config.kv_size),
