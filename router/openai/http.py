@@ -108,8 +108,9 @@ class OpenAIHandlers:
             if request.stream:
                 return await self._stream(http, request, job, responses)
             return await self._complete(request, job, responses)
-        except ConnectionError:  # the client hung up mid-stream: nobody to answer
-            raise
+        except ConnectionError:  # the client hung up mid-stream, a write found it gone before aiohttp cancelled
+            return web.Response(status=499, reason="Client Closed Request")  # never sent: aiohttp finds the
+            # transport closed and logs nothing (raised, it logged "Error handling request" with a traceback)
         except Exception as exc:  # noqa: BLE001 - mapped, or logged as a bug
             return self._error_response(exc)
         finally:  # also on cancellation: the relay's cleanup aborts the workers now
