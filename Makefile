@@ -27,8 +27,13 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BATON) up --model $(MODEL)
 
+# Two pytest-xdist workers, each taking whole test files in collection order (a module's cluster fixture starts
+# once; the longest files are collected first: tests/conftest.py), on this 2-core machine about half the wall time
+# of one process (docs/testing.md). `make test TEST_WORKERS=0`: one process.
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(PY) -m bench.throughput

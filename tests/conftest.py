@@ -95,6 +95,19 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # save_pretrained's shard bars
 
 
+# The longest test files (seconds on this 2-core machine, one process): collected first, so that under `make
+# test`'s two pytest-xdist workers (files in collection order: --no-loadscope-reorder) neither is left with one
+# of them at the end. test_smollm2.py computes transformers' reference the serving test reads after it.
+LONGEST_FIRST = ("tests/unit/test_smollm2.py",  # ~110 with transformers' reference
+                 "tests/integration/test_routing.py",  # ~130
+                 "tests/unit/test_kv_nixl.py")  # ~50: nixl's cases in a pytest of their own
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: files stay whole
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """NIXL must never be imported by the main test process: the libraries it bundles (its own UCX, gRPC,
     protobuf) crashed it later (tests/unit/test_kv_nixl.py runs nixl's cases in a process of their own)."""
@@ -165,14 +178,32 @@ class SmolLM2Reference:
 
 
 @pytest.fixture(scope="session")
-def smollm2_reference() -> SmolLM2Reference:
+def smollm2_reference(tmp_path_factory) -> SmolLM2Reference:
     """transformers' greedy continuations of tests/smollm2.py's prompts on the installed SmolLM2 GGUF (about
-    30 s: loading and dequantizing the file, then 8 x 64 steps), computed once per session."""
+    60 s here: 30 loading the file, 27 for 8 x 32 steps), computed once per run: under pytest-xdist the first
+    worker to ask computes it, under a lock in the run's shared temporary folder, and the others read its JSON."""
+    import fcntl
+    import json
+
     from engine.model_source import resolve_model
     from engine.tokenizer import Tokenizer
     from tests import smollm2
 
     path = resolve_model("smollm2").path
     prompts = smollm2.prompts(Tokenizer.from_gguf(path))
-    model = smollm2.transformers_model(path)
-    return SmolLM2Reference(path, prompts, [smollm2.reference(model, prompt) for prompt in prompts])
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        model = smollm2.transformers_model(path)
+        return SmolLM2Reference(path, prompts, [smollm2.reference(model, prompt) for prompt in prompts])
+    shared = tmp_path_factory.getbasetemp().parent  # every worker's base folder is in the run's
+    saved = shared / "smollm2-reference.json"
+    with (shared / "smollm2-reference.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not saved.is_file():
+            model = smollm2.transformers_model(path)
+            continuations = [smollm2.reference(model, prompt) for prompt in prompts]
+            saved.write_text(json.dumps({"prompts": prompts, "continuations": [
+                {"token_ids": c.token_ids, "margins": c.margins} for c in continuations]}))
+        data = json.loads(saved.read_text())
+    if data["prompts"] != prompts:
+        raise AssertionError("another worker's SmolLM2 reference is for other prompts")
+    return SmolLM2Reference(path, prompts, [smollm2.Continuation(**c) for c in data["continuations"]])
