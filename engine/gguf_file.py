@@ -47,7 +47,7 @@ class GGUFFile:
         self.path = Path(path)
         try:
             self._contents = read_gguf(self.path)
-        except (GGUFFormatError, OSError, ValueError) as exc:  # ValueError: numpy cannot map an empty file
+        except (OSError, ValueError) as exc:  # GGUFFormatError is a ValueError; so is numpy's on an empty file
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {exc}") from exc
         self.metadata = self._contents.metadata
 

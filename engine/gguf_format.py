@@ -31,9 +31,8 @@ _LAYOUTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 SCALARS = {kind: struct.Struct(layout) for kind, layout in _LAYOUTS.items()}
 ARRAY_ITEMS = {kind: np.dtype(layout.format) for kind, layout in SCALARS.items()}  # numbers: one numpy read each
 U32, U64 = struct.Struct("<I"), struct.Struct("<Q")
-ARRAY_HEAD = struct.Struct("<IQ")  # element type, count
+U32_U64 = struct.Struct("<IQ")  # an array's element type and count; a tensor's ggml type and offset
 HEAD = struct.Struct("<4sIQQ")
-TENSOR_TAIL = struct.Struct("<IQ")  # ggml type, offset
 # unquantized ggml types stored as plain numpy arrays of their elements (the others: bytes, a row of blocks per row)
 PLAIN_TYPES = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
 
@@ -60,7 +59,7 @@ class GGUFContents:
 
 def read_gguf(path: str | Path) -> GGUFContents:
     """Parse ``path``'s header; GGUFFormatError when it is not GGUF (or a version or byte order not read here),
-    is truncated, repeats a key or a tensor, or places a tensor outside the file."""
+    is truncated, or repeats a key or a tensor (a tensor outside the file is found by ``tensor_array``)."""
     data = np.memmap(path, mode="r")
     reader = _Reader(memoryview(data))
     magic, version, num_tensors, num_kvs = reader.unpack(HEAD)
@@ -82,7 +81,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
         name = reader.string()
         (num_dims,) = reader.unpack(U32)
         dims = reader.unpack(struct.Struct(f"<{num_dims}Q"))
-        ggml_type, offset = reader.unpack(TENSOR_TAIL)
+        ggml_type, offset = reader.unpack(U32_U64)
         infos.append((name, ggml_type, dims, offset))
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -156,7 +155,7 @@ class _Reader:
         if kind == STRING:
             return self.string()
         if kind == ARRAY:
-            item_kind, count = self.unpack(ARRAY_HEAD)
+            item_kind, count = self.unpack(U32_U64)
             dtype = ARRAY_ITEMS.get(item_kind)
             if dtype is not None:  # numbers: one numpy read, not one per element
                 end = self.offset + count * dtype.itemsize
