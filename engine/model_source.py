@@ -18,7 +18,7 @@ from pathlib import Path
 
 from engine.errors import ModelLoadError
 
-PRESETS = ("tiny", "small")
+PRESETS = ("tiny", "tiny32", "small")
 
 
 @dataclass(frozen=True, slots=True)

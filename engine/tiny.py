@@ -77,6 +77,12 @@ PRESETS: dict[str, ModelPreset] = {
         **_COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=192,
         max_position_embeddings=2048, train_steps=300,
     ),
+    # tiny's shape with 32-dim heads: vLLM's CPU attention takes head sizes of 32 and up (tiny's are 16), so the
+    # tests that run vLLM workers serve this one
+    "tiny32": ModelPreset(
+        **_COMMON, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=384,
+        max_position_embeddings=2048, train_steps=300,
+    ),
     "small": ModelPreset(
         **_COMMON, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, intermediate_size=1536,
         max_position_embeddings=4096, train_steps=0,

@@ -180,7 +180,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., scale_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "data_plane_uri", "lease_id", "block_ids", "block_hashes", "num_tokens", "layout", "lease_expires_unix_ms", "grpc_address", "first_block")
+    __slots__ = ("worker_id", "data_plane_uri", "lease_id", "block_ids", "block_hashes", "num_tokens", "layout", "lease_expires_unix_ms", "grpc_address", "first_block", "engine", "engine_params")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_URI_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,8 @@ class KVHandle(_message.Message):
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     data_plane_uri: str
     lease_id: str
@@ -201,7 +203,9 @@ class KVHandle(_message.Message):
     lease_expires_unix_ms: int
     grpc_address: str
     first_block: int
-    def __init__(self, worker_id: _Optional[str] = ..., data_plane_uri: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., grpc_address: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
+    engine: str
+    engine_params: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., data_plane_uri: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., grpc_address: _Optional[str] = ..., first_block: _Optional[int] = ..., engine: _Optional[str] = ..., engine_params: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "token_ids", "chat", "sampling", "cache_salt", "priority", "model")

@@ -1,5 +1,5 @@
-"""The worker shell both roles share: engine thread, gRPC server, KV data-plane servers, transfer leases,
-heartbeat and index publisher, drain and metrics.
+"""Baton's engine in the worker shell (``worker.shell``): the engine thread, Baton's KV data-plane servers and
+transfer leases, the store tier.
 
 A role is a subclass (``prefill_node.node.PrefillNode``, ``decode_node.node.DecodeNode``) that names its
 servicer and, where it needs them, the engine's hooks (``on_held``, ``step_hooks``).
@@ -9,59 +9,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.async_engine import AsyncEngine, StepHooks
 from engine.core.outputs import RequestDelta, SchedulerStats
 from engine.engine import Engine
 from engine.kv_quant import SCALE_BYTES
 from kv_transfer.layout import KVLayout
-from kv_transfer.registry import HeartbeatTask, Registry, connect
 from kv_transfer.staging import KVRegion, StagingPool
 from kv_transfer.tp_plane import rank_uris, tag_uri
-from kv_transfer.workers import WorkerInfo, WorkerLoad
+from kv_transfer.workers import WorkerLoad
 from kv_transfer.transport import (
     STREAMING_KINDS, KVClient, TransferStats, connect as kv_connect, parse_kinds, uri_kind,
 )
-from proto import baton_pb2 as pb
-from proto import baton_pb2_grpc as pb_grpc
-from proto.malformed import MalformedRequestInterceptor
-from proto.metrics_http import serve_metrics
-from proto.tls import PEER_SERVER_OPTIONS, add_port, describe
-from worker.addresses import advertised_host, host_port, loopback_warning
 from worker.config import WorkerConfig, transport_config
-from worker.drain import DrainGate, InFlightCounter
+from worker.engine_seam import BatonEngine
 from worker.kv_plane import KVPlane
 from worker.leases import WorkerLeases
-from worker.metrics import WorkerMetrics
-from worker.publisher import IndexPublisher
 from worker.servicer import WorkerServicer
+from worker.shell import WorkerShell
 from worker.store_tier import StoreTier
 
 logger = logging.getLogger(__name__)
-WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
-class WorkerNode:
+class WorkerNode(WorkerShell):
+    """Baton's engine in the shell: the engine on its own thread, Baton's KV data plane and leases."""
+
     def __init__(self, config: WorkerConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.leases = WorkerLeases(config.lease_ttl_s, self._free)
-        self.load = WorkerLoad(running=0, waiting=0, free_blocks=0, queued_prefill_tokens=0)
-        self._tasks: list[asyncio.Task] = []
-        self.in_flight = InFlightCounter(frozenset(f"/{WORKER_SERVICE}/{m}" for m in ("Prefill", "PrefillStream", "Decode")))
-        self.drained = asyncio.Event()  # set when drained and idle with on_drain="exit": the process may exit
-        self.failed = asyncio.Event()  # set when the engine loop died (e.g. a tensor-parallel rank): exit non-zero
 
     # ---- lifecycle -----------------------------------------------------------------------
-    async def start(self) -> str:
-        loop = asyncio.get_running_loop()
-        self.loop = loop
+    async def start_engine(self) -> None:
+        loop = self.loop
         self.engine: Engine = await asyncio.to_thread(Engine, self.config.engine)
         if self.config.calibrate_tokens > 0:  # before the engine loop runs: the thread has the engine to itself
             await asyncio.to_thread(self.engine.calibrate, self.config.calibrate_tokens)
@@ -70,9 +52,11 @@ class WorkerNode:
         if self.config.fault_layer_delay_s > 0:
             _slow_layers(self.engine, self.config.fault_layer_delay_s)
         self.layout = _layout(self.engine)
+        self.fingerprint, self.total_blocks = self.engine.fingerprint, self.engine.cache_config.num_blocks
         self.async_engine = AsyncEngine(self.engine, on_held=self.on_held, step_hooks=self.step_hooks(),
                                         on_dead=lambda exc: loop.call_soon_threadsafe(self.failed.set))
         self.async_engine.start()
+        self.seam = BatonEngine(self.async_engine, worker_load)
         # Every transport of --kv-transport is served (kv_uri lists their URIs, space-separated) and tried
         # in that order when pulling: the pair's transport is the puller's first one the server offers.
         self.kv_kinds = parse_kinds(self.config.kv_transport, str(self.engine.device))
@@ -93,27 +77,9 @@ class WorkerNode:
         self.kv_uri = self.config.kv_advertise_uri or " ".join(served)
         # what an early (kv_pending) handle offers: the URIs whose server streams layers
         self.streaming_kv_uri = " ".join(u for u in self.kv_uri.split() if uri_kind(u) in STREAMING_KINDS)
-        self.grpc_address = await self._start_grpc()
-        self.worker_id = self.config.worker_id or f"{self.config.role}-{socket.gethostname()}-{self.grpc_port}"
-        self.metrics = WorkerMetrics(self.worker_id)
-        self.metrics_server = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port,
-                                            self.config.tls)
-        self.redis = connect(self.config.redis_url)
-        self.registry = Registry(self.redis, self.config.namespace, self.config.heartbeat_ttl_s)
-        self.publisher = IndexPublisher(self)
+
+    async def engine_registered(self) -> None:
         self.store_tier = self._start_store_tier()
-        # the first heartbeat registers the worker with this load: sampled now, not the placeholder (no free
-        # blocks), which would tell every router this pool is full until the next heartbeat
-        _, self.load = await self.async_engine.call(_sample)
-        self.heartbeat = HeartbeatTask(self.registry, self._info(), lambda: self.load,
-                                       interval_s=self.config.heartbeat_interval_s,
-                                       on_reregistered=self.publisher.republish_all)
-        self.heartbeat.start()
-        self._tasks = [asyncio.create_task(self._housekeeping(), name="housekeeping"),
-                       asyncio.create_task(self._watch_drain(), name="drain")]
-        logger.info("worker %s (%s) serving gRPC on %s, KV on %s", self.worker_id, self.config.role,
-                    self.grpc_address, self.kv_uri)
-        return self.grpc_address
 
     def _start_store_tier(self) -> StoreTier | None:
         """The shared store tier (``--kv-store``), connecting in the background: until it is connected, requests
@@ -133,20 +99,11 @@ class WorkerNode:
         tp_size = self.kv_plane.tp_size
         self.kv_servers = [self.kv_plane.server(kind, self.transport_config, rank)
                            for kind in self.kv_kinds for rank in range(tp_size)]
-        self.advertise_host = self.config.advertise_host or advertised_host(self.config.host, self.config.redis_url)
-        if (warning := loopback_warning(self.advertise_host, self.config.redis_url)) is not None:
-            logger.warning("%s", warning)
         served = [await server.start(self.config.host, self.config.kv_port if i == 0 else 0,
                                      advertise_host=self.advertise_host) for i, server in enumerate(self.kv_servers)]
         return served if tp_size == 1 else [tag_uri(uri, i % tp_size) for i, uri in enumerate(served)]
 
-    async def stop(self, grace_s: float = 5.0) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await self.heartbeat.stop(deregister=True)
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
-        await self.grpc_server.stop(grace_s)
+    async def stop_engine(self) -> None:
         for server in self.kv_servers:
             await server.stop()
         for client in self._kv_clients.values():
@@ -156,22 +113,6 @@ class WorkerNode:
             await self.store_tier.stop()
         self.async_engine.stop()
         self.engine.close()  # its tensor-parallel ranks, if any
-        await self.redis.aclose()
-
-    async def _start_grpc(self) -> str:
-        options = [("grpc.max_receive_message_length", 64 << 20), *PEER_SERVER_OPTIONS]
-        self.grpc_server = grpc.aio.server(options=options,
-                                           interceptors=[MalformedRequestInterceptor(), self.in_flight])
-        pb_grpc.add_WorkerServicer_to_server(self.servicer(), self.grpc_server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
-        names = (WORKER_SERVICE, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.grpc_server)
-        self.grpc_port = add_port(self.grpc_server, f"{self.config.host}:{self.config.grpc_port}", self.config.tls)
-        await self.grpc_server.start()
-        logger.info("gRPC on %s:%d is %s", self.config.host, self.grpc_port, describe(self.config.tls))
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        return host_port(self.advertise_host, self.grpc_port)
 
     async def pull_kv(self, uri: str, offered: str, layout: KVLayout, lease_id: str, src: Sequence[int],
                       dst: Sequence[int]) -> TransferStats:
@@ -215,51 +156,9 @@ class WorkerNode:
     # them (a decode worker holds none).
     on_held: Callable[[RequestDelta], None] | None = None
 
-    def _info(self) -> WorkerInfo:
-        return WorkerInfo(
-            worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address, kv_uri=self.kv_uri,
-            model_fingerprint=self.engine.fingerprint.hex(), layout_json=self.layout.to_json(),
-            total_blocks=self.engine.cache_config.num_blocks,
-        )
-
-    def release_lease(self, lease_id: str) -> bool:
-        return self.leases.release(lease_id)
-
     def _free(self, block_ids: Sequence[int]) -> None:
         """Hand blocks back to the engine (a lease ended)."""
-        blocks = list(block_ids)
-        self.async_engine.submit(lambda e: e.release_blocks(blocks))
-
-    async def _housekeeping(self, period_s: float = 0.25) -> None:
-        """Expire leases, refresh the load figures, publish block events to the index."""
-        while True:
-            for lease in self.leases.expire():
-                logger.info("transfer lease expired; freed %d blocks", len(lease.block_ids))
-            try:
-                stats, self.load = await self.async_engine.call(_sample)
-                self.metrics.scheduler_stats(stats)
-                await self.publisher.publish_pending()
-            except Exception as exc:  # noqa: BLE001 - Redis down: keep serving, retry next period
-                logger.debug("housekeeping: %r", exc)
-            await asyncio.sleep(period_s)
-
-    async def _watch_drain(self) -> None:
-        """Read ``{ns}:draining`` at the heartbeat's pace; once drained and idle, exit (or stay, idle)."""
-        gate = DrainGate(settle_s=self.config.drain_settle_s)
-        period_s = min(self.config.heartbeat_interval_s, 1.0)
-        while True:
-            try:
-                draining = bool(await self.redis.sismember(self.registry.keys.draining, self.worker_id))
-            except Exception as exc:  # noqa: BLE001 - Redis down: keep the last known state
-                logger.debug("drain check: %r", exc)
-                draining = None
-            stats = await self.async_engine.call(lambda e: e.stats())
-            busy = self.in_flight.count > 0 or len(self.leases) > 0 or stats.num_running + stats.num_waiting > 0
-            if gate.update(draining=draining, busy=busy, now_s=time.monotonic()) and self.config.on_drain == "exit":
-                logger.info("worker %s drained and idle for %.1f s: exiting", self.worker_id, gate.settle_s)
-                self.drained.set()
-                return
-            await asyncio.sleep(period_s)
+        self.seam.release_blocks(block_ids)
 
 
 def _slow_steps(engine: Engine, delay_s: float) -> None:
@@ -305,11 +204,6 @@ def default_staging_blocks(engine: Engine) -> int:
     """Half the cache, and at least room for the longest prompt's blocks."""
     size, total = engine.cache_config.block_size, engine.kv_cache_manager.pool.num_blocks
     return min(total, max(total // 2, -(-engine.max_model_len // size) + 1))
-
-
-def _sample(engine: Engine) -> tuple[SchedulerStats, WorkerLoad]:
-    stats = engine.stats()
-    return stats, worker_load(engine, stats)
 
 
 def worker_load(engine: Engine, stats: SchedulerStats) -> WorkerLoad:

@@ -10,7 +10,7 @@ host tier still holds it, and a move that does not change the best tier publishe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +18,7 @@ from engine.core.block_pool import TIER_HOST, TIER_POOL, BlockEvent, BlockEventK
 from kv_transfer.hashing import BlockHash
 
 if TYPE_CHECKING:
-    from worker.node import WorkerNode
+    from worker.engine_seam import WorkerEngine
 
 TIER_ORDER = (TIER_POOL, TIER_HOST)  # best first
 
@@ -89,14 +89,11 @@ class TierBook:
         self._dirty.clear()
 
 
-def engine_holdings(engine: Any) -> dict[str, list[BlockHash]]:
-    """Tier -> hashes the engine can serve now (to republish the index after Redis lost it)."""
-    return {TIER_POOL: engine.kv_cache_manager.pool.cached_hashes(), TIER_HOST: engine.host_tier_hashes()}
-
-
 class IndexPublisher:
-    def __init__(self, node: WorkerNode) -> None:
-        self.node = node
+    """Feeds ``index`` (``kv_transfer.index.KVIndex``) from an engine's block events, as worker ``worker_id()``."""
+
+    def __init__(self, seam: WorkerEngine, index: Any, worker_id: Callable[[], str]) -> None:
+        self.seam, self.index, self.worker_id = seam, index, worker_id
         self.book = TierBook()
         self._lock = asyncio.Lock()  # the housekeeping loop and the heartbeat's republish never interleave
 
@@ -104,7 +101,7 @@ class IndexPublisher:
         """One round trip for everything since the last call; kept for the next call if Redis fails (or the
         worker is not registered: it republishes everything once registered again)."""
         async with self._lock:
-            events = await self.node.async_engine.call(lambda e: e.take_block_events())
+            events = await self.seam.take_block_events()
             for event in events:
                 self.book.apply(event)
             await self._publish()
@@ -113,12 +110,11 @@ class IndexPublisher:
         """After Redis lost this worker's entries (restart, pruning): publish the whole cache again. The
         engine's holdings and its unread events are taken together; the holdings supersede those events."""
         async with self._lock:
-            _, holdings = await self.node.async_engine.call(lambda e: (e.take_block_events(), engine_holdings(e)))
-            self.book.reset(holdings)
+            self.book.reset(await self.seam.holdings())
             await self._publish()
 
     async def _publish(self) -> None:
         update = self.book.pending()
         if update:
-            await self.node.registry.index.publish_tiers(self.node.worker_id, update.stored, update.removed)
+            await self.index.publish_tiers(self.worker_id(), update.stored, update.removed)
         self.book.mark_published(update)

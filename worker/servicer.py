@@ -23,6 +23,7 @@ from worker.convert import layout_to_pb
 
 if TYPE_CHECKING:
     from worker.node import WorkerNode
+    from worker.shell import WorkerShell
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.node.worker_id} is a {self.node.config.role} worker")
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        aborted = await self.node.async_engine.abort_found(request.request_id)  # ends its stream, if one is open
+        aborted = await self.node.seam.abort(request.request_id)  # ends its stream, if one is open
         released = self.node.leases.release_request(request.request_id)
         return pb.AbortResponse(found=aborted or released)
 
@@ -115,7 +116,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.ReleaseLeaseResponse(found=self.node.leases.release(request.lease_id))
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        stats = await self.node.async_engine.call(lambda e: e.stats())
+        stats = await self.node.seam.stats()
         load, staging = self.node.load, self.node.staging
         return pb.StatsResponse(
             worker_id=self.node.worker_id, role=self.node.config.role, num_running=stats.num_running,

@@ -16,6 +16,7 @@ from kv_transfer.redis_index import NotRegistered
 from kv_transfer.registry import Registry, connect
 from kv_transfer.workers import WorkerInfo
 from tests.redis_server import RedisServer, require_redis_server
+from worker.engine_seam import BatonEngine
 from worker.publisher import IndexPublisher, IndexUpdate, TierBook
 
 H = [bytes([0x90 + i]) * 16 for i in range(6)]
@@ -105,8 +106,7 @@ def test_the_publisher_indexes_pool_and_host_moves_and_republishes(server: Redis
         await registry.register(info)
         pool = BlockPool(4)
         engine = StandInEngine(pool)
-        publisher = IndexPublisher(SimpleNamespace(async_engine=EngineThread(engine), registry=registry,
-                                                   worker_id="w"))
+        publisher = IndexPublisher(BatonEngine(EngineThread(engine), load_of=None), registry.index, lambda: "w")
         blocks = pool.allocate(2)
         for block_id, block_hash in zip(blocks, H[:2]):
             pool.commit(block_id, block_hash)
