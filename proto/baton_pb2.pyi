@@ -400,10 +400,12 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "read")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    read: bool
+    def __init__(self, lease_id: _Optional[str] = ..., read: _Optional[bool] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ("found",)

@@ -24,6 +24,7 @@ from kv_transfer.transport import parse_kinds
 from kv_transfer.registry import RedisCredentialsError, check_credentials, connect, redact_url, with_ca
 from proto import event_loop, tls
 from worker.config import WorkerConfig
+from worker.vllm_engine import cli as vllm_cli
 
 if TYPE_CHECKING:
     from worker.node import WorkerNode
@@ -34,6 +35,7 @@ NodeFactory = Callable[[WorkerConfig], "WorkerNode"]  # the role's node class (i
 def add_worker_options(group) -> None:
     """The engine and data-plane options, defined once: each worker's CLI and ``baton up`` (which passes them on)
     take them from here."""
+    vllm_cli.add_options(group)
     group.add_argument("--kv-transport", default="tcp",
                        help="KV data plane: auto (every transport that runs here) or a comma-separated list in order of "
                        "preference, of tcp, cma, ucx, nccl, nixl (default: %(default)s). All are served; a pull uses the "
@@ -297,6 +299,8 @@ def run(role: str, argv: list[str], make_node: NodeFactory) -> int:
         cli.error(str(exc))
     try:
         config = worker_config(role, args)
+        if args.engine == "vllm":
+            make_node = _vllm_node(role, argv, args)
     except ValueError as exc:  # TLS flags, engine settings
         cli.error(str(exc))
     logging.getLogger(__name__).info("redis %s, gRPC %s", redact_url(config.redis_url), tls.describe(config.tls))
@@ -306,3 +310,15 @@ def run(role: str, argv: list[str], make_node: NodeFactory) -> int:
         print(f"baton {role}: error: {exc}", file=sys.stderr)
         return 1
 
+
+def _vllm_node(role: str, argv: list[str], args: argparse.Namespace) -> NodeFactory:
+    """``--engine vllm``: the vLLM node, run here when vLLM imports here, else this command again from vLLM's
+    environment (``worker.vllm_engine.cli``; this process is replaced)."""
+    python = vllm_cli.vllm_python()
+    if python is not None:
+        sys.stdout.flush()
+        os.execv(python, [python, "-m", "deploy.cli", role, *argv])
+    from worker.vllm_engine.node import VLLMNode, model_folder  # vLLM: only once the flags are good
+
+    options = vllm_cli.vllm_options(args, str(model_folder(args.model)))
+    return lambda config: VLLMNode(config, options)

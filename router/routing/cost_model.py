@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Literal
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVLayout
-from kv_transfer.transport import streams_layers
+from kv_transfer.transport import served_kinds, streams_layers
 from router.routing.rates import Rates
 
 if TYPE_CHECKING:
@@ -317,9 +317,10 @@ def _prefix_import(request: RouteRequest, decode: Candidate, source: Candidate |
 
 
 def prefix_source(request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
-    """The worker (either role) holding the longest cached prefix of the prompt; None when none holds
-    a block. Ties: the fewer queued prefill tokens, then the worker id."""
-    holders = [c for c in candidates if c.cached_blocks > 0 and not c.draining]
+    """The worker (either role) holding the longest cached prefix of the prompt that it can lease to another worker
+    over Baton's data plane (a worker whose engine moves its own KV, as vLLM's does, leases none); None when none
+    holds a block. Ties: the fewer queued prefill tokens, then the worker id."""
+    holders = [c for c in candidates if c.cached_blocks > 0 and not c.draining and served_kinds(c.info.kv_uri)]
     if not holders:
         return None
     return min(holders, key=lambda c: (-c.cached_blocks, c.queued_prefill_tokens, c.worker_id))

@@ -48,11 +48,19 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     address: str = ""
+    own_group: bool = False  # started in a process group of its own (a vLLM worker and its engine's processes)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.own_group:
+            from tests.vllm_env import stop_group
+
+            if sig == signal.SIGKILL:
+                os.killpg(self.popen.pid, sig)
+            stop_group(self.popen)
+            return
         if self.popen.poll() is None:
             self.popen.send_signal(sig)
         try:
@@ -71,13 +79,13 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
 
     def start_worker(self, role: str, *extra: str, num_blocks: int = 256, block_size: int = 4,
-                     worker_id: str | None = None) -> Proc:
+                     worker_id: str | None = None, own_group: bool = False) -> Proc:
         port = free_port()
         worker_id = worker_id or f"{role}-{port}"
         args = [role, "--redis-url", self.redis_url, "--model", str(self.model_dir), "--port", str(port),
                 "--num-blocks", str(num_blocks), "--block-size", str(block_size), "--worker-id", worker_id,
                 "--num-threads", "1", "--namespace", self.namespace, *_no_metrics(extra), *extra]
-        proc = self._spawn(worker_id, args)
+        proc = self._spawn(worker_id, args, own_group=own_group)
         proc.address = f"127.0.0.1:{port}"
         return proc
 
@@ -89,13 +97,13 @@ class Cluster:
         proc.address = f"127.0.0.1:{port}"
         return proc
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], *, own_group: bool = False) -> Proc:
         log_path = self.log_dir / f"{name}.log"
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         with log_path.open("wb") as log:
             popen = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT, env=env)
-        proc = Proc(name, popen, log_path)
+                                     cwd=ROOT, env=env, start_new_session=own_group)
+        proc = Proc(name, popen, log_path, own_group=own_group)
         self.procs.append(proc)
         return proc
 

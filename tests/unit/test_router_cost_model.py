@@ -11,6 +11,8 @@ prefix recomputes it as the hand-computed figures say; the import's own tests tu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import dataclasses
 import random
 
@@ -601,6 +603,10 @@ def test_the_prefix_source_is_the_longest_holder_of_either_role():
              worker("p1", "prefill", cached=40, total=300, free=300)]
     assert prefix_source(req(2000), cands).worker_id == "d1"  # 40 blocks, nothing queued, lowest id
     assert prefix_source(req(2000), [worker("d0", total=300, free=300)]) is None
+    # a worker whose engine moves its own KV (vLLM's connector) leases no prefix to another worker
+    vllm = replace(cands[1], info=replace(cands[1].info, kv_uri="vllm-nixl://127.0.0.1:5600"))
+    assert prefix_source(req(2000), [cands[0], vllm]).worker_id == "d0"
+    assert prefix_source(req(2000), [vllm]) is None
 
 
 def test_a_prefix_being_computed_is_priced_as_cached_where_it_is_computed_but_never_imported_from_there():
