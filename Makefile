@@ -7,7 +7,7 @@ BATON  := $(VENV)/bin/baton
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2
 
-.PHONY: install run test bench aiperf vllm clean
+.PHONY: install run test test-vllm bench aiperf vllm clean
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ TEST_WORKERS ?= 2
 
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# The tests that run vLLM workers (marked `vllm`; `make test` runs them too once .venv-vllm exists), one process:
+# each module starts its own vLLM workers, which would compete for the two cores beside another module's.
+test-vllm: install vllm
+	$(PY) -m pytest -q -m vllm tests
 
 bench: install
 	$(PY) -m bench.throughput

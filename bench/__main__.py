@@ -34,6 +34,7 @@ _BENCHMARKS = {
     "tensor-parallel": "bench.tensor_parallel",
     "trace": "bench.trace_replay",
     "relay": "bench.relay",
+    "vllm-serving": "bench.vllm_serving",
 }
 
 

@@ -85,7 +85,8 @@ def aiperf_outcomes(records: list[dict]) -> tuple[list[Outcome], float]:
         outcomes.append(Outcome(index=i, ok=True, prompt_tokens=int(value("usage_prompt_tokens")),
                                 cached_tokens=int(value("usage_prompt_cache_read_tokens")),
                                 output_tokens=int(value("usage_completion_tokens") or value("output_token_count")),
-                                ttft_s=value("time_to_first_token") / 1e3, e2e_s=value("request_latency") / 1e3))
+                                ttft_s=value("time_to_first_token") / 1e3, e2e_s=value("request_latency") / 1e3,
+                                itl_ms=float(value("inter_token_latency") or 0.0)))
     duration = (max(ends) - min(starts)) / 1e9 if starts and ends else 0.0
     return outcomes, duration
 

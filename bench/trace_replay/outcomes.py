@@ -20,6 +20,7 @@ class Outcome:
     output_tokens: int = 0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    itl_ms: float = 0.0  # the request's mean inter-token latency (aiperf's; 0: not measured)
     error: str = ""
     route_kind: str = ""
     prefill_worker: str = ""
