@@ -27,38 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
+import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
+from bench.serving_targets import TARGETS, start
 from bench.stats import percentile
 from bench.trace_replay.aiperf_client import aiperf_binary, replay_aiperf
 from bench.trace_replay.cli import _plan
 from bench.trace_replay.outcomes import Outcome, summarize
 from bench.trace_replay.report import loadavg
-from bench.trace_replay.up import ROOT, Up, free_port
-
-TARGETS = ("vllm", "vllm-router:cache_aware", "vllm-router:kv_aware", "vllm-router:cache_aware+spin", "baton-vllm",
-           "baton")
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-VLLM_ROUTER = ROOT / ".venv-vllm-router" / "bin" / "vllm-router"
-NIXL_DELAY_US = "1000"  # what Baton's vLLM workers run NIXL's progress thread with (worker/vllm_engine/plugin.py)
-
-
-@dataclass
-class Target:
-    """A started target: its OpenAI port and how to stop every process of it."""
-
-    name: str
-    http_port: int
-    stop: Callable[[], None]
+from bench.trace_replay.up import ROOT
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -75,6 +57,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool bytes per engine (Baton: as blocks)")
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-itl-ms", type=float, default=200.0)
+    p.add_argument("--vllm-compile", action="store_true", help="every vLLM engine compiles its model "
+                   "(torch.compile) instead of running eagerly (slower to start)")
     p.add_argument("--probe", type=int, default=8, help="prompts of the exactness probe")
     p.add_argument("--probe-tokens", type=int, default=16)
     p.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -114,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_line(summary), flush=True)
     (args.out / "vllm-serving.json").write_text(json.dumps(report, indent=1))
     print(table(report))
+    png = plot([report], args.out / "vllm-serving.png")
+    print(f"wrote {args.out / 'vllm-serving.json'}" + (f" and {png}" if png else ""))
     return 0
 
 
@@ -147,133 +133,15 @@ def serving_figures(outcomes: list[Outcome], duration_s: float, slo_ttft_ms: flo
             "failed": sum(not o.ok for o in outcomes)}
 
 
-# ---- targets ---------------------------------------------------------------------------------------------------
-def start(name: str, args, source, folder: Path, model_name: str, work: Path) -> Target:
-    base, _, rest = name.partition(":")
-    if base == "vllm":
-        return _vllm_alone(args, folder, model_name, work)
-    if base == "vllm-router":
-        policy, _, spin = rest.partition("+")
-        return _vllm_router(args, folder, model_name, work, policy, spin == "spin")
-    if base in ("baton", "baton-vllm"):
-        flags = ["--max-model-len", "4096", "--num-threads", "1"]
-        if base == "baton-vllm":
-            flags += ["--engine", "vllm", "--vllm-kv-cache-gib", f"{args.kv_cache_gib:g}"]
-        else:
-            flags += ["--num-blocks", str(_baton_blocks(folder, args.kv_cache_gib))]
-        up = Up.start(str(source.path), flags, work, prefill=1, decode=1, ready_timeout_s=600)
-        return Target(name, up.http_port, up.stop)
-    raise SystemExit(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
-
-
-def _baton_blocks(folder: Path, gib: float, block_size: int = 16) -> int:
-    """Baton's pool of ``gib`` of float32 KV (what vLLM's ``VLLM_CPU_KVCACHE_SPACE`` holds)."""
-    config = json.loads((folder / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_block = 2 * config["num_hidden_layers"] * block_size * config["num_key_value_heads"] * head_dim * 4
-    return int(gib * (1 << 30) // per_block)
-
-
-def _vllm_env(args, cpus: str, *, spin: bool = True, side_channel: int | None = None) -> dict[str, str]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{args.kv_cache_gib:g}", VLLM_CPU_OMP_THREADS_BIND=cpus,
-               HF_HUB_OFFLINE="1")
-    env.pop("PYTHONPATH", None)
-    if side_channel is not None:
-        env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_channel))
-    if not spin:
-        env["BATON_VLLM_NIXL_PROGRESS_DELAY_US"] = NIXL_DELAY_US
-    return env
-
-
-def _vllm_server(folder: Path, model_name: str, port: int, env: dict, log: Path, *extra: str) -> subprocess.Popen:
-    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
-           model_name, "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--host", "127.0.0.1",
-           "--port", str(port), "--enable-prompt-tokens-details", "--disable-log-requests", *extra]
-    with log.open("wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-
-
-def _vllm_alone(args, folder: Path, model_name: str, work: Path) -> Target:
-    port = free_port()
-    server = _vllm_server(folder, model_name, port, _vllm_env(args, "0-1"), work / "vllm.log")
-    return _ready(Target("vllm", port, lambda: _stop_all([server])), [port], [server])
-
-
-def _vllm_router(args, folder: Path, model_name: str, work: Path, policy: str, spin: bool) -> Target:
-    kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"})
-    ports, router_port = [free_port(), free_port()], free_port()
-    events = f"ipc://{work}/prefill-kv-events"
-    prefill_extra = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                       "endpoint": events})] if policy == "kv_aware" else []
-    servers = [
-        _vllm_server(folder, model_name, ports[0], _vllm_env(args, "0", spin=spin, side_channel=free_port()),
-                     work / "prefill.log", "--kv-transfer-config", kv, *prefill_extra),
-        _vllm_server(folder, model_name, ports[1], _vllm_env(args, "1", spin=spin, side_channel=free_port()),
-                     work / "decode.log", "--kv-transfer-config", kv),
-    ]
-    cmd = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(router_port), "--vllm-pd-disaggregation",
-           "--prefill", f"http://127.0.0.1:{ports[0]}", "--decode", f"http://127.0.0.1:{ports[1]}",
-           "--policy", policy, "--request-timeout-secs", str(int(args.request_timeout_s))]
-    if policy == "kv_aware":
-        cmd += ["--pd-kv-events", f"http://127.0.0.1:{ports[0]}={events}"]
-    try:
-        _wait_http(ports, servers)
-    except BaseException:
-        _stop_all(servers)
-        raise
-    with (work / "router.log").open("wb") as out:
-        router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    procs = [router, *servers]
-    return _ready(Target(f"vllm-router:{policy}", router_port, lambda: _stop_all(procs)), [router_port], procs)
-
-
-def _ready(target: Target, ports: list[int], procs: list[subprocess.Popen]) -> Target:
-    try:
-        _wait_http(ports, procs)
-    except BaseException:
-        target.stop()
-        raise
-    return target
-
-
-def _wait_http(ports: list[int], procs: list[subprocess.Popen], timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    pending = list(ports)
-    while pending:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a server exited before it was ready ({[p.args[:3] for p in procs]})")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"ports {pending} not serving after {timeout_s} s")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{pending[0]}/v1/models", timeout=2).read()
-            pending.pop(0)
-        except OSError:
-            time.sleep(1.0)
-
-
-def _stop_all(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    for proc in procs:
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 # ---- requests beside aiperf --------------------------------------------------------------------------------------
 def _complete(port: int, model: str, prompt: list[int], max_tokens: int, timeout_s: float = 300.0) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
-    return json.load(urllib.request.urlopen(request, timeout=timeout_s))["choices"][0]["text"]
+    try:
+        return json.load(urllib.request.urlopen(request, timeout=timeout_s))["choices"][0]["text"]
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"{len(prompt)}-token completion refused: HTTP {exc.code} {exc.read()[:300]!r}") from None
 
 
 def _warm(port: int, model: str, requests) -> None:
@@ -306,3 +174,39 @@ def table(report: dict) -> str:
                     f"{r['hit_rate']:.1%} | {'=' if r['probe_equal_to_first'] else 'differs'} | "
                     f"{r['loadavg_before'].split()[0]} -> {r['loadavg_after'].split()[0]} |")
     return "\n".join(rows) + ("\n" if base else "")
+
+
+def plot(reports: list[dict], path: Path) -> Path | None:
+    """One row per report (a load): TTFT p50/p99 (log scale), ITL p50/p99, goodput, per target."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install 'baton[bench]')", file=sys.stderr)
+        return None
+    fig, axes = plt.subplots(len(reports), 3, figsize=(16, 4.2 * len(reports)), squeeze=False)
+    for row, report in zip(axes, reports):
+        runs, x = report["runs"], list(range(len(report["runs"])))
+        names = [r["target"] for r in runs]
+        for ax, key, title in ((row[0], "ttft", "TTFT (ms, log scale)"), (row[1], "itl", "ITL (ms, log scale)")):
+            p50 = [r["ttft_ms"]["p50"] if key == "ttft" else r["itl_ms"]["p50"] for r in runs]
+            p99 = [r["ttft_p99_ms"] if key == "ttft" else r["itl_ms"]["p99"] for r in runs]
+            ax.bar([i - 0.2 for i in x], p50, 0.4, label="p50")
+            ax.bar([i + 0.2 for i in x], p99, 0.4, label="p99")
+            ax.set(yscale="log", title=title)
+            ax.legend(fontsize=8)
+        slo = report["slo"]
+        row[2].bar(x, [r["goodput_rps"] for r in runs], color="tab:green")
+        row[2].set(title=f"goodput (req/s within TTFT <= {slo['ttft_ms']:.0f} ms and ITL <= {slo['itl_ms']:.0f} ms)")
+        s = report["slice"]
+        row[0].set_ylabel(f"{s['requests']} requests, time x {s['time_scale']:g}")
+        for ax in row:
+            ax.set_xticks(x, names, rotation=25, ha="right", fontsize=8)
+            ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{reports[0]['model']} on 2 CPU cores: Mooncake conversation trace, lengths / "
+                 f"{reports[0]['slice']['length_scale']}, aiperf", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

@@ -222,7 +222,7 @@ def test_aiperf_records_become_outcomes():
                 "metrics": {k: {"value": v} for k, v in metrics.items()}}
     records = [
         record(1_000_000_000, 1_500_000_000, time_to_first_token=20.0, request_latency=50.0, usage_prompt_tokens=100,
-               usage_prompt_cache_read_tokens=32, usage_completion_tokens=4),
+               usage_prompt_cache_read_tokens=32, usage_completion_tokens=4, inter_token_latency=10.0),
         record(1_200_000_000, 3_000_000_000, time_to_first_token=40.0, request_latency=90.0, usage_prompt_tokens=50,
                usage_prompt_cache_read_tokens=0, usage_completion_tokens=2),
         {"metadata": {"benchmark_phase": "warmup", "request_start_ns": 0, "request_end_ns": 1},
@@ -235,6 +235,7 @@ def test_aiperf_records_become_outcomes():
     assert [(o.ok, o.prompt_tokens, o.cached_tokens, o.output_tokens) for o in outcomes] == [
         (True, 100, 32, 4), (True, 50, 0, 2), (False, 3000, 0, 0)]
     assert outcomes[0].ttft_s == pytest.approx(0.020) and outcomes[2].error == "HTTP 400"
+    assert outcomes[0].itl_ms == pytest.approx(10.0) and outcomes[1].itl_ms == 0.0  # not measured: 0
 
 
 def test_the_tokenizer_is_put_where_aiperf_looks_for_it_offline(tmp_path):
