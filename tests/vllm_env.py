@@ -42,8 +42,8 @@ def vllm_alone(model: Path, prompts: list[list[int]], max_tokens: int | list[int
     per_prompt = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     job = {"model": str(model), "prompts": prompts, "max_tokens": per_prompt, "max_model_len": max_model_len,
            "ignore_eos": ignore_eos}
-    done = subprocess.run([vllm_python(), "-c", REFERENCE_SCRIPT], input=json.dumps(job), capture_output=True, check=False,
-                          text=True, timeout=timeout_s, cwd=ROOT, env=env)
+    done = subprocess.run([vllm_python(), "-c", REFERENCE_SCRIPT], input=json.dumps(job), capture_output=True,
+                          check=False, text=True, timeout=timeout_s, cwd=ROOT, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("REFERENCE ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM's reference run failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -52,7 +52,8 @@ class WorkerShell:
         self.config = config
         self.load = WorkerLoad(running=0, waiting=0, free_blocks=0, queued_prefill_tokens=0)
         self._tasks: list[asyncio.Task] = []
-        self.in_flight = InFlightCounter(frozenset(f"/{WORKER_SERVICE}/{m}" for m in ("Prefill", "PrefillStream", "Decode")))
+        self.in_flight = InFlightCounter(
+            frozenset(f"/{WORKER_SERVICE}/{m}" for m in ("Prefill", "PrefillStream", "Decode")))
         self.drained = asyncio.Event()  # set when drained and idle with on_drain="exit": the process may exit
         self.failed = asyncio.Event()  # set when the engine died (e.g. a tensor-parallel rank): exit non-zero
         self.metrics_server = None

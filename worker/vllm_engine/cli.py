@@ -35,7 +35,8 @@ def add_options(group) -> None:
                        help="the engine this worker hosts: baton (Baton's own, the default) or vllm (vLLM's async "
                        "engine, from .venv-vllm: `make vllm`); both serve the same worker API")
     group.add_argument("--vllm-block-size", type=int, default=128,
-                       help="--engine vllm: vLLM's KV block in tokens, a multiple of --block-size (default: %(default)s, "
+                       help="--engine vllm: vLLM's KV block in tokens, a multiple of --block-size (default: "
+                       "%(default)s, "
                        "vLLM's CPU default)")
     group.add_argument("--vllm-cpus", default=None,
                        help="--engine vllm: the CPU ids vLLM's threads are bound to, e.g. 0 or 0-1 "
@@ -47,7 +48,8 @@ def add_options(group) -> None:
                        "host buffers)")
     group.add_argument("--vllm-nixl-progress-delay-us", type=int, default=1000,
                        help="--engine vllm: the pause of NIXL's progress thread between polls, in microseconds; 0: "
-                       "NIXL's own (none: the thread spins a whole core per worker, idle or not) (default: %(default)s)")
+                       "NIXL's own (none: the thread spins a whole core per worker, idle or not) "
+                       "(default: %(default)s)")
     group.add_argument("--vllm-compile", action="store_true",
                        help="--engine vllm: let vLLM compile its model (torch.compile; slower to start), instead of "
                        "running it eagerly")

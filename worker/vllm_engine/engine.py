@@ -154,8 +154,8 @@ class VLLMEngine:
                                  f"({self.max_model_len}) to leave room for an output token")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
-        waiting = len(self._streams)
-        if self.options.max_num_waiting is not None and waiting >= self.options.max_num_waiting + self.options.max_num_seqs:
+        waiting, options = len(self._streams), self.options
+        if options.max_num_waiting is not None and waiting >= options.max_num_waiting + options.max_num_seqs:
             raise CapacityExceeded(f"the waiting queue is full ({waiting} requests); retry later or elsewhere")
 
     async def stream(self, request_id: str, token_ids: list[int], sampling: dict[str, Any], *,

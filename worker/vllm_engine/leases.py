@@ -4,7 +4,8 @@ vLLM's NixlConnector keeps a finished prefill's blocks until the decoder's NIXL 
 until its own lease (``kv_lease_duration``, which Baton sets to ``--lease-ttl-s``) runs out. Baton's lease over them
 records what the handle promised: it ends when the reader says it read (``ReleaseLease`` with ``read``: vLLM freed
 the blocks on the notification already), when the router gives up on it or the request is aborted (``free`` is
-told; vLLM frees the blocks by the end of its own lease, as long as this one), or at its TTL. Same methods as ``worker.leases.WorkerLeases``, so the shell drives both alike.
+told; vLLM frees the blocks by the end of its own lease, as long as this one), or at its TTL. Same methods as
+``worker.leases.WorkerLeases``, so the shell drives both alike.
 """
 
 from __future__ import annotations

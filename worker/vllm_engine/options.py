@@ -21,4 +21,4 @@ class VLLMOptions:
     side_channel_host: str = "127.0.0.1"  # where decoders reach this worker's NIXL handshake
     enforce_eager: bool = True
     max_num_waiting: int | None = None
-    nixl_progress_delay_us: int = 1000  # NIXL's progress thread's pause between polls; 0: none, a core spins (plugin.py)
+    nixl_progress_delay_us: int = 1000  # NIXL's progress thread's pause between polls; 0: none (plugin.py)
