@@ -228,22 +228,31 @@ def test_an_unknown_model_name_is_refused_by_the_router(platform):
 
 def test_a_killed_decode_worker_mid_stream_migrates_the_request(platform, expected, prompts):
     """D dies with tokens streamed: the router replays them on the other vLLM D, which prefills prompt + tokens so
-    far and goes on; the stream ends complete and equal to vLLM alone. D is killed once 20 tokens have arrived (read
-    as they come: the kill lands with hundreds of tokens still to go, however fast the machine)."""
+    far and goes on; the stream ends complete and equal to vLLM alone. The D holding the request is found from its
+    Stats at the first token (P's: D is pulling or starting to decode, far from its 1,200th), and killed once 20
+    tokens have reached the client (the router buffers D's tokens ahead of a slow reader: read after the first
+    token, the Stats of a fast machine's D could already show it done)."""
     _, long_reference = expected
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(platform.router.address))
+    decoders = [(w, pb_grpc.WorkerStub(grpc.insecure_channel(w.address)))
+                for w in platform.workers if w.popen.poll() is None and w.name.startswith("d")]
     params = pb.SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
     call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[-1]), sampling=params), timeout=120)
-    tokens, victim, last = [], None, None
+    tokens, victim, killed_at, last = [], None, None, None
     for response in call:
         tokens += response.token_ids
         last = response
-        if victim is None and len(tokens) >= 20:
-            victim = next((w for w in platform.workers if w.popen.poll() is None and w.name.startswith("d")
-                           and stats(w.address).num_running > 0), None)
-            assert victim is not None, f"no decode worker runs the request after {len(tokens)} tokens"
+        deadline = time.monotonic() + 10
+        while victim is None and time.monotonic() < deadline:
+            victim = next((w for w, worker in decoders
+                           if (s := worker.Stats(pb.StatsRequest(), timeout=10)).num_running + s.num_waiting > 0),
+                          None)
+        assert victim is not None, f"no decode worker holds the request after {len(tokens)} tokens"
+        if killed_at is None and len(tokens) >= 20:
+            killed_at = len(tokens)
             victim.kill()
-    assert victim is not None and tokens == long_reference and last.timings.migrations == 1, last.timings
+    assert killed_at is not None and killed_at < LONG and last.timings.migrations == 1, (killed_at, last.timings)
+    assert tokens == long_reference
     platform.workers = [w for w in platform.workers if w is not victim]
     assert_pools_full(platform)
 
