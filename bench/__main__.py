@@ -35,6 +35,7 @@ _BENCHMARKS = {
     "trace": "bench.trace_replay",
     "relay": "bench.relay",
     "vllm-serving": "bench.vllm_serving",
+    "vllm-transfer": "bench.vllm_transfer",
 }
 
 

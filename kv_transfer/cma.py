@@ -151,6 +151,7 @@ class CmaServer(SocketServer):
         if refusal is not None:
             return refusal  # the lease ended during the read: ERROR, then the connection closes
         await send_frame(sock, encode_frame(DONE, sums or b""), io_s, what)
+        self._served(lease_id, block_ids)
         return None
 
 

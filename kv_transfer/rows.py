@@ -46,6 +46,8 @@ def pair_rows(dst: AnyKVBuffer, dst_ids: list[int], remote: np.ndarray, uri: str
     layer_bytes = len(dst_ids) * dst.segment_bytes
     total = dst.layout.num_layers * layer_bytes
     lengths = remote[:, 1].astype(np.int64) if remote.ndim == 2 and remote.shape[1] == 2 else None
+    if total == 0 and lengths is not None and not len(lengths):  # a read of no blocks (a reader's release)
+        return np.empty((0, 2), np.uint64), np.empty((0, 2), np.uint64)
     if lengths is None or (lengths <= 0).any() or int(lengths.sum()) != total:
         raise KVTransferError(f"KV server {uri} sent iovecs that do not cover the {total} bytes read")
     if total and not (lengths % dst.segment_bytes).any():  # whole blocks, as a server lists them

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kv_transfer import auth
@@ -64,6 +64,9 @@ class SocketServer:
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
         self.num_accepted = 0  # connections accepted so far (pooled clients reuse theirs)
+        # told (lease id, block ids as read) after each read that ended in DONE: a holder whose blocks stay pinned
+        # until they are read frees them (vLLM's Baton connector); the worker's own leases end by ReleaseLease
+        self.on_read: Callable[[str, list[int]], None] | None = None
         self.idle_timeout_s = SERVER_IDLE_S
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> str:
@@ -161,6 +164,11 @@ class SocketServer:
         if refusal is not None:
             return hello_ok + refusal
         return AcceptedRead(hello_ok, request, read.code)
+
+    def _served(self, lease_id: str, block_ids: list[int]) -> None:
+        """A read ended in DONE: ``on_read`` is told."""
+        if self.on_read is not None:
+            self.on_read(lease_id, block_ids)
 
     def _check_read(self, lease_id: str, block_ids: Sequence[int]) -> bytes | None:
         return refuse_read(self.buffer, self.resolve, self.config, lease_id, block_ids)

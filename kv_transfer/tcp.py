@@ -89,6 +89,7 @@ class TcpServer(SocketServer):
         if HEADER.unpack_from(done)[2] != DONE:
             return done  # an ERROR after the bytes: sent, then the connection closes
         await send_frame(sock, done, io_s, what)
+        self._served(lease_id, block_ids)
         return None
 
     async def _stream(self, sock: socket.socket, header: memoryview, lease_id: str, block_ids: list[int],

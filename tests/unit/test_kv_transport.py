@@ -166,6 +166,26 @@ def test_unknown_or_expired_lease_is_refused_and_nothing_is_written(kind: str) -
     run(scenario())
 
 
+@pytest.mark.parametrize("kind", ["tcp", _cma_kind()])
+def test_the_servers_on_read_hears_each_read_that_ended_in_done_and_no_other(kind: str) -> None:
+    """``on_read`` (a holder that frees blocks once read: vLLM's Baton connector) hears a read that ended in DONE,
+    with its lease and blocks, a read of no blocks too (how a reader that will not read says so); a refused read is
+    not heard."""
+    async def scenario() -> None:
+        async with Prefill(kind) as p:
+            heard: list[tuple[str, list[int]]] = []
+            p.server.on_read = lambda lease_id, block_ids: heard.append((lease_id, block_ids))
+            lease_id = p.lease([3, 4, 5])
+            await p.pull(lease_id, [4, 5], destination(), [0, 1])
+            with pytest.raises(KVTransferError):
+                await p.pull(lease_id, [6], destination(), [0])
+            released = p.lease([7])
+            stats = await p.pull(released, [], destination(), [])  # a read of no blocks: a reader's release
+            assert heard == [(lease_id, [4, 5]), (released, [])] and stats.num_bytes == 0
+
+    run(scenario())
+
+
 def test_a_read_may_take_any_of_its_leases_blocks_in_any_order_and_nothing_else() -> None:
     """The server's check: a slice of the lease in order (the whole lease; what a prefix hit leaves) is found
     by the fast path, any other subset by the set, in either case only blocks the lease and the buffer hold."""

@@ -120,6 +120,10 @@ def test_the_vllm_options_come_from_the_worker_flags():
     options = vllm_options(_args("--num-blocks", "64", "--vllm-cpus", "1", "--lease-ttl-s", "9"), "/m")
     assert (options.model, options.num_blocks, options.cpus, options.lease_ttl_s) == ("/m", 64, "1", 9.0)
     assert options.block_size == 128 and options.index_block_size == 16 and options.dtype == "float32"
+    assert options.kv_connector == "nixl"
+    baton = vllm_options(_args("--vllm-kv-connector", "baton", "--kv-transport", "auto"), "/m")
+    assert (baton.kv_connector, baton.kv_transports) == ("baton", "cma,tcp")
+    assert vllm_options(_args("--vllm-kv-connector", "baton"), "/m").kv_transports == "tcp"  # as Baton's workers
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -127,6 +131,8 @@ def test_the_vllm_options_come_from_the_worker_flags():
     (("--tensor-parallel-size", "2"), "--tensor-parallel-size"),
     (("--kv-cache-dtype", "int8"), "--kv-cache-dtype"),
     (("--vllm-block-size", "120"), "multiple of --block-size"),
+    (("--kv-transport", "cma"), "NixlConnector moves the KV itself"),
+    (("--vllm-kv-connector", "baton", "--kv-transport", "ucx"), "serves cma and tcp"),
 ])
 def test_what_a_vllm_worker_cannot_do_is_refused_by_name(flags, message):
     with pytest.raises(ValueError, match=message):

@@ -17,7 +17,7 @@ from worker.vllm_engine.options import VLLMOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / ".venv-vllm"
-KV_CONNECTORS = ("nixl",)  # vLLM's NixlConnector on host buffers
+KV_CONNECTORS = ("nixl", "baton")  # vLLM's NixlConnector on host buffers; Baton's (worker/vllm_engine/connector.py)
 # Baton-engine options a vLLM worker cannot honour: refused when set, never ignored silently.
 _UNSUPPORTED = {
     "kv_host_blocks": (0, "--kv-host-blocks (Baton's host tier)"),
@@ -45,7 +45,8 @@ def add_options(group) -> None:
                        help="--engine vllm: host memory for vLLM's KV cache on CPU (default: %(default)s)")
     group.add_argument("--vllm-kv-connector", default="nixl", choices=KV_CONNECTORS,
                        help="--engine vllm: what moves a prompt's KV between vLLM workers: nixl (vLLM's NixlConnector, "
-                       "host buffers)")
+                       "host buffers) or baton (Baton's transports, leases and checksums under vLLM's connector API; "
+                       "--kv-transport picks them, auto: cma,tcp) (default: %(default)s)")
     group.add_argument("--vllm-nixl-progress-delay-us", type=int, default=1000,
                        help="--engine vllm: the pause of NIXL's progress thread between polls, in microseconds; 0: "
                        "NIXL's own (none: the thread spins a whole core per worker, idle or not) "
@@ -63,6 +64,9 @@ def vllm_options(args: argparse.Namespace, model: str) -> VLLMOptions:
     if args.vllm_block_size % args.block_size:
         raise ValueError(f"--vllm-block-size ({args.vllm_block_size}) must be a multiple of --block-size "
                          f"({args.block_size}): vLLM's blocks are indexed as whole Baton blocks")
+    if args.vllm_kv_connector == "nixl" and getattr(args, "kv_transport", "tcp") != "tcp":
+        raise ValueError("--kv-transport picks the transports of --vllm-kv-connector baton; vLLM's NixlConnector "
+                         "moves the KV itself")
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype must be auto|float32|float16|bfloat16, got {args.dtype!r}")
     return VLLMOptions(
@@ -72,7 +76,18 @@ def vllm_options(args: argparse.Namespace, model: str) -> VLLMOptions:
         num_blocks=args.num_blocks, kv_cache_gib=args.vllm_kv_cache_gib, cpus=args.vllm_cpus,
         lease_ttl_s=args.lease_ttl_s, side_channel_host=args.advertise_host or args.host,
         enforce_eager=not args.vllm_compile, max_num_waiting=args.max_num_waiting,
-        nixl_progress_delay_us=args.vllm_nixl_progress_delay_us)
+        nixl_progress_delay_us=args.vllm_nixl_progress_delay_us, kv_connector=args.vllm_kv_connector,
+        kv_transports=_transports(getattr(args, "kv_transport", "auto")))
+
+
+def _transports(spec: str) -> str:
+    """--kv-transport for Baton's connector: host transports only (vLLM's cache is in host memory here)."""
+    if spec.strip() == "auto":
+        return "cma,tcp"
+    kinds = [k.strip() for k in spec.split(",") if k.strip()]
+    if not kinds or set(kinds) - {"cma", "tcp"}:
+        raise ValueError(f"--kv-transport {spec}: --vllm-kv-connector baton serves cma and tcp (vLLM's host cache)")
+    return ",".join(kinds)
 
 
 def vllm_python() -> str | None:

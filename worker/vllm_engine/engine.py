@@ -14,7 +14,7 @@ Importing this module imports vLLM: only ``worker.vllm_engine.node`` does, in a 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -22,7 +22,6 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -40,17 +39,27 @@ from engine.core.block_pool import BlockEvent
 from engine.core.outputs import RequestDelta, SchedulerStats
 from engine.core.request import FinishReason
 from engine.errors import CapacityExceeded, InvalidRequest
-from kv_transfer.hashing import model_fingerprint
-from kv_transfer.layout import KVLayout
+from kv_transfer.errors import KVTransferError
+from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.transport import TransportConfig
 from kv_transfer.workers import WorkerLoad
 from worker.engine_seam import Holdings
-from worker.vllm_engine import plugin
+from worker.vllm_engine import connector, kv_plane, plugin
 from worker.vllm_engine.blocks import VLLMBlockBridge
+from worker.vllm_engine.identity import vllm_kv_identity
 from worker.vllm_engine.options import VLLMOptions
 from worker.vllm_engine.params import FINISH_OF_VLLM, logprobs_of
 
 logger = logging.getLogger(__name__)
 EVENT_TOPIC = b"baton-kv"
+MAX_PULLS_KEPT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    num_bytes: int
+    seconds: float
+    transport: str  # the Baton transport's kind (tcp, cma)
 
 
 @dataclass
@@ -67,6 +76,7 @@ class VLLMEngine:
         self.options = options
         self._streams: dict[str, _Stream] = {}
         self._stats: Any = None  # vLLM's latest SchedulerStats
+        self.pulls: dict[str, Pull] = {}  # vLLM's request id -> its pull by Baton's connector (taken by pull_of)
         self._totals = {"queries": 0, "hits": 0, "preemptions": 0, "aborted": 0, "external_tokens": 0}
         self._events: list[BlockEvent] = []
         self._event_seq: int | None = None
@@ -87,8 +97,7 @@ class VLLMEngine:
             max_num_batched_tokens=options.max_num_batched_tokens, enforce_eager=options.enforce_eager,
             enable_prefix_caching=True, scheduling_policy="priority", disable_log_stats=False,
             num_gpu_blocks_override=_vllm_blocks(options),
-            kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                                "kv_connector_extra_config": {"kv_lease_duration": max(int(options.lease_ttl_s), 6)}},
+            kv_transfer_config=_kv_transfer_config(options),
             kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
                               "topic": EVENT_TOPIC.decode()},
         )
@@ -115,29 +124,23 @@ class VLLMEngine:
     def _describe(self) -> None:
         """Fingerprint, layout and pool size, from the engine vLLM built."""
         config, options = self.llm.vllm_config, self.options
-        model = config.model_config
-        hf = model.hf_config
-        self.vllm_block_size = config.cache_config.block_size
-        self.max_model_len = model.max_model_len
-        self.vocab_size = model.get_vocab_size()
-        num_layers = model.get_num_layers(config.parallel_config)
-        num_kv_heads, head_dim = model.get_num_kv_heads(config.parallel_config), model.get_head_size()
-        dtype = str(model.dtype).removeprefix("torch.")
-        rope = repr(sorted((getattr(hf, "rope_parameters", None) or {}).items()))
-        # the engine and its KV layout are part of the fingerprint: a vLLM worker's KV is never offered to a
-        # Baton-engine worker, nor the reverse
-        self.fingerprint = model_fingerprint(
-            architecture=(hf.architectures or ["?"])[0], hidden_size=hf.hidden_size, num_layers=num_layers,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=f"{dtype}+vllm-block{self.vllm_block_size}",
-            vocab_size=self.vocab_size, rope=rope, weights_id=_weights_id(Path(options.model)))
+        kv = vllm_kv_identity(config)
+        self.vllm_block_size, self.fingerprint = kv.vllm_block_size, kv.fingerprint
+        self.max_model_len = config.model_config.max_model_len
+        self.vocab_size = config.model_config.get_vocab_size()
         self.bridge = VLLMBlockBridge(self.fingerprint, options.index_block_size, self.vllm_block_size)
-        self.layout = KVLayout(model_fingerprint=self.fingerprint, dtype=dtype, block_size=options.index_block_size,
-                               num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        self.layout = KVLayout(model_fingerprint=self.fingerprint, dtype=kv.dtype, block_size=options.index_block_size,
+                               num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim)
         per_block = self.vllm_block_size // options.index_block_size
         self.total_blocks = int(config.cache_config.num_gpu_blocks or 0) * per_block
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.layout.itemsize
+        self.bytes_per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * self.layout.itemsize
+        # Baton's connector names vLLM's own blocks: what a release (a read of none) is checked against
+        self.connector_layout = dataclasses.replace(self.layout, block_size=self.vllm_block_size)
+        self._release: tuple[KVBuffer, dict[str, Any]] | None = None
 
     async def stop(self) -> None:
+        for client in (self._release[1].values() if self._release is not None else ()):
+            client.close()
         self._reader.cancel()
         await asyncio.to_thread(self.llm.shutdown)
         self._sub.close(linger=0)
@@ -241,6 +244,22 @@ class VLLMEngine:
         them (a request submitted already aborted)."""
         await self.llm.notify_kv_transfer_request_rejected(request_id, dict(kv_params, do_remote_prefill=True))
 
+    async def release_kv(self, kv_params: dict[str, Any]) -> None:
+        """Baton's connector: nobody will read the blocks ``kv_params`` name (held by this worker's engine or
+        another's): a read of no blocks ends their lease now, so vLLM frees them (instead of at the lease's TTL)."""
+        if kv_params.get("connector") != "baton" or not kv_params.get("remote_lease_id"):
+            return
+        if self._release is None:
+            self._release = KVBuffer.allocate(self.connector_layout, 1), {}
+        buffer, clients = self._release
+        kinds = tuple(self.options.kv_transports.split(","))
+        try:
+            await kv_plane.pull_lease(clients, kinds, TransportConfig(), kv_params.get("remote_uris", ""),
+                                       kv_params["remote_lease_id"], buffer, [], [])
+        except KVTransferError as exc:
+            logger.info("release of lease %s: %s (its holder frees it at its TTL)", kv_params["remote_lease_id"][:8],
+                        exc)
+
     async def calibrate(self, num_tokens: int) -> None:
         """Time a prefill of ``num_tokens`` random tokens and three decode steps, so the router prices this worker
         from its first heartbeat (as Baton's engine does)."""
@@ -258,6 +277,10 @@ class VLLMEngine:
     def _record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
             self._stats = scheduler_stats
+            for request_id, num_bytes, seconds, kind in (scheduler_stats.kv_connector_stats or {}).get("pulls", ()):
+                self.pulls[request_id] = Pull(num_bytes, seconds, kind)
+            while len(self.pulls) > MAX_PULLS_KEPT:  # pulls of requests that ended before their first token
+                del self.pulls[next(iter(self.pulls))]
             cache = scheduler_stats.prefix_cache_stats
             self._totals["queries"] += getattr(cache, "queries", 0)
             self._totals["hits"] += getattr(cache, "hits", 0)
@@ -283,6 +306,12 @@ class VLLMEngine:
                                  free_blocks=stats.num_free_blocks, queued_prefill_tokens=queued,
                                  prefill_tokens_per_s=self.prefill_tokens_per_s, decode_step_s=self.decode_step_s,
                                  decode_batch_size=1.0 if self.decode_step_s is not None else None)
+
+    def pull_of(self, request_id: str) -> Pull | None:
+        """The pull Baton's connector made for ``request_id`` (vLLM may suffix its ids), forgotten once taken."""
+        for key in [k for k in self.pulls if k == request_id or k.startswith(f"{request_id}-")]:
+            return self.pulls.pop(key)
+        return None
 
     @property
     def external_tokens(self) -> int:
@@ -321,6 +350,16 @@ class VLLMEngine:
         return []
 
 
+def _kv_transfer_config(options: VLLMOptions) -> dict[str, Any]:
+    """vLLM's connector between workers: its NixlConnector on host buffers, or Baton's (``connector.py``)."""
+    if options.kv_connector == "baton":
+        return {"kv_connector": connector.NAME, "kv_connector_module_path": connector.__name__, "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lease_ttl_s": options.lease_ttl_s, "transports": options.kv_transports,
+                                              "host": options.side_channel_host}}
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"kv_lease_duration": max(int(options.lease_ttl_s), 6)}}
+
+
 def _vllm_blocks(options: VLLMOptions) -> int | None:
     if options.num_blocks is None:
         return None
@@ -346,12 +385,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _weights_id(folder: Path) -> str:
-    """A digest of the checkpoint's weight files (their bytes): two folders share KV only with the same weights."""
-    digest = hashlib.blake2b(digest_size=16)
-    for path in sorted(folder.glob("*.safetensors")):
-        with path.open("rb") as f:
-            digest.update(hashlib.file_digest(f, "blake2b").digest())
-    return digest.hexdigest()

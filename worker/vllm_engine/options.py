@@ -21,4 +21,6 @@ class VLLMOptions:
     side_channel_host: str = "127.0.0.1"  # where decoders reach this worker's NIXL handshake
     enforce_eager: bool = True
     max_num_waiting: int | None = None
+    kv_connector: str = "nixl"  # nixl (vLLM's NixlConnector) | baton (worker.vllm_engine.connector)
+    kv_transports: str = "cma,tcp"  # --vllm-kv-connector baton: Baton's transports, in order of preference
     nixl_progress_delay_us: int = 1000  # NIXL's progress thread's pause between polls; 0: none (plugin.py)

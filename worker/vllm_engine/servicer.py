@@ -129,7 +129,7 @@ class VLLMServicer(WorkerServicer):
                                             priority=request.priority):
             if first and delta.new_token_ids:
                 first = False
-                self._first_timings(timings, handle, kv_params, started, engine.external_tokens - external_before)
+                self._first_timings(timings, handle, rid, started, engine.external_tokens - external_before)
                 yield _response(delta, timings)
             elif not first or delta.finished:
                 yield _response(delta, None)
@@ -147,22 +147,33 @@ class VLLMServicer(WorkerServicer):
                             "which a vLLM engine does not read")
             self.node.releaser.release(handle.grpc_address, handle.lease_id)
             return None, None
-        return decode_kv_params(handle.engine_params), handle
+        params = decode_kv_params(handle.engine_params)
+        theirs, ours = params.get("connector", "nixl"), self.node.options.kv_connector
+        if theirs != ours:
+            self._fall_back(timings, "handle_unusable", f"the handle's blocks move by the {theirs} connector; this "
+                            f"worker's is {ours}")
+            self.node.releaser.release(handle.grpc_address, handle.lease_id)
+            return None, None
+        return params, handle
 
-    def _first_timings(self, timings: pb.Timings, handle, kv_params, started_s: float, external_tokens: int) -> None:
-        """The first response's timings: the pull (vLLM's connector read ``external_tokens`` prompt tokens from P,
-        counted by its iteration stats; concurrent pulls may blur which request read which), or the local prefill."""
+    def _first_timings(self, timings: pb.Timings, handle, request_id: str, started_s: float,
+                       external_tokens: int) -> None:
+        """The first response's timings: the pull (Baton's connector times each one; under NIXL, vLLM's connector
+        read ``external_tokens`` prompt tokens from P, counted by its iteration stats, concurrent pulls may blur
+        which request read which, and the time is to the first token), or the local prefill."""
         elapsed_ms = (time.perf_counter() - started_s) * 1e3
         if handle is None:
             timings.prefill_ms = elapsed_ms
             return
         self.node.releaser.release(handle.grpc_address, handle.lease_id, read=True)
         timings.lease_released = True
-        num_bytes = external_tokens * self.node.engine.bytes_per_token
-        timings.transfer_bytes, timings.transfer_ms, timings.transport = num_bytes, elapsed_ms, TRANSPORT
+        num_bytes, transport = external_tokens * self.node.engine.bytes_per_token, TRANSPORT
+        if (pull := self.node.engine.pull_of(request_id)) is not None:  # Baton's connector: the pull as timed
+            num_bytes, elapsed_ms, transport = pull.num_bytes, pull.seconds * 1e3, f"vllm-baton+{pull.transport}"
+        timings.transfer_bytes, timings.transfer_ms, timings.transport = num_bytes, elapsed_ms, transport
         timings.transfer_blocks = -(-external_tokens // self.node.layout.block_size)
         timings.transfer_gbps = num_bytes / elapsed_ms / 1e6 if elapsed_ms > 0 else 0.0
-        self.node.metrics.kv_transfer(num_bytes, elapsed_ms / 1e3, TRANSPORT)
+        self.node.metrics.kv_transfer(num_bytes, elapsed_ms / 1e3, transport)
 
     def _fall_back(self, timings: pb.Timings, reason: str, why: str) -> None:
         timings.route_reason, timings.local_fallback = f"{why}; prefilled locally", True
