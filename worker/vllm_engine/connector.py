@@ -20,7 +20,7 @@ from vllm.v1.request import RequestStatus
 
 from kv_transfer.layout import KVLayout
 from worker.vllm_engine.identity import vllm_kv_identity
-from worker.vllm_engine.kv_plane import Orders, PlaneScheduler, PlaneWorker
+from worker.vllm_engine.kv_plane import IDLE_WAIT_S, Orders, PlaneScheduler, PlaneWorker
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +65,7 @@ class BatonConnector(KVConnectorBase_V1):
         settings = dict(transfer.kv_connector_extra_config or {})
         self._scheduler: PlaneScheduler | None = None
         self._worker: PlaneWorker | None = None
+        self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PlaneScheduler(transfer.engine_id, settings)
         else:
@@ -81,6 +82,7 @@ class BatonConnector(KVConnectorBase_V1):
         return BatonHandshake(self._worker.uris) if self._worker is not None else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None  # vLLM's step without a model run
         self._worker.start(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -93,7 +95,7 @@ class BatonConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.finished()
+        return self._worker.finished(IDLE_WAIT_S if self._idle_step else 0.0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

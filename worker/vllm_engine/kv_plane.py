@@ -36,6 +36,7 @@ from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.transport import TransportConfig, connect, make_server, parse_kinds, uris_in_order
 
 logger = logging.getLogger("vllm.baton_connector")  # through vLLM's handlers, in its processes
+IDLE_WAIT_S = 0.002  # how long an empty engine step waits for a pending pull or lease to end (``finished``)
 LEASE_RETRY_S = 2.0  # a reader may arrive before P's worker side registered the lease (the engine's next step)
 
 
@@ -142,6 +143,7 @@ class PlaneWorker:
         self.config = TransportConfig(checksum=bool(settings.get("checksum", False)))
         self.uris = ""
         self._lock = threading.Lock()
+        self._changed = threading.Event()  # a pull or a lease ended (``finished`` may wait for it)
         self._leases: dict[str, _Lease] = {}
         self._sent: set[str] = set()
         self._pulls: dict[str, _Pull] = {}
@@ -181,6 +183,7 @@ class PlaneWorker:
             lease = self._leases.pop(lease_id, None)
             if lease is not None:
                 self._sent.add(lease.request_id)
+        self._changed.set()
 
     # ---- the engine's thread ----
     def start(self, meta: Orders) -> None:
@@ -190,11 +193,20 @@ class PlaneWorker:
                 self._leases[order.lease_id] = _Lease(order.request_id, tuple(order.block_ids), now + order.ttl_s)
         for order in meta.to_pull:
             future = asyncio.run_coroutine_threadsafe(self._pull(order), self._loop)
+            future.add_done_callback(lambda _: self._changed.set())
             if not order.release:  # a release is no load: vLLM waits for nothing
                 with self._lock:
                     self._pulls[order.request_id] = _Pull(order.local_block_ids, future)
 
-    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+    def finished(self, wait_s: float = 0.0) -> tuple[set[str] | None, set[str] | None]:
+        """What ended since the last call. ``wait_s``: in a step that ran no model (vLLM steps on, empty, while a pull
+        or a lease is pending), wait up to that long for one to end first: the empty steps of the engine core and
+        its worker process otherwise spin, and on a small machine slow the very transfer they wait for."""
+        with self._lock:
+            pending = bool(self._pulls or self._leases) and not self._sent
+        if wait_s and pending:
+            self._changed.wait(wait_s)
+        self._changed.clear()
         now = time.monotonic()
         with self._lock:
             for lease_id, lease in list(self._leases.items()):
