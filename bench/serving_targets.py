@@ -1,6 +1,6 @@
 """The servers ``python -m bench vllm-serving`` measures, each started fresh in process groups of its own and stopped
-whole: vLLM alone, ``vllm-router`` over a vLLM prefill/decode pair (NixlConnector), ``baton up`` with vLLM's engine or
-Baton's. Each answers OpenAI ``/v1/completions`` on ``Target.http_port``."""
+whole: vLLM alone, ``vllm-router`` over a vLLM prefill/decode pair (NixlConnector), ``baton up`` with vLLM's engine
+(NixlConnector, or ``baton-vllm:baton``: Baton's connector for vLLM) or Baton's. Each answers OpenAI ``/v1/completions`` on ``Target.http_port``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.trace_replay.up import ROOT, Up, free_port
 
 TARGETS = ("vllm", "vllm-router:cache_aware", "vllm-router:kv_aware", "vllm-router:cache_aware+spin", "baton-vllm",
-           "baton")
+           "baton-vllm:baton", "baton")
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_ROUTER = ROOT / ".venv-vllm-router" / "bin" / "vllm-router"
 NIXL_DELAY_US = "1000"  # what Baton's vLLM workers run NIXL's progress thread with (worker/vllm_engine/plugin.py)
@@ -41,9 +41,10 @@ def start(name: str, args, source, folder: Path, model_name: str, work: Path) ->
         return _vllm_router(args, folder, model_name, work, policy, spin == "spin")
     if base in ("baton", "baton-vllm"):
         flags = ["--max-model-len", "4096", "--num-threads", "1"]
-        if base == "baton-vllm":
+        if base == "baton-vllm":  # ":baton": Baton's connector for vLLM (cma, then tcp) instead of NixlConnector
             flags += ["--engine", "vllm", "--vllm-kv-cache-gib", f"{args.kv_cache_gib:g}",
-                      *(["--vllm-compile"] if args.vllm_compile else [])]
+                      *(["--vllm-compile"] if args.vllm_compile else []),
+                      *(["--vllm-kv-connector", "baton", "--kv-transport", "auto"] if rest == "baton" else [])]
         else:
             flags += ["--num-blocks", str(_baton_blocks(folder, args.kv_cache_gib))]
         up = Up.start(args.model, flags, work, prefill=1, decode=1, ready_timeout_s=600)

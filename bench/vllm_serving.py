@@ -14,7 +14,8 @@ per process where there are two:
   the prefill server's KV events. Suffix ``+spin`` runs NIXL as vLLM configures it (its progress thread spinning a
   core per server); without it the servers run with Baton's vLLM plugin giving that thread a pause
   (``worker/vllm_engine/plugin.py``): vLLM's disaggregation at its best here;
-- ``baton-vllm``: Baton's router over Baton workers hosting vLLM (``baton up --engine vllm``), cores 0 and 1;
+- ``baton-vllm``: Baton's router over Baton workers hosting vLLM (``baton up --engine vllm``), cores 0 and 1, the KV
+  moved by NixlConnector; ``baton-vllm:baton``: the same with Baton's connector for vLLM (``--vllm-kv-connector baton``);
 - ``baton``: Baton's router over Baton's own workers (``baton up``), one torch thread each.
 
 Each target is warmed with two requests first. Reported per target: TTFT and ITL p50/p99, goodput (requests per

@@ -11,7 +11,9 @@ give a fallback or a migration, never a hang. Skipped without vLLM's environment
 from __future__ import annotations
 
 import re
+import signal
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -250,33 +252,46 @@ def test_an_unknown_model_name_is_refused_by_the_router(platform):
 
 
 def test_a_killed_decode_worker_mid_stream_migrates_the_request(platform, expected, prompts):
-    """D dies with tokens streamed: the router replays them on the other vLLM D, which prefills prompt + tokens so
-    far and goes on; the stream ends complete and equal to vLLM alone. The D holding the request is found from its
-    Stats at the first token (P's: D is pulling or starting to decode, far from its 1,200th), and killed once 20
-    tokens have reached the client (the router buffers D's tokens ahead of a slow reader: read after the first
-    token, the Stats of a fast machine's D could already show it done)."""
+    """D dies mid-stream: the router replays the tokens so far on the other vLLM D, which prefills prompt + tokens and
+    goes on; the stream ends complete and equal to vLLM alone. A thread polls the decode workers' Stats from the
+    moment the request is sent and freezes (SIGSTOP) the one decoding it, then kills
+    it a second later: the kill lands mid-stream however fast the machine decodes and however late the client reads
+    (CI's fast D once finished all 1,200 tokens, buffered in the router, before the client asked)."""
     _, long_reference = expected
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(platform.router.address))
     decoders = [(w, pb_grpc.WorkerStub(grpc.insecure_channel(w.address)))
                 for w in platform.workers if w.popen.poll() is None and w.name.startswith("d")]
+    for _, worker in decoders:  # channels connected before the race
+        worker.Stats(pb.StatsRequest(), timeout=10)
+    found: list = []
+    done = threading.Event()
+
+    def freeze_then_kill() -> None:
+        deadline = time.monotonic() + 60
+        while not done.is_set() and time.monotonic() < deadline:
+            for proc, worker in decoders:
+                s = worker.Stats(pb.StatsRequest(), timeout=10)
+                if s.num_running > 0:  # decoding (a request waiting for its KV counts as waiting)
+                    proc.kill(signal.SIGSTOP)
+                    found.append(proc)
+                    time.sleep(1.0)  # the router relays what D streamed before the freeze
+                    proc.kill()
+                    return
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=freeze_then_kill, daemon=True)
     params = pb.SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
     call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[-1]), sampling=params), timeout=120)
-    tokens, victim, killed_at, last = [], None, None, None
-    for response in call:
-        tokens += response.token_ids
-        last = response
-        deadline = time.monotonic() + 10
-        while victim is None and time.monotonic() < deadline:
-            victim = next((w for w, worker in decoders
-                           if (s := worker.Stats(pb.StatsRequest(), timeout=10)).num_running + s.num_waiting > 0),
-                          None)
-        assert victim is not None, f"no decode worker holds the request after {len(tokens)} tokens"
-        if killed_at is None and len(tokens) >= 20:
-            killed_at = len(tokens)
-            victim.kill()
-    assert killed_at is not None and killed_at < LONG and last.timings.migrations == 1, (killed_at, last.timings)
-    assert tokens == long_reference
-    platform.workers = [w for w in platform.workers if w is not victim]
+    killer.start()
+    try:
+        responses = list(call)
+    finally:
+        done.set()
+        killer.join(timeout=15)
+    tokens, last = [t for r in responses for t in r.token_ids], responses[-1]
+    assert found, "no decode worker was seen holding the request"
+    assert tokens == long_reference and last.timings.migrations == 1, last.timings
+    platform.workers = [w for w in platform.workers if w is not found[0]]
     assert_pools_full(platform)
 
 
