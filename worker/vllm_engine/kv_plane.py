@@ -242,8 +242,8 @@ class PlaneWorker:
             raise KVTransferError(f"{len(local)} blocks to load but P holds {len(order.remote_block_ids)}")
         remote = order.remote_block_ids[len(order.remote_block_ids) - len(local):]  # what the local cache lacks
         try:
-            stats, kind = await pull_lease(self._clients, self.kinds, self.config, order.remote_uris, order.lease_id,
-                                     self.buffer, remote, local)
+            stats, kind = await pull_lease(self._clients, self.kinds, self.config, order.remote_uris,
+                                           order.lease_id, self.buffer, remote, local)
         except KVTransferError as exc:
             if order.release:
                 logger.info("request_id=%s Baton KV release of %s failed: %s (P frees it at its TTL)",
