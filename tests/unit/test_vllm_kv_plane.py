@@ -99,7 +99,8 @@ def wait_for(worker: PlaneWorker, timeout_s: float = 10.0) -> tuple[set[str], se
 
 @pytest.fixture(params=KINDS)
 def pair(request):
-    p, d = PlaneWorker(LAYOUT, {"transports": request.param}), PlaneWorker(LAYOUT, {"transports": request.param})
+    settings = {"transports": request.param, "lease_ttl_s": 1.0}  # how long a reader asks for an unknown lease too
+    p, d = PlaneWorker(LAYOUT, settings), PlaneWorker(LAYOUT, settings)
     p_caches, d_caches = vllm_caches(1), vllm_caches(2)
     p.register(p_caches)
     d.register(d_caches)
@@ -111,8 +112,10 @@ def pair(request):
 def test_a_pull_moves_the_blocks_and_ends_p_s_lease(pair):
     p, d = pair
     assert p.uris.startswith(p.kinds[0] + "://")
-    p.start(Orders([ServeOrder("p-req", "lease-1", [2, 3, 4], 30.0)], []))
+    # D asks before P registered the lease (P's next engine step): it asks again until then
     d.start(Orders([], [PullOrder("d-req", [9, 7], [2, 3, 4], p.uris, "lease-1")]))  # D's cache had block 2's tokens
+    time.sleep(0.3)
+    p.start(Orders([ServeOrder("p-req", "lease-1", [2, 3, 4], 30.0)], []))
     assert wait_for(d) == (set(), {"d-req"})
     for src, dst in ((3, 9), (4, 7)):
         assert np.array_equal(d.buffer.array[:, dst], p.buffer.array[:, src])
@@ -125,7 +128,7 @@ def test_a_pull_moves_the_blocks_and_ends_p_s_lease(pair):
 
 def test_a_failed_pull_is_a_load_error_and_a_lease_nobody_reads_ends_at_its_ttl_or_release(pair):
     p, d = pair
-    d.start(Orders([], [PullOrder("d-req", [5, 6], [1, 2], p.uris, "no-such-lease")]))  # asked again for 2 s
+    d.start(Orders([], [PullOrder("d-req", [5, 6], [1, 2], p.uris, "no-such-lease")]))  # asked again for 1 s
     assert wait_for(d) == (set(), {"d-req"}) and d.take_load_errors() == {5, 6}  # vLLM recomputes them
     p.start(Orders([ServeOrder("p-ttl", "lease-ttl", [1], 0.2)], []))
     assert wait_for(p) == ({"p-ttl"}, set())

@@ -202,6 +202,8 @@ class VLLMEngine:
                 tokens = list(completion.token_ids)
                 if tokens and stream.first_token_at is None:
                     stream.first_token_at = time.monotonic()
+                if completion.finish_reason == "error":  # vLLM failed the request (not the client's doing)
+                    raise KVTransferError(f"vLLM failed request {request_id} (its KV could not be loaded)")
                 reason = FINISH_OF_VLLM.get(completion.finish_reason) if completion.finish_reason else None
                 if out.finished and reason is None:
                     reason = FinishReason.ABORT
@@ -214,6 +216,8 @@ class VLLMEngine:
                     return
         except asyncio.CancelledError:
             raise
+        except KVTransferError as exc:  # UNAVAILABLE: the router retries or migrates it
+            stream.queue.put_nowait(exc)
         except ValueError as exc:  # vLLM's own input validation: the request never entered the engine
             kv_params = (params.extra_args or {}).get("kv_transfer_params")
             if kv_params and kv_params.get("do_remote_prefill"):
@@ -255,7 +259,7 @@ class VLLMEngine:
         kinds = tuple(self.options.kv_transports.split(","))
         try:
             await kv_plane.pull_lease(clients, kinds, TransportConfig(), kv_params.get("remote_uris", ""),
-                                       kv_params["remote_lease_id"], buffer, [], [])
+                                      kv_params["remote_lease_id"], buffer, [], [], self.options.lease_ttl_s)
         except KVTransferError as exc:
             logger.info("release of lease %s: %s (its holder frees it at its TTL)", kv_params["remote_lease_id"][:8],
                         exc)
@@ -292,9 +296,12 @@ class VLLMEngine:
         s, per_block = self._stats, self.vllm_block_size // self.options.index_block_size
         usage = s.kv_cache_usage if s is not None else 0.0
         free = round((1.0 - usage) * self.total_blocks / per_block) * per_block
+        # running / waiting from this worker's own streams (decoding once their first token came), not vLLM's
+        # scheduler figures, which reach its stat loggers only from time to time: a whole short stream could run
+        # between two of them and never be seen running
+        running = sum(1 for stream in self._streams.values() if stream.first_token_at is not None)
         return SchedulerStats(
-            num_running=s.num_running_reqs if s is not None else 0,
-            num_waiting=(s.num_waiting_reqs + s.num_skipped_waiting_reqs) if s is not None else 0,
+            num_running=running, num_waiting=len(self._streams) - running,
             num_free_blocks=free, num_total_blocks=self.total_blocks, kv_cache_usage=usage,
             prefix_cache_queries=self._totals["queries"], prefix_cache_hits=self._totals["hits"],
             num_preemptions=self._totals["preemptions"], num_aborted=self._totals["aborted"])
@@ -352,11 +359,14 @@ class VLLMEngine:
 
 def _kv_transfer_config(options: VLLMOptions) -> dict[str, Any]:
     """vLLM's connector between workers: its NixlConnector on host buffers, or Baton's (``connector.py``)."""
+    # a failed load is recomputed on D (as Baton's decode workers fall back), not failed (vLLM's default)
     if options.kv_connector == "baton":
         return {"kv_connector": connector.NAME, "kv_connector_module_path": connector.__name__, "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"lease_ttl_s": options.lease_ttl_s, "transports": options.kv_transports,
                                               "host": options.side_channel_host}}
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"kv_lease_duration": max(int(options.lease_ttl_s), 6)}}
 
 

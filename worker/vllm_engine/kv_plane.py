@@ -37,7 +37,9 @@ from kv_transfer.transport import TransportConfig, connect, make_server, parse_k
 
 logger = logging.getLogger("vllm.baton_connector")  # through vLLM's handlers, in its processes
 IDLE_WAIT_S = 0.002  # how long an empty engine step waits for a pending pull or lease to end (``finished``)
-LEASE_RETRY_S = 2.0  # a reader may arrive before P's worker side registered the lease (the engine's next step)
+# A reader may arrive before P's worker side registered the lease: that happens at P's next engine step, which waits
+# for the step running (a long prefill on a busy P: seconds; 2 s of asking failed 11 of 60 trace requests here)
+LEASE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ class PlaneWorker:
         self.kinds = parse_kinds(str(settings.get("transports", "cma,tcp")))
         self.host = str(settings.get("host", "127.0.0.1"))
         self.config = TransportConfig(checksum=bool(settings.get("checksum", False)))
+        self.lease_wait_s = min(float(settings.get("lease_ttl_s", LEASE_WAIT_S)), LEASE_WAIT_S)
         self.uris = ""
         self._lock = threading.Lock()
         self._changed = threading.Event()  # a pull or a lease ended (``finished`` may wait for it)
@@ -243,7 +246,7 @@ class PlaneWorker:
         remote = order.remote_block_ids[len(order.remote_block_ids) - len(local):]  # what the local cache lacks
         try:
             stats, kind = await pull_lease(self._clients, self.kinds, self.config, order.remote_uris,
-                                           order.lease_id, self.buffer, remote, local)
+                                           order.lease_id, self.buffer, remote, local, self.lease_wait_s)
         except KVTransferError as exc:
             if order.release:
                 logger.info("request_id=%s Baton KV release of %s failed: %s (P frees it at its TTL)",
@@ -269,12 +272,13 @@ class PlaneWorker:
 
 
 async def pull_lease(clients: dict[str, Any], kinds: tuple[str, ...], config: TransportConfig, uris: str,
-                     lease_id: str, buffer: KVBuffer, src_ids: list[int], dst_ids: list[int]) -> tuple[Any, str]:
+                     lease_id: str, buffer: KVBuffer, src_ids: list[int], dst_ids: list[int],
+                     lease_wait_s: float = LEASE_WAIT_S) -> tuple[Any, str]:
     """Read lease ``lease_id`` (``src_ids``: none to release it) from the first of ``uris`` that ``kinds`` reach,
     into ``dst_ids`` of ``buffer``; a lease not registered yet (P's worker side registers it at the engine's next
-    step) is asked again for ``LEASE_RETRY_S``. ``clients`` keeps one pooled client per URI. Returns the
+    step) is asked again, at most ``lease_wait_s`` (its TTL: by then it is registered or gone). ``clients`` keeps one pooled client per URI. Returns the
     ``TransferStats`` and the transport's kind."""
-    deadline = time.monotonic() + LEASE_RETRY_S
+    deadline, pause = time.monotonic() + lease_wait_s, 0.005
     for uri in uris_in_order(uris, kinds):
         client = clients.get(uri) or clients.setdefault(uri, connect(uri, config))
         while True:
@@ -286,7 +290,8 @@ async def pull_lease(clients: dict[str, Any], kinds: tuple[str, ...], config: Tr
             except LeaseNotFound:
                 if time.monotonic() > deadline:
                     raise
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.05)
                 continue
             return stats, uri.split(":", 1)[0]
     raise KVTransferError(f"no transport of {list(kinds)} reached {uris!r}")

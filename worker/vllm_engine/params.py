@@ -19,8 +19,9 @@ from engine.core.request import FinishReason
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
 
-FINISH_OF_VLLM = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT,
-                  "error": FinishReason.ABORT}
+FINISH_OF_VLLM = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+# vLLM's "error" finish (a request it failed, e.g. a KV load under the "fail" policy) is an error, not a finish:
+# ``VLLMEngine`` raises it as UNAVAILABLE
 # What a P asks of vLLM's connector: hold the prompt's blocks for a remote decoder to read.
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
