@@ -1,14 +1,19 @@
 """What the tests that run vLLM need: vLLM's own environment (``make vllm`` builds ``.venv-vllm``; or
 ``$BATON_VLLM_PYTHON``), vLLM alone as the reference (its offline ``LLM``, greedy, in a process of that environment),
 and worker processes started in their own process group (a vLLM worker's engine runs in child processes of its
-own; the group is stopped whole)."""
+own; the group is stopped whole), and a way to slow those engine processes down so that a test can act mid-stream on
+any machine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -66,3 +71,53 @@ def stop_group(popen: subprocess.Popen, timeout_s: float = 20.0) -> None:
         except ProcessLookupError:
             pass
         return
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (a vLLM worker's engine core and its helpers), from ``/proc``."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # the task ended meanwhile
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def throttled(pids: list[int], *, run_s: float = 0.002, stop_s: float = 0.02) -> Iterator[Callable[[], None]]:
+    """Slow ``pids`` about tenfold (SIGSTOP for ``stop_s``, SIGCONT for ``run_s``, over and over) until the block
+    ends or the function it gives is called, then let them run: a vLLM engine that could decode a whole stream
+    between two looks of a test (a fast machine, or its worker's event loop busy relaying) decodes it over seconds,
+    and the worker itself, not slowed, answers at once."""
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.is_set():
+            signal_all(pids, signal.SIGSTOP)
+            time.sleep(stop_s)
+            signal_all(pids, signal.SIGCONT)
+            time.sleep(run_s)
+
+    thread = threading.Thread(target=cycle, name="throttle", daemon=True)
+
+    def release() -> None:
+        done.set()
+        thread.join()
+        signal_all(pids, signal.SIGCONT)
+
+    thread.start()
+    try:
+        yield release
+    finally:
+        release()

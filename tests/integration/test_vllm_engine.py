@@ -10,7 +10,7 @@ give a fallback or a migration, never a hang. Skipped without vLLM's environment
 
 from __future__ import annotations
 
-import re
+import os
 import signal
 import sysconfig
 import threading
@@ -19,16 +19,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis as redis_lib
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.tiny import build_model
+from kv_transfer.hashing import hash_blocks, root_hash
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.redis_server import RedisServer, require_redis_server
-from tests.vllm_env import requires_vllm, vllm_alone
+from tests.vllm_env import descendants, requires_vllm, throttled, vllm_alone
 
 pytestmark = [pytest.mark.vllm, requires_vllm, pytest.mark.timeout(900)]
 
@@ -140,18 +142,33 @@ def test_a_repeated_prefix_goes_to_the_vllm_worker_that_holds_it(platform, expec
     """The first request (remote) lands on a decode worker, which caches the blocks vLLM's connector pulled; each later
     one sharing its 288-token prefix goes to that worker and is prefilled there, only its 52 uncached tokens under the
     threshold: the router knows the 256 tokens (two vLLM blocks) are cached there only from that worker's vLLM block
-    events in the index. (The least-loaded policy, both decode workers idle: the prefix decides, not learned rates.)"""
+    events in the index. (The least-loaded policy, both decode workers idle: the prefix decides, not learned rates.)
+    The test waits until the index names the holder for the prefix's 16 index blocks, not a fixed second: a stall of
+    the machine past the holder's registration TTL once had it pruned and republishing when the next request came."""
     prefix = [(31 * j) % 3900 + 50 for j in range(288)]
     _, first = generate(platform.router.address, prefix + [7, 8, 9])
     holder = first.timings.decode_worker
     assert first.timings.route_kind == "remote", first.timings
-    time.sleep(1.0)  # the holder's next index publish (every 0.25 s)
+    wait_until_indexed(platform, holder, prefix[:256])
     for suffix in range(3):
         _, last = generate(platform.router.address, prefix + [100 + suffix] * 20)
         t = last.timings
-        assert t.route_kind == "local" and t.decode_worker == holder, t
+        assert t.route_kind == "local" and t.decode_worker == holder, (suffix, t.route_reason, holder, t)
         assert "52 uncached prompt tokens" in t.route_reason and last.usage.cached_prompt_tokens == 256, last
     assert_pools_full(platform)
+
+
+def wait_until_indexed(platform: Cluster, holder: str, tokens: list[int], timeout_s: float = 30.0) -> None:
+    """Until Baton's index in Redis names ``holder`` for every index block of ``tokens`` (hashed as Baton hashes them:
+    the holder's model fingerprint, Baton's block size, no salt)."""
+    client = redis_lib.Redis.from_url(platform.redis_url)
+    fingerprint = bytes.fromhex(client.hget(f"baton:worker:{holder}", "model_fingerprint").decode())
+    keys = [f"baton:kv:{h.hex()}" for h in hash_blocks(tokens, BLOCK, root_hash(fingerprint, BLOCK))]
+    deadline = time.monotonic() + timeout_s
+    while not all(client.hexists(key, holder) for key in keys):
+        assert time.monotonic() < deadline, f"{holder} not indexed for the prefix after {timeout_s} s"
+        time.sleep(0.05)
+    client.close()
 
 
 def test_cancel_and_deadline_mid_decode_leave_the_pools_full(platform, prompts):
@@ -170,18 +187,23 @@ def test_cancel_and_deadline_mid_decode_leave_the_pools_full(platform, prompts):
 
 def test_an_abort_ends_a_vllm_decode_stream(platform, prompts):
     """Abort while vLLM decodes (seen running in the worker's Stats, the stream left unread: its tokens buffer) ends
-    the stream with ABORT well before its 1,500 tokens."""
+    the stream with ABORT well before its 1,500 tokens. d0's engine is slowed meanwhile (``throttled``): on CI's
+    machine the whole stream once ended before a look at the worker's Stats saw it running."""
     d0 = next(w for w in platform.workers if w.name == "d0")
     worker = pb_grpc.WorkerStub(grpc.insecure_channel(d0.address))
     params = pb.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
-    call = worker.Decode(pb.DecodeRequest(request_id="abort-me", token_ids=prompts[1], sampling=params))
-    deadline = time.monotonic() + 30
-    while stats(d0.address).num_running == 0 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    found = worker.Abort(pb.AbortRequest(request_id="abort-me")).found
+    looks = []
+    with throttled(descendants(d0.popen.pid)):
+        call = worker.Decode(pb.DecodeRequest(request_id="abort-me", token_ids=prompts[1], sampling=params))
+        deadline = time.monotonic() + 60
+        while (s := stats(d0.address)).num_running == 0 and time.monotonic() < deadline:
+            looks.append((s.num_waiting, s.num_running))
+            time.sleep(0.005)
+        found = worker.Abort(pb.AbortRequest(request_id="abort-me")).found
     responses = list(call)
     num_tokens = sum(len(r.token_ids) for r in responses)
-    assert found and responses[-1].finish_reason == pb.FINISH_REASON_ABORT and num_tokens < 1400, num_tokens
+    assert found and responses[-1].finish_reason == pb.FINISH_REASON_ABORT and num_tokens < 1400, (num_tokens,
+                                                                                                     looks[-5:])
     assert not worker.Abort(pb.AbortRequest(request_id="abort-me")).found
     assert_pools_full(platform)
 
@@ -278,41 +300,44 @@ def test_an_unknown_model_name_is_refused_by_the_router(platform):
 
 def test_a_killed_decode_worker_mid_stream_migrates_the_request(platform, expected, prompts):
     """D dies mid-stream: the router replays the tokens so far on the other vLLM D, which prefills prompt + tokens and
-    goes on; the stream ends complete and equal to vLLM alone. A thread polls the decode workers' Stats from the
-    moment the request is sent and freezes (SIGSTOP) the one decoding it, then kills
-    it a second later: the kill lands mid-stream however fast the machine decodes and however late the client reads
-    (CI's fast D once finished all 1,200 tokens, buffered in the router, before the client asked)."""
+    goes on; the stream ends complete and equal to vLLM alone. Both decode engines are slowed (``throttled``) while a
+    thread looks at the decode workers' Stats from the moment the request is sent; it freezes (SIGSTOP) the worker
+    seen decoding, with its engine, lets the other run free and kills the frozen one a second later: the kill lands
+    mid-stream however fast the machine decodes and however late the client reads (CI's D once finished all 1,200
+    tokens before the client asked, and once before any look saw it running)."""
     _, long_reference = expected
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(platform.router.address))
-    decoders = [(w, pb_grpc.WorkerStub(grpc.insecure_channel(w.address)))
-                for w in platform.workers if w.popen.poll() is None and w.name.startswith("d")]
-    for _, worker in decoders:  # channels connected before the race
+    decoders = [w for w in platform.workers if w.popen.poll() is None and w.name.startswith("d")]
+    workers = {w.name: pb_grpc.WorkerStub(grpc.insecure_channel(w.address)) for w in decoders}
+    for worker in workers.values():  # channels connected before the race
         worker.Stats(pb.StatsRequest(), timeout=10)
     found: list = []
     done = threading.Event()
 
-    def freeze_then_kill() -> None:
-        deadline = time.monotonic() + 60
+    def freeze_then_kill(release) -> None:
+        deadline = time.monotonic() + 120
         while not done.is_set() and time.monotonic() < deadline:
-            for proc, worker in decoders:
-                s = worker.Stats(pb.StatsRequest(), timeout=10)
-                if s.num_running > 0:  # decoding (a request waiting for its KV counts as waiting)
-                    proc.kill(signal.SIGSTOP)
+            for proc in decoders:
+                if workers[proc.name].Stats(pb.StatsRequest(), timeout=10).num_running > 0:  # decoding, not waiting
+                    release()  # the engines run free: the other D finishes the stream at full speed
+                    os.killpg(proc.popen.pid, signal.SIGSTOP)
                     found.append(proc)
                     time.sleep(1.0)  # the router relays what D streamed before the freeze
                     proc.kill()
                     return
             time.sleep(0.002)
 
-    killer = threading.Thread(target=freeze_then_kill, daemon=True)
     params = pb.SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
-    call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[-1]), sampling=params), timeout=120)
-    killer.start()
-    try:
-        responses = list(call)
-    finally:
-        done.set()
-        killer.join(timeout=15)
+    with throttled([pid for proc in decoders for pid in descendants(proc.popen.pid)]) as release:
+        killer = threading.Thread(target=freeze_then_kill, args=(release,), daemon=True)
+        call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[-1]), sampling=params),
+                             timeout=120)
+        killer.start()
+        try:
+            responses = list(call)
+        finally:
+            done.set()
+            killer.join(timeout=15)
     tokens, last = [t for r in responses for t in r.token_ids], responses[-1]
     assert found, "no decode worker was seen holding the request"
     assert last.timings.migrations == 1, (found[0].name, len(tokens), last.timings)
