@@ -7,7 +7,7 @@ BATON  := $(VENV)/bin/baton
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2
 
-.PHONY: install run test test-vllm bench aiperf vllm clean
+.PHONY: install run test test-vllm bench aiperf vllm llama-cpp clean
 
 install: $(STAMP)
 
@@ -72,5 +72,16 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
 
+# llama.cpp as a peer of `bench engines` (llama-cpp-python, built from source: ~10 min on 2 cores). GGML_NATIVE is
+# off because this VM's CPU advertises AMX instructions that fault here; AVX2 and AVX-512 are named instead.
+LLAMA_VENV := .venv-llama-cpp
+llama-cpp: $(LLAMA_VENV)/.installed
+
+$(LLAMA_VENV)/.installed:
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON' \
+		$(LLAMA_VENV)/bin/python -m pip install -q llama-cpp-python==0.3.36
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) build *.egg-info

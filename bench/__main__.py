@@ -36,6 +36,7 @@ _BENCHMARKS = {
     "relay": "bench.relay",
     "vllm-serving": "bench.vllm_serving",
     "vllm-transfer": "bench.vllm_transfer",
+    "engines": "bench.engines",
 }
 
 

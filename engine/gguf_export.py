@@ -30,7 +30,7 @@ def export_folder(gguf_path: str | Path, out_dir: Path | None = None,
                   progress: Callable[[str], None] = print) -> Path:
     """The Hugging Face folder of ``gguf_path`` (exported on first use)."""
     path = Path(gguf_path).resolve()
-    out = out_dir or _default_dir(path)
+    out = out_dir or export_dir(path)
     if (out / MARKER_FILE).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -50,12 +50,14 @@ def export_folder(gguf_path: str | Path, out_dir: Path | None = None,
     return out
 
 
-def _default_dir(path: Path) -> Path:
+def export_dir(path: Path, kind: str = "hf") -> Path:
+    """Where an export of the GGUF file ``path`` is cached: its name, size, modification time and the export
+    version in the folder's name, so a changed file gets a fresh export."""
     cache_dir = os.environ.get("BATON_CACHE_DIR")
     root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "baton"
     stat = path.stat()
     tag = hashlib.blake2b(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{EXPORT_VERSION}".encode(), digest_size=6)
-    return root / "models" / f"{path.stem}-hf-{tag.hexdigest()}"
+    return root / "models" / f"{path.stem}-{kind}-{tag.hexdigest()}"
 
 
 def _write(f: GGUFFile, out: Path) -> None:

@@ -108,6 +108,7 @@ class ForwardBatch:
     kv_caches: Sequence[torch.Tensor]  # per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]
     backend: AttentionBackend
     metadata: Any
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin at ``positions``: the model looks them up once
 
     def attention(self, layer_idx: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
         return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.metadata, window, scale)

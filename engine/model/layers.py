@@ -1,6 +1,7 @@
-"""Building blocks shared by the Llama family: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks shared by the Llama family: linear layers, RMSNorm, rotary embedding, gated MLP.
 
-Each matches its Hugging Face counterpart's arithmetic so greedy outputs agree token for token.
+Each matches its Hugging Face counterpart's arithmetic so greedy outputs agree token for token (a linear layer's
+product may round differently in its last bits: the parity suite holds it to that).
 """
 
 from __future__ import annotations
@@ -13,6 +14,33 @@ from torch import nn
 
 from engine.model.config import RopeConfig
 from engine.parallel.shard import TensorParallel
+
+# On the CPU each product by a weight runs as SPLIT batched products of a slice of its output features: torch's one
+# product of a few rows runs 1.5-4.5x slower than the weights' memory traffic allows (one thread's GEMV, or a poorly
+# blocked GEMM) and 8-20% slower at 16-2048 rows, while the batch of slices keeps every thread busy (SmolLM2's 121
+# products per token, weights cold: 54 -> 19 ms at one row, 94 -> 77 ms at 32, 3.43 -> 3.16 s at 2048;
+# docs/benchmarks.md, "Engines side by side").
+SPLIT = 8
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` [T, in], ``weight`` [out, in], in the form fastest here: on the CPU
+    a [T, out] view in column-major order for T > 1 (a copy to row-major costs 3-4% of a batch's time; every op of
+    the model takes the view as it is; an all-reduce copies it)."""
+    rows, out = x.shape[0], weight.shape[0]
+    if x.device.type != "cpu" or x.dim() != 2 or out % SPLIT or not weight.is_contiguous():
+        return F.linear(x, weight, bias)
+    slices = weight.view(SPLIT, out // SPLIT, weight.shape[1])  # [S, out / S, in]
+    y = torch.bmm(slices, x.T.unsqueeze(0).expand(SPLIT, -1, -1))  # [S, out / S, T]
+    y = y.view(1, out) if rows == 1 else y.permute(2, 0, 1).reshape(rows, out)  # [T, out], strides (1, T)
+    return y if bias is None else y + bias
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) whose product is ``linear``'s."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -66,11 +94,15 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, h, d]; k [T, kvh, d]
-        cos = self.cos[positions][:, None, :].to(q.dtype)  # [T, 1, d]
-        sin = self.sin[positions][:, None, :].to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` [T], [T, 1, d] each: looked up once per forward pass, used by every layer."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x`` [T, heads, d] rotated (any heads: q's, k's, or both side by side)."""
+        cos, sin = tables
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -89,14 +121,14 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in / N] -> [T, out]
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out]: the sum of every rank's partial product
+        y = self.tp.all_reduce(linear(x, self.weight).contiguous())  # [T, out]: every rank's partial product summed
         return y if self.bias is None else y + self.bias
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Module:
     """``in_features`` is this rank's share; one rank: a plain ``nn.Linear`` (the arithmetic of before)."""
     if tp is None or tp.size == 1:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
 
 
@@ -111,7 +143,7 @@ class GatedMLP(nn.Module):
         intermediate //= tp.size if tp else 1  # this rank's columns
         self.intermediate = intermediate
         self.act = act
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = row_linear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention.base import ForwardBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, row_linear
+from engine.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, row_linear
 from engine.parallel.shard import TensorParallel
 
 
@@ -30,7 +30,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.window = config.layer_windows[layer_idx] if config.layer_windows else None
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = row_linear(self.q_size, config.hidden_size, config.o_bias, tp)
         self.rotary = rotary
         if config.qk_norm:
@@ -40,13 +40,17 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # x [T, hidden]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, h, d]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor of h + kvh heads
+            qk = self.rotary.rotate(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                              self.head_dim), batch.rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, h, d], [T, kvh, d]
+        else:
+            q, k = qkv[:, :self.q_size + self.kv_size].split((self.q_size, self.kv_size), dim=-1)
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))  # [T, h, d]
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))  # [T, kvh, d]
+            q, k = self.rotary.rotate(q, batch.rope), self.rotary.rotate(k, batch.rope)
         out = batch.attention(self.layer_idx, q, k, v, self.window, self.scale)  # [T, h, d]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -77,6 +81,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        batch.rope = self.rotary.tables(batch.positions, x.dtype)  # shared by every layer of this pass
         for i, layer in enumerate(self.layers):
             x = layer(x, batch)  # [T, hidden]; layer i's KV is written (issued, on CUDA)
             if on_layer is not None:
@@ -97,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, tp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
