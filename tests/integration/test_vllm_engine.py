@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import sysconfig
-import threading
 import time
 from pathlib import Path
 
@@ -300,49 +299,46 @@ def test_an_unknown_model_name_is_refused_by_the_router(platform):
 
 def test_a_killed_decode_worker_mid_stream_migrates_the_request(platform, expected, prompts):
     """D dies mid-stream: the router replays the tokens so far on the other vLLM D, which prefills prompt + tokens and
-    goes on; the stream ends complete and equal to vLLM alone. Both decode engines are slowed (``throttled``) while a
-    thread looks at the decode workers' Stats from the moment the request is sent; it freezes (SIGSTOP) the worker
-    seen decoding, with its engine, lets the other run free and kills the frozen one a second later: the kill lands
-    mid-stream however fast the machine decodes and however late the client reads (CI's D once finished all 1,200
-    tokens before the client asked, and once before any look saw it running)."""
+    goes on; the stream ends complete and equal to vLLM alone. No race with the machine's speed: both decode engines
+    are slowed (``throttled``) until the client has D's first token, then frozen (SIGSTOP, whole worker groups)
+    while their workers, let run, say in Stats which one holds the request; that one stays frozen and is killed a
+    second later, the other runs free. (Looking at Stats while D decoded at full speed failed on CI twice: D finished
+    all 1,200 tokens before the client asked, then before any look saw it running.)"""
     _, long_reference = expected
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(platform.router.address))
     decoders = [w for w in platform.workers if w.popen.poll() is None and w.name.startswith("d")]
     workers = {w.name: pb_grpc.WorkerStub(grpc.insecure_channel(w.address)) for w in decoders}
     for worker in workers.values():  # channels connected before the race
         worker.Stats(pb.StatsRequest(), timeout=10)
-    found: list = []
-    done = threading.Event()
-
-    def freeze_then_kill(release) -> None:
-        deadline = time.monotonic() + 120
-        while not done.is_set() and time.monotonic() < deadline:
-            for proc in decoders:
-                if workers[proc.name].Stats(pb.StatsRequest(), timeout=10).num_running > 0:  # decoding, not waiting
-                    release()  # the engines run free: the other D finishes the stream at full speed
-                    os.killpg(proc.popen.pid, signal.SIGSTOP)
-                    found.append(proc)
-                    time.sleep(1.0)  # the router relays what D streamed before the freeze
-                    proc.kill()
-                    return
-            time.sleep(0.002)
-
     params = pb.SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
     with throttled([pid for proc in decoders for pid in descendants(proc.popen.pid)]) as release:
-        killer = threading.Thread(target=freeze_then_kill, args=(release,), daemon=True)
         call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[-1]), sampling=params),
                              timeout=120)
-        killer.start()
-        try:
-            responses = list(call)
-        finally:
-            done.set()
-            killer.join(timeout=15)
+        responses = [next(call)]
+        while sum(len(r.token_ids) for r in responses) < 2:  # P's first token, then D's: D is decoding
+            responses.append(next(call))
+        release()
+        for proc in decoders:  # every decode engine frozen; the workers answer Stats
+            os.killpg(proc.popen.pid, signal.SIGSTOP)
+            os.kill(proc.popen.pid, signal.SIGCONT)
+    holders: list = []
+    try:
+        looks = {name: worker.Stats(pb.StatsRequest(), timeout=30) for name, worker in workers.items()}
+        holders = [p for p in decoders if looks[p.name].num_running + looks[p.name].num_waiting > 0]
+        assert len(holders) == 1, looks
+    finally:  # all but the holder run again (all of them if the look failed)
+        keep = holders[0] if len(holders) == 1 else None
+        for proc in decoders:
+            if proc is not keep:
+                os.killpg(proc.popen.pid, signal.SIGCONT)
+    os.kill(holders[0].popen.pid, signal.SIGSTOP)
+    time.sleep(1.0)  # the router relays what the holder streamed before the freeze
+    holders[0].kill()
+    responses += list(call)
     tokens, last = [t for r in responses for t in r.token_ids], responses[-1]
-    assert found, "no decode worker was seen holding the request"
-    assert last.timings.migrations == 1, (found[0].name, len(tokens), last.timings)
+    assert last.timings.migrations == 1, (holders[0].name, len(tokens), last.timings)
     assert tokens == long_reference, next(i for i, (a, b) in enumerate(zip(tokens, long_reference)) if a != b)
-    platform.workers = [w for w in platform.workers if w is not found[0]]
+    platform.workers = [w for w in platform.workers if w is not holders[0]]
     assert_pools_full(platform)
 
 
