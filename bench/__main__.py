@@ -37,6 +37,7 @@ _BENCHMARKS = {
     "vllm-serving": "bench.vllm_serving",
     "vllm-transfer": "bench.vllm_transfer",
     "engines": "bench.engines",
+    "linear-forms": "bench.linear_forms",
 }
 
 
