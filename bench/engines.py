@@ -387,7 +387,7 @@ def plot(rows: list[dict], workload: Workload, path: Path) -> None:
         ax.bar(np.arange(len(cols)) + i * width, ratios, width, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(np.arange(len(cols)) + width * (len(rows) - 1) / 2)
-    ax.set_xticklabels([h.replace(" tok/s", "").replace(" s", "") for _, h, _ in cols], rotation=20, ha="right")
+    ax.set_xticklabels([h.removesuffix(" tok/s").removesuffix(" s") for _, h, _ in cols], rotation=20, ha="right")
     ax.set_ylabel("speed relative to Baton (higher = faster)")
     ax.set_title("Engines on the same float32 weights, prompts and threads (TTFT as 1 / time)")
     ax.legend(fontsize=8)

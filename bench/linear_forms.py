@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     for rows in args.rows:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-        forms = [lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
-                 lambda: [(w @ inputs[w.shape[1]].T).T.contiguous() for w in weights],
-                 lambda: [linear(inputs[w.shape[1]], w) for w in weights]]
+        forms = [lambda x=inputs: [F.linear(x[w.shape[1]], w) for w in weights],
+                 lambda x=inputs: [(w @ x[w.shape[1]].T).T.contiguous() for w in weights],
+                 lambda x=inputs: [linear(x[w.shape[1]], w) for w in weights]]
         print(f"| {rows} | " + " | ".join(f"{best_ms(form, args.runs):.1f}" for form in forms) + " |", flush=True)
     return 0
 
