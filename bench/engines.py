@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     source = resolve_model(args.model)
     workload = _workload(args)
     sides, skipped = _sides(args, source)
-    vocab, max_len = _vocab_and_length(source)
+    config = model_config(source)
+    vocab, max_len = config["vocab_size"], config.get("max_position_embeddings", 2048)
     max_len = min(max_len, max(max(workload.ttft), sum(workload.batch_shape), workload.prefill[1]) + 64)
     jobs = [workload.phases(vocab, r) for r in range(workload.repeat)]
     print(f"engines: {', '.join(s.name for s in sides)}; {args.threads} threads; model {source.path}")
@@ -204,15 +205,15 @@ def _file_type(gguf_path) -> str:
     return "+".join(types) + " (the file's own)"
 
 
-def _vocab_and_length(source) -> tuple[int, int]:
-    """The checkpoint's vocabulary size and longest context, from its config (a GGUF file's metadata)."""
+def model_config(source) -> dict:
+    """The checkpoint's config.json as a dict (a GGUF file's: what its metadata describes)."""
     if source.is_gguf:
         from engine.gguf_file import GGUFFile
 
-        config = GGUFFile(source.path).config_dict()
-    else:
-        config = json.loads((Path(source.path) / "config.json").read_text())
-    return int(config["vocab_size"]), int(config.get("max_position_embeddings", 2048))
+        return GGUFFile(source.path).config_dict()
+    from engine.model.config import read_config_json
+
+    return read_config_json(Path(source.path))
 
 
 def run_side(side: Side, workload: Workload, jobs: list[list[dict]], *, threads: int, max_len: int,
@@ -288,15 +289,26 @@ class RssSampler:
             self.peak_bytes = max(self.peak_bytes, tree_rss_bytes(self.pid))
 
 
-def tree_rss_bytes(pid: int) -> int:
-    total, todo = 0, [pid]
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (an engine's children and theirs), from ``/proc``."""
+    found, todo = [], [pid]
     while todo:
-        current = todo.pop()
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # the task ended meanwhile
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def tree_rss_bytes(pid: int) -> int:
+    total = 0
+    for current in [pid, *descendants(pid)]:
         try:
             status = Path(f"/proc/{current}/status").read_text()
             total += int(next(l.split()[1] for l in status.splitlines() if l.startswith("VmRSS:"))) * 1024
-            for task in Path(f"/proc/{current}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, StopIteration):  # gone meanwhile, or a kernel thread without VmRSS
             continue
     return total

@@ -22,16 +22,10 @@ from engine.model.layers import linear
 
 def shapes(model: str) -> tuple[int, list[tuple[int, int]], tuple[int, int]]:
     """(layers, a layer's (out, in) weights, the lm_head's (out, in)) from the model's config."""
-    from engine.gguf_file import GGUFFile
+    from bench.engines import model_config
     from engine.model_source import resolve_model
 
-    source = resolve_model(model)
-    if source.is_gguf:
-        config = GGUFFile(source.path).config_dict()
-    else:
-        import json
-
-        config = json.loads((source.path / "config.json").read_text())
+    config = model_config(resolve_model(model))
     hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or hidden // heads

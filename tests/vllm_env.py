@@ -73,21 +73,6 @@ def stop_group(popen: subprocess.Popen, timeout_s: float = 20.0) -> None:
         return
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (a vLLM worker's engine core and its helpers), from ``/proc``."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:  # the task ended meanwhile
-                continue
-            found += children
-            todo += children
-    return found
-
-
 def signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

@@ -20,6 +20,7 @@ import grpc
 import pytest
 import redis as redis_lib
 
+from bench.engines import descendants
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -29,7 +30,7 @@ from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.redis_server import RedisServer, require_redis_server
-from tests.vllm_env import descendants, requires_vllm, throttled, vllm_alone
+from tests.vllm_env import requires_vllm, throttled, vllm_alone
 
 pytestmark = [pytest.mark.vllm, requires_vllm, pytest.mark.timeout(900)]
 
