@@ -290,16 +290,21 @@ class RssSampler:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (an engine's children and theirs), from ``/proc``."""
+    """Every process below ``pid`` (an engine's children and theirs), from the parent pid in each ``/proc/*/stat``
+    (``/proc/*/task/*/children`` needs a kernel option some sandboxes lack: there it reads as no children)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:  # the process ended meanwhile
+                continue
+            children.setdefault(int(text[text.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:  # the task ended meanwhile
-                continue
-            found += children
-            todo += children
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
     return found
 
 

@@ -85,6 +85,8 @@ def throttled(pids: list[int], *, run_s: float = 0.002, stop_s: float = 0.02) ->
     ends or the function it gives is called, then let them run: a vLLM engine that could decode a whole stream
     between two looks of a test (a fast machine, or its worker's event loop busy relaying) decodes it over seconds,
     and the worker itself, not slowed, answers at once."""
+    if not pids:  # slowing nothing would let the test race the machine's speed again, unseen
+        raise ValueError("no processes to throttle")
     done = threading.Event()
 
     def cycle() -> None:

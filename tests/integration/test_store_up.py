@@ -7,6 +7,7 @@ follow its ``--host``, 0.0.0.0 by default: not the store's business.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -18,6 +19,7 @@ import grpc
 import pytest
 import redis
 
+from bench.engines import descendants
 from tests.integration.cluster import ROOT, free_port, interrupt
 from tests.integration.test_metrics import scrape
 from tests.integration.test_scaling import _alive, decode_workers, generate, prefill_workers, wait_for
@@ -31,22 +33,10 @@ TRANSFER_ENGINE_LISTENERS = 2  # a Mooncake client's handshake and data ports, b
 
 def _descendants(pid: int) -> dict[int, str]:
     """Every process below ``pid``: pid -> its command's first words."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = {}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            try:
-                out[child] = (Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")[:200]).decode()
-            except OSError:
-                continue
-            todo.append(child)
+    out = {}
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            out[child] = (Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")[:200]).decode()
     return out
 
 
