@@ -176,18 +176,22 @@ def _decode_attention(q, kv_cache, group: _DecodeGroup, window, scale, read) -> 
 
 
 def _prefill_attention(q, k, v, kv_cache, seq: _PrefillSeq, window, scale, read) -> torch.Tensor:
+    """SDPA on 4-d [1, heads, tokens, d] tensors whose last dim is dense: on CPU only those reach torch's flash
+    kernel (others take the math path, which materializes every score: 5x slower for a causal chunk of 2,048
+    tokens). q, k, v of many tokens come from the column-major product (``layers.linear``): copied head-major."""
     rows = slice(seq.token_start, seq.token_end)
-    query = q[rows].transpose(0, 1)  # [h, q, d]
+    query = q[rows].transpose(0, 1).contiguous()[None]  # [1, h, q, d]
     if seq.key_block is None:
-        keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kvh, q, d]
+        keys = k[rows].transpose(0, 1).contiguous()[None]  # [1, kvh, q, d]
+        values = v[rows].transpose(0, 1).contiguous()[None]
     else:
         kv = read(kv_cache[seq.key_block, :, seq.key_offset])  # [ctx, 2, kvh, d]
-        keys, values = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # [kvh, ctx, d]
+        keys, values = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]  # [1, kvh, ctx, d]
     mask = seq.mask(window, q.device)
     out = F.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-    )  # [h, q, d]
-    return out.transpose(0, 1)  # [q, h, d]
+    )  # [1, h, q, d]
+    return out[0].transpose(0, 1)  # [q, h, d]
 
 
 def _bucket(context_lens: np.ndarray) -> np.ndarray:
