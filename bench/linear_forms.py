@@ -3,10 +3,11 @@
     python -m bench linear-forms [--model smollm2] [--rows 1 2 4 8 16 32 64 256 2048] [--threads 2] [--runs 8]
 
 For each row count (tokens in a step), the time of one token's worth of products (every layer's q/k/v, o, gate/up
-and down weights, then the lm_head), each weight a distinct tensor as in a real step, in three forms:
-``F.linear(x, W)``; ``(W @ x.T).T`` copied to row-major; and ``engine.model.layers.linear`` (8 batched products of
-slices of W's output features, what the engine uses). Best of ``--runs``, in ms. The memory floor (the weights'
-bytes over ``sum()``'s speed on the same tensors) is printed first.
+and down weights, then the lm_head), each weight a distinct tensor as in a real step, in four forms:
+``F.linear(x, W)``; 8 batched products of slices of W's output features; oneDNN's product on W packed once
+(``engine.model.layers.pack_weight``); and ``engine.model.layers.linear``, which takes the slices for one row and
+the packed product for more. Best of ``--runs``, in ms. The memory floor (the weights' bytes over ``sum()``'s speed
+on the same tensors) is printed first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.model.layers import linear
+from engine.model.layers import SPLIT, linear, pack_weight
 
 
 def shapes(model: str) -> tuple[int, list[tuple[int, int]], tuple[int, int]]:
@@ -44,6 +45,17 @@ def best_ms(fn, runs: int) -> float:
     return best * 1e3
 
 
+def sliced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The product as ``SPLIT`` batched products of slices of ``weight``'s output features, [T, out]."""
+    slices = weight.view(SPLIT, weight.shape[0] // SPLIT, weight.shape[1])  # [S, out / S, in]
+    return torch.bmm(slices, x.T.unsqueeze(0).expand(SPLIT, -1, -1)).permute(2, 0, 1).reshape(x.shape[0], -1)
+
+
+def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """oneDNN's product on a weight packed by ``pack_weight``, whatever the rows (the engine's for more than one)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench linear-forms", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -59,14 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     floor = best_ms(lambda: flat.sum(), args.runs)
     print(f"{len(weights)} products, {nbytes / 1e6:.0f} MB of weights; sum() over as many bytes: {floor:.1f} ms "
           f"({nbytes / floor / 1e6:.1f} GB/s), {args.threads} threads")
-    print("| rows | F.linear(x, W) ms | (W @ x.T).T + copy ms | engine linear (8 slices) ms |")
-    print("|---|---|---|---|")
+    packed = [pack_weight(w) for w in weights]
+    print("| rows | F.linear(x, W) ms | 8 slices ms | oneDNN packed ms | engine linear ms |")
+    print("|---|---|---|---|---|")
     for rows in args.rows:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         forms = [lambda x=inputs: [F.linear(x[w.shape[1]], w) for w in weights],
-                 lambda x=inputs: [(w @ x[w.shape[1]].T).T.contiguous() for w in weights],
-                 lambda x=inputs: [linear(x[w.shape[1]], w) for w in weights]]
-        print(f"| {rows} | " + " | ".join(f"{best_ms(form, args.runs):.1f}" for form in forms) + " |", flush=True)
+                 lambda x=inputs: [sliced(x[w.shape[1]], w) for w in weights],
+                 lambda x=inputs: [onednn(x[w.shape[1]], p) for w, p in zip(weights, packed)],
+                 lambda x=inputs: [linear(x[w.shape[1]], w, packed=p) for w, p in zip(weights, packed)]]
+        cells = [best_ms(form, args.runs) if i != 2 or packed[0] is not None else None for i, form in enumerate(forms)]
+        print(f"| {rows} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |", flush=True)
     return 0
 
 

@@ -15,20 +15,29 @@ from torch import nn
 from engine.model.config import RopeConfig
 from engine.parallel.shard import TensorParallel
 
-# On the CPU each product by a weight runs as SPLIT batched products of a slice of its output features: torch's one
-# product of a few rows runs 1.5-4.5x slower than the weights' memory traffic allows (one thread's GEMV, or a poorly
-# blocked GEMM) and 8-20% slower at 16-2048 rows, while the batch of slices keeps every thread busy (SmolLM2's 121
-# products per token, weights cold: 54 -> 19 ms at one row, 94 -> 77 ms at 32, 3.43 -> 3.16 s at 2048;
-# docs/benchmarks.md, "Engines side by side").
+# On the CPU a product by a weight takes one of two forms, by its rows (tokens in the step). One or two rows: SPLIT
+# batched products of slices of the weight's output features (torch's own product of one row runs a single thread's
+# GEMV, 2.4x slower than the weights' memory traffic allows; SmolLM2's 121 products per token, weights cold: 44 ->
+# 13 ms at one row). More rows: oneDNN's product on the weight packed once, at load, into its blocked layout
+# (``pack_linears``): 41 -> 24 ms at 8 rows (the slices), 110 -> 50 ms at 32, 3.4 -> 2.9 s at 2,048
+# (``python -m bench linear-forms``; docs/benchmarks.md). The packed copy costs the weights' size again in memory.
+# Without a packed weight (a torch without oneDNN) the slices serve every row count.
 SPLIT = 8
+SLICED_MAX_ROWS = 2
+PACK_ROWS = 32  # the batch size oneDNN is told to pack for (its layout serves every row count)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` [T, in], ``weight`` [out, in], in the form fastest here: on the CPU
-    a [T, out] view in column-major order for T > 1 (a copy to row-major costs 3-4% of a batch's time; every op of
-    the model takes the view as it is; an all-reduce copies it)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` [T, in], ``weight`` [out, in], in the form fastest here (above);
+    ``packed``: ``weight`` in oneDNN's layout (``pack_weight``). The slices' [T, out] is a view in column-major
+    order for T > 1 (a copy to row-major would cost 3-4% of a batch's time; the model's ops take it as it is)."""
     rows, out = x.shape[0], weight.shape[0]
-    if x.device.type != "cpu" or x.dim() != 2 or out % SPLIT or not weight.is_contiguous():
+    if x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    if packed is not None and rows > SLICED_MAX_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # [T, out]
+    if out % SPLIT or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     slices = weight.view(SPLIT, out // SPLIT, weight.shape[1])  # [S, out / S, in]
     y = torch.bmm(slices, x.T.unsqueeze(0).expand(SPLIT, -1, -1))  # [S, out / S, T]
@@ -36,11 +45,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] in oneDNN's blocked layout for ``linear``, or None where that product is not available
+    (not the CPU, not float32, a torch built without oneDNN)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every linear weight of ``model`` for ``linear`` (after its weights are loaded; a weight changed later
+    must be packed again); the number packed."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (Linear, RowParallelLinear)):
+            module.packed = pack_weight(module.weight)
+            count += module.packed is not None
+    return count
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose product is ``linear``'s."""
 
+    packed: torch.Tensor | None = None  # set by ``pack_linears``
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -114,6 +144,8 @@ class RowParallelLinear(nn.Module):
     """A linear layer whose input features are split across tensor-parallel ranks: each rank multiplies its
     slice (``weight`` [out, in / N]), an all-reduce sums the partial outputs, then the bias is added once."""
 
+    packed: torch.Tensor | None = None  # set by ``pack_linears``
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
@@ -121,7 +153,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in / N] -> [T, out]
-        y = self.tp.all_reduce(linear(x, self.weight).contiguous())  # [T, out]: every rank's partial product summed
+        y = self.tp.all_reduce(linear(x, self.weight, packed=self.packed).contiguous())  # [T, out]: the ranks' sum
         return y if self.bias is None else y + self.bias
 
 

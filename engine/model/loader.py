@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig, parse_model_config, read_config_json
+from engine.model.layers import pack_linears
 from engine.model.progress import Progress
 from engine.model.registry import ModelRegistry
 from engine.model_source import ModelSource
@@ -74,6 +75,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device,
     else:
         _load_safetensors(source.path, sink)
     sink.check_complete()
+    pack_linears(model)  # on the CPU: every weight also in oneDNN's layout (engine/model/layers.py)
     return model.eval(), sink.weights_id()
 
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.errors import ModelLoadError
+from engine.model.layers import Linear
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (3, 7, 16, 33, 64, 100, 150, 200)
@@ -128,6 +129,8 @@ def assert_pool_drained(llm: LLM) -> None:
 # ---- parity scenarios ----------------------------------------------------------------------------
 def test_single_prompts_match_hf(tiny_checkpoint, reference, prompts):
     llm = make_llm(tiny_checkpoint)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears) == torch.backends.mkldnn.is_available()
     for n in (3, 33, 150):
         (output,) = llm.generate([prompts[n]], greedy())
         assert_matches(reference, prompts[n], output)
