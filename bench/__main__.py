@@ -38,6 +38,7 @@ _BENCHMARKS = {
     "vllm-transfer": "bench.vllm_transfer",
     "engines": "bench.engines",
     "linear-forms": "bench.linear_forms",
+    "weight-agreement": "bench.weight_agreement",
 }
 
 

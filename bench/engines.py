@@ -2,7 +2,7 @@
 
     python -m bench engines [--model smollm2|PATH] [--peers vllm,llama.cpp] [--threads 2] [--repeat 2]
                             [--prefill 8x512] [--stream-tokens 128] [--batches 1 8 32 64] [--batch-shape 256+64]
-                            [--ttft 256 1024 4096] [--seed 0] [--quick]
+                            [--ttft 256 1024 4096] [--seed 0] [--baton-weights int4] [--quick]
 
 Each engine runs in a process of its own environment (``bench/engine_peer.py``): Baton in this venv, vLLM from
 ``.venv-vllm`` (``make vllm``), llama.cpp from ``.venv-llama-cpp`` (``make llama-cpp``), the same thread count each
@@ -20,7 +20,8 @@ after start": the engine's first real batch after a 4-token warm-up). Peak RSS i
 processes (vLLM's engine core is a child process), sampled every 0.1 s. Weights: float32 everywhere, from one
 checkpoint: a GGUF file is dequantized once for vLLM (a Hugging Face folder, ``engine/gguf_export.py``) and for
 llama.cpp (an F32 GGUF, ``bench/gguf_f32.py``); llama.cpp also runs the file's own quantized weights, in a row that
-says so. llama.cpp's Python binding holds one sequence per context, so its batch phases run their prompts one after
+says so, and ``--baton-weights int4`` adds a row of Baton with its linear weights in 4 bits (``--weights int4``).
+llama.cpp's Python binding holds one sequence per context, so its batch phases run their prompts one after
 another (said in its rows).
 """
 
@@ -154,6 +155,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baton-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an EngineConfig field for Baton's side (JSON value), e.g. max_num_batched_tokens=4096; "
                    "repeatable")
+    p.add_argument("--baton-weights", default="auto", choices=["auto", "int4"],
+                   help="also run Baton with its linear weights in this format (a row that says so; "
+                   "`python -m bench weight-agreement` measures how its results differ)")
     p.add_argument("--timeout-s", type=float, default=3600, help="per engine")
     p.add_argument("--out", help="results JSON (default bench/results/engines.json)")
     p.add_argument("--plot", help="write a plot (PNG) here, e.g. docs/images/engines.png")
@@ -173,6 +177,10 @@ def _sides(args: argparse.Namespace, source) -> tuple[list[Side], list[str]]:
     """What runs: Baton on the checkpoint as given, then each peer on the same float32 weights."""
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.baton_option)}
     sides = [Side("Baton", "baton", str(source.path), "float32", options=options)]
+    if args.baton_weights != "auto":
+        sides.append(Side(f"Baton ({args.baton_weights} weights)", "baton", str(source.path),
+                          f"{args.baton_weights} weights, bfloat16 products", options={**options,
+                                                                                       "weights": args.baton_weights}))
     skipped = []
     for peer in [p.strip() for p in args.peers.split(",") if p.strip()]:
         if peer not in MAKE_TARGET:

@@ -62,6 +62,7 @@ class EngineConfig:
     kv_store_buffer_blocks: int = 0
     kv_store_write: str = "evict"  # evict: blocks leaving the worker go to the store; through: every committed one
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8: 8-bit values + a scale per row
+    weights: str = "auto"  # auto (the model's dtype) | int4: linear weights in 4 bits (engine/model/weight_quant.py)
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (n-gram drafts); None: off
     preemption_mode: str = "recompute"  # recompute | swap (needs kv_host_blocks: the swap space)
     # CUDA graphs for decode steps of up to max(cuda_graph_sizes) sequences (capped by max_num_seqs); CUDA only

@@ -24,6 +24,7 @@ from engine.engine_setup import default_num_blocks, fingerprint, pick_device, pi
 from engine.kv_quant import kv_quant
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.model.loader import load_model, open_gguf, read_model_config
+from engine.model.weight_quant import check_weight_format, quantize_linears
 from engine.model_source import resolve_model
 from engine.parallel.launch import check_supported, launch
 from engine.parallel.shard import TensorParallel
@@ -54,9 +55,11 @@ class Engine:
         if config.tensor_parallel_size > 1:
             check_supported(config, self.model_config, self.device)
             tp = TensorParallel(0, config.tensor_parallel_size)  # rank 0: this process (its share of the model)
+        check_weight_format(config.weights, self.device, config.tensor_parallel_size)
         model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf, tp)
+        quantize_linears(model, config.weights)
         self.kv_quant = kv_quant(config.kv_cache_dtype)  # None: the cache holds the model's dtype
-        self.fingerprint = fingerprint(self.model_config, weights_id, self.kv_quant)
+        self.fingerprint = fingerprint(self.model_config, weights_id, self.kv_quant, config.weights)
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
         max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                             self.model_config.max_position_embeddings)

@@ -32,9 +32,11 @@ def pick_dtype(dtype: str, device: torch.device) -> str | None:
     return "bfloat16" if device.type == "cuda" else "float32"  # bf16 on a GPU, whatever the checkpoint holds
 
 
-def fingerprint(config: ModelConfig, weights_id: str, quant: KVQuant | None = None) -> bytes:
-    """The model and its KV dtype (a quantized cache's blocks are not interchangeable with full-precision ones)."""
+def fingerprint(config: ModelConfig, weights_id: str, quant: KVQuant | None = None, weights: str = "auto") -> bytes:
+    """The model, its KV dtype and its weights' format (a quantized cache's blocks, or the KV of 4-bit weights, are
+    not interchangeable with full-precision ones)."""
     dtype = config.dtype if quant is None else f"{config.dtype}+kv-{quant.name}"
+    dtype = dtype if weights == "auto" else f"{dtype}+w-{weights}"
     return model_fingerprint(
         architecture=config.architecture, hidden_size=config.hidden_size, num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype,

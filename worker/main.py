@@ -60,6 +60,9 @@ def add_worker_options(group) -> None:
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                        help="auto: the model's dtype; int8 or fp8: 8-bit KV values with a float32 scale per token and "
                        "head (about half a 16-bit cache's bytes: more sequences fit, every KV transfer moves less)")
+    group.add_argument("--weights", default="auto", choices=["auto", "int4"],
+                       help="auto: the model's dtype; int4: linear weights in 4 bits (groups of 32, CPU only, "
+                       "bfloat16 products: faster decode, results differ slightly; docs/benchmarks.md)")
     group.add_argument("--kv-host-blocks", type=int, default=0,
                        help="a host-memory tier below the KV cache, in blocks (pinned on a GPU): cached blocks the "
                        "cache evicts are copied down, and a prefix found there is copied back up instead of "
@@ -228,6 +231,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         max_num_waiting=args.max_num_waiting, num_threads=_num_threads(args),
         attention_backend=args.attention_backend, cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
         enforce_eager=args.enforce_eager, kv_host_blocks=args.kv_host_blocks, kv_cache_dtype=args.kv_cache_dtype,
+        weights=args.weights,
         speculative_config=_speculative(args.speculative_config), preemption_mode=args.preemption_mode,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_store_buffer_blocks=args.kv_store_buffer_blocks if store else 0,

@@ -7,6 +7,7 @@ product may round differently in its last bits: the parity suite holds it to tha
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +69,11 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose product is ``linear``'s."""
 
     packed: torch.Tensor | None = None  # set by ``pack_linears``
+    int4: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # ``weight_quant.quantize_linears``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:
+            return self.int4(x, self.bias)
         return linear(x, self.weight, self.bias, self.packed)
 
 

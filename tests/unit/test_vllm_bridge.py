@@ -130,6 +130,7 @@ def test_the_vllm_options_come_from_the_worker_flags():
     (("--kv-host-blocks", "8"), "--kv-host-blocks"),
     (("--tensor-parallel-size", "2"), "--tensor-parallel-size"),
     (("--kv-cache-dtype", "int8"), "--kv-cache-dtype"),
+    (("--weights", "int4"), "--weights"),
     (("--vllm-block-size", "120"), "multiple of --block-size"),
     (("--kv-transport", "cma"), "NixlConnector moves the KV itself"),
     (("--vllm-kv-connector", "baton", "--kv-transport", "ucx"), "serves cma and tcp"),

@@ -25,6 +25,7 @@ _UNSUPPORTED = {
     "speculative_config": (None, "--speculative-config"),
     "tensor_parallel_size": (1, "--tensor-parallel-size above 1"),
     "kv_cache_dtype": ("auto", "--kv-cache-dtype"),
+    "weights": ("auto", "--weights"),
     "preemption_mode": ("recompute", "--preemption-mode swap"),
     "kv_staging": ("auto", "--kv-staging"),
 }
