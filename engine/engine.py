@@ -20,7 +20,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.speculation import Speculator
 from engine.spec_draft import load_draft
 from engine.decode_graphs import graph_sizes
-from engine.engine_setup import default_num_blocks, fingerprint, pick_device, pick_dtype
+from engine.engine_setup import default_num_blocks, fingerprint, keep_freed_memory, pick_device, pick_dtype
 from engine.kv_quant import kv_quant
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.model.loader import load_model, open_gguf, read_model_config
@@ -58,6 +58,8 @@ class Engine:
         check_weight_format(config.weights, self.device, config.tensor_parallel_size)
         model, weights_id = load_model(self.model_source, self.model_config, self.device, self.gguf, tp)
         quantize_linears(model, config.weights)
+        if self.device.type == "cpu":  # after the weights: each stays in pages of its own (mmap, page-aligned)
+            keep_freed_memory()
         self.kv_quant = kv_quant(config.kv_cache_dtype)  # None: the cache holds the model's dtype
         self.fingerprint = fingerprint(self.model_config, weights_id, self.kv_quant, config.weights)
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)

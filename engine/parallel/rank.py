@@ -22,6 +22,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, ForwardBatch
 from engine.attention.select import pick_backend
+from engine.engine_setup import keep_freed_memory
 from engine.kv_quant import kv_quant
 from engine.model.loader import load_model, open_gguf, read_model_config
 from engine.model_source import resolve_model
@@ -49,6 +50,8 @@ def load(spec: RankSpec, rank: int) -> RankRuntime:
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     device = torch.device(f"cuda:{rank}" if spec.device == "cuda" else spec.device)
+    if device.type == "cpu":
+        keep_freed_memory()
     tp = TensorParallel(rank, spec.world_size)
     source = resolve_model(spec.model)
     gguf = open_gguf(source) if source.is_gguf else None
