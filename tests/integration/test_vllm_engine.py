@@ -186,22 +186,24 @@ def test_cancel_and_deadline_mid_decode_leave_the_pools_full(platform, prompts):
 
 
 def test_an_abort_ends_a_vllm_decode_stream(platform, prompts):
-    """Abort while vLLM decodes (its first token came, Stats says it runs; the rest of the stream left unread: its
-    tokens buffer) ends the stream with ABORT well before its 1,500 tokens. d0's engine is slowed meanwhile
-    (``throttled``): on CI's machine the whole stream once ended before a look at the worker's Stats saw it."""
+    """Abort as soon as d0's worker has the request (Abort is asked again every millisecond until it finds it; the
+    stream left unread: its tokens buffer) ends the stream with ABORT well before its 1,500 tokens. d0's engine is
+    slowed meanwhile (``throttled``). (Waiting for D's first token, or for Stats to say it runs, failed on CI: vLLM's
+    frontend there delivered a tiny model's first token only once the whole stream was done.)"""
     d0 = next(w for w in platform.workers if w.name == "d0")
     worker = pb_grpc.WorkerStub(grpc.insecure_channel(d0.address))
+    worker.Stats(pb.StatsRequest(), timeout=10)  # the channel connected before the race
     params = pb.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
     with throttled(descendants(d0.popen.pid)):
         call = worker.Decode(pb.DecodeRequest(request_id="abort-me", token_ids=prompts[1], sampling=params),
                              timeout=120)
-        first = next(call)
-        running = stats(d0.address).num_running
-        found = worker.Abort(pb.AbortRequest(request_id="abort-me")).found
-    responses = [first, *call]
+        deadline, found = time.monotonic() + 30, False
+        while not found and time.monotonic() < deadline:
+            found = worker.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+            time.sleep(0.001)
+    responses = list(call)
     num_tokens = sum(len(r.token_ids) for r in responses)
-    assert running == 1 and found, (running, found, num_tokens)
-    assert responses[-1].finish_reason == pb.FINISH_REASON_ABORT and num_tokens < 1400, num_tokens
+    assert found and responses[-1].finish_reason == pb.FINISH_REASON_ABORT and num_tokens < 1400, (found, num_tokens)
     assert not worker.Abort(pb.AbortRequest(request_id="abort-me")).found
     assert_pools_full(platform)
 
@@ -298,11 +300,12 @@ def test_an_unknown_model_name_is_refused_by_the_router(platform):
 
 def test_a_killed_decode_worker_mid_stream_migrates_the_request(platform, expected, prompts):
     """D dies mid-stream: the router replays the tokens so far on the other vLLM D, which prefills prompt + tokens and
-    goes on; the stream ends complete and equal to vLLM alone. No race with the machine's speed: both decode engines
-    are slowed (``throttled``) until the client has D's first token, then frozen (SIGSTOP, whole worker groups)
-    while their workers, let run, say in Stats which one holds the request; that one stays frozen and is killed a
-    second later, the other runs free. (Looking at Stats while D decoded at full speed failed on CI twice: D finished
-    all 1,200 tokens before the client asked, then before any look saw it running.)"""
+    goes on; the stream ends complete and equal to vLLM alone. Both decode engines are slowed (``throttled``) until
+    the client has two tokens, then frozen (SIGSTOP, whole worker groups) while their workers, let run, say in Stats
+    which one holds the request; that one stays frozen and is killed a second later, the other runs free.
+    Precondition, not the feature: D still holds the request when frozen. On CI vLLM's frontend has delivered a
+    tiny model's first tokens only once D had finished all 1,200 (seen twice, never here): that attempt's stream
+    must then be complete and exact, and the scenario runs again (3 attempts at most)."""
     _, long_reference = expected
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(platform.router.address))
     decoders = [w for w in platform.workers if w.popen.poll() is None and w.name.startswith("d")]
@@ -310,9 +313,33 @@ def test_a_killed_decode_worker_mid_stream_migrates_the_request(platform, expect
     for worker in workers.values():  # channels connected before the race
         worker.Stats(pb.StatsRequest(), timeout=10)
     params = pb.SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    misses = []
+    for _ in range(3):
+        call, responses, holders = _freeze_the_decode_holder(stub, decoders, workers, prompts[-1], params)
+        if len(holders) == 1:
+            break
+        rest = list(call)  # nobody held it: the stream must have ended, complete and exact
+        tokens = [t for r in responses + rest for t in r.token_ids]
+        assert tokens == long_reference, (len(tokens), (rest or responses)[-1].timings)
+        misses.append((len(holders), [len(r.token_ids) for r in responses], str(rest[-1].timings)[:300]))
+    else:
+        pytest.fail(f"no attempt froze a decode worker holding the request: {misses}")
+    os.kill(holders[0].popen.pid, signal.SIGSTOP)
+    time.sleep(1.0)  # the router relays what the holder streamed before the freeze
+    holders[0].kill()
+    responses += list(call)
+    tokens, last = [t for r in responses for t in r.token_ids], responses[-1]
+    assert last.timings.migrations == 1, (holders[0].name, len(tokens), last.timings, misses)
+    assert tokens == long_reference, next(i for i, (a, b) in enumerate(zip(tokens, long_reference)) if a != b)
+    platform.workers = [w for w in platform.workers if w is not holders[0]]
+    assert_pools_full(platform)
+
+
+def _freeze_the_decode_holder(stub, decoders, workers, prompt, params):
+    """(the call, the responses read, the decode workers seen holding the request): every decode engine frozen but
+    the holder's (when exactly one holds it) resumed."""
     with throttled([pid for proc in decoders for pid in descendants(proc.popen.pid)]) as release:
-        call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[-1]), sampling=params),
-                             timeout=120)
+        call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params), timeout=120)
         responses = [next(call)]
         while sum(len(r.token_ids) for r in responses) < 2:  # P's first token, then D's: D is decoding
             responses.append(next(call))
@@ -325,21 +352,7 @@ def test_a_killed_decode_worker_mid_stream_migrates_the_request(platform, expect
     for proc in decoders:  # all but the holder run again (all of them if the look found none or two)
         if len(holders) != 1 or proc is not holders[0]:
             os.killpg(proc.popen.pid, signal.SIGCONT)
-    if len(holders) != 1:  # say what happened to the request (CI once saw neither D holding it, not reproduced)
-        seen = [len(r.token_ids) for r in responses]
-        rest = list(call)
-        pytest.fail(f"decode workers holding the request: {[p.name for p in holders]}; tokens per response when "
-                    f"looked: {seen}; then {sum(len(r.token_ids) for r in rest)} more; last timings: "
-                    f"{(rest or responses)[-1].timings}; Stats: {looks}")
-    os.kill(holders[0].popen.pid, signal.SIGSTOP)
-    time.sleep(1.0)  # the router relays what the holder streamed before the freeze
-    holders[0].kill()
-    responses += list(call)
-    tokens, last = [t for r in responses for t in r.token_ids], responses[-1]
-    assert last.timings.migrations == 1, (holders[0].name, len(tokens), last.timings)
-    assert tokens == long_reference, next(i for i, (a, b) in enumerate(zip(tokens, long_reference)) if a != b)
-    platform.workers = [w for w in platform.workers if w is not holders[0]]
-    assert_pools_full(platform)
+    return call, responses, holders
 
 
 def test_a_killed_prefill_worker_leaves_its_prompts_to_the_decode_worker(platform, expected, prompts):
