@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.model.layers import SPLIT, linear, pack_weight
+from engine.model.layers import linear, pack_weight
 
 
 def shapes(model: str) -> tuple[int, list[tuple[int, int]], tuple[int, int]]:
@@ -43,12 +43,6 @@ def best_ms(fn, runs: int) -> float:
         fn()
         best = min(best, time.perf_counter() - started)
     return best * 1e3
-
-
-def sliced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The product as ``SPLIT`` batched products of slices of ``weight``'s output features, [T, out]."""
-    slices = weight.view(SPLIT, weight.shape[0] // SPLIT, weight.shape[1])  # [S, out / S, in]
-    return torch.bmm(slices, x.T.unsqueeze(0).expand(SPLIT, -1, -1)).permute(2, 0, 1).reshape(x.shape[0], -1)
 
 
 def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -77,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in args.rows:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         forms = [lambda x=inputs: [F.linear(x[w.shape[1]], w) for w in weights],
-                 lambda x=inputs: [sliced(x[w.shape[1]], w) for w in weights],
+                 lambda x=inputs: [linear(x[w.shape[1]], w) for w in weights],  # no packed weight: the slices
                  lambda x=inputs: [onednn(x[w.shape[1]], p) for w, p in zip(weights, packed)],
                  lambda x=inputs: [linear(x[w.shape[1]], w, packed=p) for w, p in zip(weights, packed)]]
         cells = [best_ms(form, args.runs) if i != 2 or packed[0] is not None else None for i, form in enumerate(forms)]

@@ -17,14 +17,14 @@ import random
 import torch
 
 TEXTS = (
-    "The river ran high that spring, and the ferry stopped running for almost a month. People on the far bank "
-    "walked the long way round by the old stone bridge, which took most of a morning.",
-    "To make bread, mix flour, water, salt and yeast, knead the dough until it is smooth, and leave it to rise in a "
-    "warm place. Shape it into a loaf, let it rise again, then bake it in a hot oven.",
-    "A hash table stores keys and values in an array of buckets. The key's hash picks the bucket; when two keys "
-    "land in the same bucket, the table keeps both, in a list or in the next free slot.",
-    "The meeting is moved to Thursday at ten. Please bring the figures for the third quarter and the draft of the "
-    "new plan, and let me know by tomorrow if you cannot come.",
+    ("The river ran high that spring, and the ferry stopped running for almost a month. People on the far bank "
+     "walked the long way round by the old stone bridge, which took most of a morning."),
+    ("To make bread, mix flour, water, salt and yeast, knead the dough until it is smooth, and leave it to rise in a "
+     "warm place. Shape it into a loaf, let it rise again, then bake it in a hot oven."),
+    ("A hash table stores keys and values in an array of buckets. The key's hash picks the bucket; when two keys "
+     "land in the same bucket, the table keeps both, in a list or in the next free slot."),
+    ("The meeting is moved to Thursday at ten. Please bring the figures for the third quarter and the draft of the "
+     "new plan, and let me know by tomorrow if you cannot come."),
 )
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.errors import InvalidRequest
+from engine.model.layers import Linear
 
 WEIGHT_FORMATS = ("auto", "int4")
 GROUP = 32  # input features per scale and zero point
@@ -35,7 +36,6 @@ class Int4Weight:
             levels.to(torch.int32).view(out_features, in_features), _INNER_K_TILES)
         # the kernel's convention: w = (q - 8) * scale + zero, so zero = low + 8 * scale; [in / G, out, 2]
         self.scales_and_zeros = torch.stack((scale, low + 8 * scale), -1).transpose(0, 1).contiguous().bfloat16()
-        self.out_features = out_features
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [T, in] -> [T, out] in ``x``'s dtype."""
@@ -54,8 +54,6 @@ def check_weight_format(name: str, device: torch.device, tensor_parallel_size: i
 def quantize_linears(model: nn.Module, name: str) -> int:
     """Every linear layer of ``model`` whose input features are a multiple of ``GROUP`` multiplies by its weight in
     ``name``'s format from now on (``auto``: nothing changes); the number quantized."""
-    from engine.model.layers import Linear
-
     if name == "auto":
         return 0
     count = 0
