@@ -126,13 +126,16 @@ def fresh_prompt(num_tokens: int = 600) -> list[int]:
 @pytest.fixture(scope="module")
 def chunked(model_dir, tmp_path_factory):
     """1P + 1D; D prefills in 4-token chunks (its local prefill is several times slower than P's, which is what
-    makes remote worth it here), both heartbeat every 0.5 s so the router sees P's queue quickly."""
+    makes remote worth it here), both heartbeat every 0.5 s so the router sees P's queue quickly. P's steps take
+    at least 0.1 s each and hold at most 1,024 tokens, so a queue of 60,000 tokens lasts 6 s or more however
+    fast the machine is (a fast one emptied it before the router could price it)."""
     require_redis_server()
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("chunked-logs"))
     fast = ("--heartbeat-ttl-s", "1.5")
     cluster.workers = [
-        cluster.start_worker("prefill", *fast, worker_id="p0", num_blocks=1024),
+        cluster.start_worker("prefill", *fast, "--fault-step-delay-s", "0.1", "--max-num-batched-tokens", "1024",
+                             worker_id="p0", num_blocks=1024),
         cluster.start_worker("decode", *fast, "--max-num-batched-tokens", "4", worker_id="d0", num_blocks=1024),
     ]
     try:
@@ -153,6 +156,12 @@ def route_of(cluster, prompt: list[int]) -> tuple[str, float | None, str]:
     return final.timings.route_kind, float(match.group(1)) if match else None, reason
 
 
+def reported_queue(cluster, worker_id: str) -> int:
+    """The prompt tokens ``worker_id`` last reported queued to the registry (what a router's listing reads)."""
+    load = next(load for info, load in asyncio.run(_list_workers(cluster)) if info.worker_id == worker_id)
+    return 0 if load is None else load.queued_prefill_tokens
+
+
 def wait_for_route(cluster, kind: str, timeout_s: float = 20.0) -> tuple[float | None, str]:
     deadline, last = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
@@ -168,8 +177,8 @@ def test_a_saturated_prefill_pool_makes_prompts_go_local(chunked):
     kind, _, reason = route_of(chunked, fresh_prompt())
     assert kind == "remote", reason  # P idle: 600 tokens prefill several times faster on P than in D's chunks
 
-    # Another router's traffic (sent straight to P) saturates it: 60 x 1,000 tokens, seconds of work even on
-    # a quiet machine (P's queue must outlast the heartbeat and listing delays before the router sees it).
+    # Another router's traffic (sent straight to P) saturates it: 60 x 1,000 tokens, 60 steps of at least 0.1 s
+    # (P's queue must outlast the heartbeat and listing delays before the router sees it).
     p0 = pb_grpc.WorkerStub(grpc.insecure_channel(chunked.workers[0].address))
     params = pb.SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -181,13 +190,13 @@ def test_a_saturated_prefill_pool_makes_prompts_go_local(chunked):
 
     with ThreadPoolExecutor(max_workers=60) as pool:
         futures = [pool.submit(prefill_and_release, i) for i in range(60)]
-        # Probe only once the router can see P's queue (P's heartbeat, then the router's listing, 0.5 s each):
-        # a probe routed before that waits behind the whole queue, which is gone by the time it returns.
+        # Probe only once the router can see P's queue: P's heartbeat has it in the registry, then the router's
+        # listing (renewed when 0.5 s old) reads it. A probe routed before that waits behind the whole queue.
         deadline = time.monotonic() + 30
-        while p0.Stats(pb.StatsRequest(), timeout=10).queued_prefill_tokens < 10_000:
-            assert time.monotonic() < deadline, "P's queue never built up"
+        while reported_queue(chunked, "p0") < 10_000:
+            assert time.monotonic() < deadline, "P's queue never reached the registry"
             time.sleep(0.05)
-        time.sleep(1.2)
+        time.sleep(0.6)
         queue_s, reason = wait_for_route(chunked, "local")
         remote = REMOTE_PLAN.search(reason)
         assert queue_s is not None and queue_s > 0 and remote is not None, reason  # P's queue was priced ...
