@@ -36,6 +36,7 @@ its ``RequestTrace`` instants; the Prefill and Decode calls carry the trace cont
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 from collections import Counter
@@ -75,6 +76,7 @@ from router.tracing import RequestSpans
 
 log = logging.getLogger(__name__)
 
+INDEX_UNANSWERED = "the KV index did not answer in time (Redis slow or down): no prefix was seen"
 _NEVER_RETRIED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
@@ -168,6 +170,7 @@ class _Flow:
         self._snapshot: Snapshot | None = None
         self._candidates: list[Candidate] = []
         self._preselected = False  # the candidates are a large pool's pre-selected few
+        self._index_answered = True  # False: Redis did not answer the lookup, the route saw no prefix
         self._route_request: RouteRequest | None = None
         self._hashes: list[BlockHash] = []  # the prompt's blocks, as the in-progress book prices them
         self.stage = Stage.ROUTING
@@ -249,6 +252,7 @@ class _Flow:
                                   relay.routing.rates), relay.other_books, hashes)
         candidates, self._preselected = view.candidates(match, books, relay.preselect, relay.routing.rng)
         self._store_blocks = match.store  # the shared store's leading blocks (priced as a fetch)
+        self._index_answered = match.answered
         return candidates, scheme.block_size, hashes
 
     async def _route(self) -> RouteDecision:
@@ -259,6 +263,8 @@ class _Flow:
         pending = self._relay.pending_prefixes
         decision = route(self._route_request, self._candidates, self._relay.policy, state=self._relay.routing,
                          preselected=self._preselected)
+        if not self._index_answered:  # said, so that a miss is not blamed on the workload or a stale index
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; {INDEX_UNANSWERED}")
         self._relay.inflight[decision.decode_id] += 1
         self._counted_decode_id = decision.decode_id
         pending.add(self._job.worker_request_id, decision.prefill_id or decision.decode_id, hashes)

@@ -32,6 +32,7 @@ class HolderGroup(Protocol):
 
 class PrefixMatch(Protocol):
     store: int  # the shared store's leading blocks
+    answered: bool  # False: the index could not be asked (Redis slow or down), so it names no holder
 
     def depths(self, holder: str) -> tuple[int, int]:
         """(leading blocks in its KV pool, leading blocks in its pool or host tier); (0, 0) for a non-holder."""
@@ -86,6 +87,7 @@ class ChainMatch:
     store: int
     ids: Mapping[str, int]
     names: Sequence[str | None]
+    answered: bool = True  # the mirror answers only while in sync
 
     def depths(self, holder: str) -> tuple[int, int]:
         i = self.ids.get(holder)
@@ -117,6 +119,7 @@ class TieredMatch:
     """A ``TieredLookup`` (the Redis script's answer, or no answer at all) as a ``PrefixMatch``."""
 
     tiered: TieredLookup
+    answered: bool = True
 
     @property
     def store(self) -> int:

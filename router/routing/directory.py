@@ -208,7 +208,8 @@ class WorkerDirectory:
         (holders named only on demand), else the Redis script's answer (or none)."""
         if self.mirror is not None and (mirrored := self.mirror.match(hashes)) is not None:
             return mirrored
-        return TieredMatch(await self._ask_redis(hashes) or TieredLookup())
+        lookup = await self._ask_redis(hashes)
+        return TieredMatch(lookup or TieredLookup(), answered=lookup is not None)
 
     def store_run(self, hashes: list[bytes], worker_id: str) -> int | None:
         """Leading blocks of the prompt ``worker_id`` or the shared store holds (the mirror's walk; see

@@ -18,13 +18,16 @@ A full sync (at start, after the connection failed, or when control entries were
 was trimmed past the mirror or recreated, counted against XINFO's ``entries-added``) notes the control
 stream's position, lists the registered workers and resyncs each holder into a fresh mirror, swapped in
 whole. Until the first sync completes, and while resyncing after a failure, ``ready`` is False and the
-directory falls back to ``KVIndex.lookup``.
+directory falls back to ``KVIndex.lookup``. A mirror that has not heard from Redis for ``stale_after_s`` (Redis
+frozen, or cut off by a partition: its socket may stay open for a long time without an error) answers nothing
+either: routing must not go on serving holders that may have left since.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -44,10 +47,14 @@ class MirrorSync:
     """Keeps ``mirror`` equal to the index: per-holder snapshots, then one tail of every holder's stream."""
 
     def __init__(self, index: KVIndex, *, block_ms: int = 1000, batch: int = 1000, retry_s: float = 1.0,
-                 max_entries: int = DEFAULT_MIRROR_MAX_ENTRIES) -> None:
+                 max_entries: int = DEFAULT_MIRROR_MAX_ENTRIES, stale_after_s: float | None = None) -> None:
         """``max_entries``: past this many (block, holder) entries the mirror gives up (``over_limit``): its
-        memory is freed and lookups go to Redis, for good (a warning says so; restart with a larger limit)."""
+        memory is freed and lookups go to Redis, for good (a warning says so; restart with a larger limit).
+        ``stale_after_s``: lookups get no answer while Redis last answered the tail longer ago than this
+        (default: one blocking read, ``block_ms``, plus a second)."""
         self.index = index
+        self.stale_after_s = block_ms / 1000 + 1.0 if stale_after_s is None else stale_after_s
+        self._heard_s = float("-inf")  # monotonic: when Redis last answered a sync or a read
         self.max_entries = max_entries
         self.over_limit = False
         self.mirror = IndexMirror()
@@ -63,25 +70,30 @@ class MirrorSync:
         self._stopping = False
 
     @property
+    def in_sync(self) -> bool:
+        """Synced, and Redis answered within ``stale_after_s``: the mirror's answers are the index's."""
+        return self.ready and time.monotonic() - self._heard_s <= self.stale_after_s
+
+    @property
     def followed(self) -> list[str]:
         """The holders whose streams this mirror follows (sorted)."""
         return sorted(self._cursors)
 
     def lookup(self, hashes: Sequence[bytes]) -> dict[str, int] | None:
         """The mirror's KV-pool answer, or None while it is not in sync (ask Redis instead)."""
-        return self.mirror.lookup(hashes) if self.ready else None
+        return self.mirror.lookup(hashes) if self.in_sync else None
 
     def lookup_tiers(self, hashes: Sequence[bytes]) -> TieredLookup | None:
         """The mirror's answer per tier, or None while it is not in sync."""
-        return self.mirror.lookup_tiers(hashes) if self.ready else None
+        return self.mirror.lookup_tiers(hashes) if self.in_sync else None
 
     def store_run(self, hashes: Sequence[bytes], holder: str) -> int | None:
         """``IndexMirror.store_run``, or None while the mirror is not in sync."""
-        return self.mirror.store_run(hashes, holder) if self.ready else None
+        return self.mirror.store_run(hashes, holder) if self.in_sync else None
 
     def match(self, hashes: Sequence[bytes]) -> ChainMatch | None:
         """The mirror's walk (``IndexMirror.match``), or None while it is not in sync."""
-        return self.mirror.match(hashes) if self.ready else None
+        return self.mirror.match(hashes) if self.in_sync else None
 
     def start(self) -> None:
         if self._task is None:
@@ -112,6 +124,7 @@ class MirrorSync:
         self.mirror, self._cursors, self._seqs = mirror, cursors, seqs
         self.control_id, self.position = control_id, position
         self.resyncs += 1
+        self._heard_s = time.monotonic()
 
     async def resync_holder(self, holder: str) -> None:
         """Re-read one holder (step 1) and follow its stream from there."""
@@ -125,6 +138,7 @@ class MirrorSync:
         many entries were applied. Resyncs what lost entries (a holder, or everything for control)."""
         batch = await self.index.read_events(self.control_id, dict(self._cursors), count=self._batch,
                                              block_ms=block_ms)
+        self._heard_s = time.monotonic()
         idle = not batch.control and not any(batch.holders.values())
         if (batch.control or idle) and await self._lost_control(len(batch.control)):
             log.warning("KV index mirror: worker events were trimmed or the stream was recreated; resyncing")

@@ -19,6 +19,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from router.relay import INDEX_UNANSWERED
 from tests.hosts import Network, unavailable_reason
 from tests.hosts_cluster import HostsCluster
 from tests.integration.test_e2e import model_dir  # noqa: F401
@@ -155,10 +156,12 @@ def test_the_router_cut_off_from_redis_keeps_serving(cluster, expected) -> None:
     cluster.only("p0", "p1", "d0", "d1")
     cluster.generate(PROMPTS[9], MAX_TOKENS)  # the router has a listing
     net["router"].blackhole(redis)  # Redis silent to the router only: the workers keep heartbeating
+    time.sleep(2.5)  # past the index mirror's stale_after_s (its 1 s blocking read + 1 s): it answers no more
     try:
         for i in (10, 11):
             tokens, last = cluster.generate(PROMPTS[i], MAX_TOKENS, timeout_s=5)  # 12 s each before the fix
             assert tokens == expected[i], last.timings
+            assert INDEX_UNANSWERED in last.timings.route_reason, last.timings  # routed blind, and said so
     finally:
         net["router"].unblackhole(redis)
     cluster.assert_pools_full()

@@ -122,7 +122,7 @@ def test_the_walk_touches_each_block_once_whatever_the_number_of_holders():
 def test_a_mirror_past_its_entry_limit_frees_itself_and_stays_off():
     from router.routing.mirror_sync import MirrorSync
 
-    sync = MirrorSync(index=None, max_entries=5)  # type: ignore[arg-type] - within_limit reads no Redis
+    sync = MirrorSync(index=None, max_entries=5, stale_after_s=float("inf"))  # type: ignore[arg-type] - no Redis
     sync.mirror.store("a", CHAIN[:3])
     sync.ready = True
     assert sync.within_limit() and sync.match(CHAIN) is not None

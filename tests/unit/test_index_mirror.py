@@ -6,7 +6,9 @@ everything when the control stream was trimmed past it or recreated."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -314,6 +316,36 @@ async def _restart_scenario(server: RedisServer) -> None:
     assert sync.resyncs >= 2
     await sync.stop()
     await redis.aclose()
+
+
+def test_a_mirror_cut_off_from_a_frozen_redis_stops_answering_then_resumes(server: RedisServer):
+    """Redis frozen (SIGSTOP: the socket stays open, nothing answers, as behind a partition) and a client that
+    would wait a minute for it: within ``stale_after_s`` the mirror answers nothing (the directory asks Redis, which
+    gives up after ``redis_wait_s``: a lookup without holders, said as unanswered), and answers again once Redis
+    does."""
+    async def scenario() -> None:
+        redis = connect(server.url, timeout_s=60.0)
+        registry = Registry(redis, "frozen")
+        await registry.register(info("w0"))
+        await registry.index.publish("w0", CHAIN[:4], [])
+        sync = MirrorSync(registry.index, block_ms=50, stale_after_s=0.5)
+        directory = WorkerDirectory(registry, mirror=sync, redis_wait_s=0.2)
+        sync.start()
+        await _until(lambda: sync.lookup(CHAIN) == {"w0": 4})
+        assert (await directory.match(CHAIN)).answered
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            await _until(lambda: sync.lookup(CHAIN) is None)  # without the staleness bound: {"w0": 4} for 60 s
+            match = await directory.match(CHAIN)
+            assert not match.answered and match.depths("w0") == (0, 0)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await _until(lambda: sync.lookup(CHAIN) == {"w0": 4})
+        await sync.stop()
+        await directory.close()
+        await redis.aclose()
+
+    run(scenario())
 
 
 async def _until(done, timeout_s: float = 5.0) -> None:

@@ -115,11 +115,13 @@ def test_a_silent_redis_costs_a_request_at_most_redis_wait_s(redis_server):
         directory = WorkerDirectory(registry, ttl_s=0.5, redis_retry_s=1.0, redis_wait_s=0.2, clock=clock)
         await registry.register(info("d0"))
         first = await directory.snapshot()
+        assert (await directory.match([b"x" * 16])).answered
         os.kill(redis_server.pid, signal.SIGSTOP)
         try:
             clock.now_s += 1.0
             assert await directory.snapshot() is first  # the refresh goes on in the background
             assert await directory.lookup([b"x" * 16]) == {}  # load only
+            assert not (await directory.match([b"x" * 16])).answered  # and the route's reason will say so
             assert await directory.snapshot() is first  # the same refresh: past its first redis_wait_s, no wait
         finally:
             os.kill(redis_server.pid, signal.SIGCONT)

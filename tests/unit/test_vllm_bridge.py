@@ -52,7 +52,7 @@ def test_removal_per_tier_and_clearing_report_exactly_what_was_stored():
     bridge = VLLMBlockBridge(FP, 8, 32)
     pool = stored(bridge.stored([11, 12], None, TOKENS[:64]))
     host = stored(bridge.stored([11], None, TOKENS[:32], medium="CPU"))
-    assert host == pool[:4] and bridge.stored([11], None, TOKENS[:32]) == []  # the pool had it already
+    assert host == pool[:4]
     gone = bridge.removed([11], "GPU")
     assert [e.block_hash for e in gone] == pool[:4] and {e.tier for e in gone} == {TIER_POOL}
     assert bridge.holdings() == {TIER_POOL: pool[4:], TIER_HOST: pool[:4]}
@@ -61,6 +61,17 @@ def test_removal_per_tier_and_clearing_report_exactly_what_was_stored():
     assert sorted((e.block_hash, e.tier) for e in cleared) == sorted(
         [(h, TIER_POOL) for h in pool[4:]] + [(h, TIER_HOST) for h in pool[:4]])
     assert bridge.holdings() == {TIER_POOL: [], TIER_HOST: []}
+
+
+def test_a_hash_leaves_the_index_only_with_its_last_physical_copy():
+    """vLLM caches without de-duplicating: two physical blocks with one hash are stored, and evicted, one by one."""
+    bridge = VLLMBlockBridge(FP, 8, 32)
+    first = stored(bridge.stored([11], None, TOKENS[:32]))
+    assert bridge.stored([11], None, TOKENS[:32]) == []  # a second copy: the index knows the block already
+    assert bridge.removed([11]) == []  # one copy evicted, the other still serves hits
+    assert bridge.holdings()[TIER_POOL] == first
+    assert [e.block_hash for e in bridge.removed([11])] == first  # the last copy gone
+    assert bridge.holdings()[TIER_POOL] == [] and bridge.removed([11]) == []
 
 
 def test_a_vllm_block_size_that_is_no_multiple_of_the_index_block_is_refused():

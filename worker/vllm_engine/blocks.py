@@ -7,6 +7,11 @@ hashes (``kv_transfer.hashing``) over ``index_block_size`` tokens, so one vLLM b
 hash of its parent, or from the root (the worker's fingerprint, block size and the request's ``cache_salt``, which
 vLLM reports as the first block's extra key). A block size that is no multiple of Baton's is refused.
 
+vLLM does not de-duplicate its cache: two physical blocks can hold the same hash (each reported by its own
+``BlockStored`` and, when evicted, its own ``BlockRemoved``), so the bridge counts the copies per tier and tells the
+index only of a tier's first copy and of its last one gone. (This holds for vLLM's default ``incremental`` report
+mode; the ``full`` mode also reports prefix-cache hits as stored, which no Baton worker turns on.)
+
 A block whose parent this bridge never saw (or whose extra keys name something the index cannot salt by, such as
 a LoRA adapter or an image) cannot be chained: it is left out of the index (counted in ``unchained``), so the
 router never believes a prefix is cached where it is not.
@@ -14,6 +19,7 @@ router never believes a prefix is cached where it is not.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,7 +33,7 @@ VLLMHash = int | bytes  # vLLM's external block hash
 @dataclass(slots=True)
 class _Held:
     hashes: tuple[BlockHash, ...]  # the index blocks of one vLLM block
-    tiers: set[str] = field(default_factory=set)
+    copies: Counter[str] = field(default_factory=Counter)  # tier -> physical blocks vLLM holds with this hash
 
 
 class VLLMBlockBridge:
@@ -60,8 +66,8 @@ class VLLMBlockBridge:
                 tokens = token_ids[i * self.vllm_block_size:(i + 1) * self.vllm_block_size]
                 hashes = tuple(hash_blocks(tokens, self.index_block_size, tail))
                 held = self._held[vllm_hash] = _Held(hashes)
-            if tier not in held.tiers:
-                held.tiers.add(tier)
+            held.copies[tier] += 1
+            if held.copies[tier] == 1:
                 events += [BlockEvent(BlockEventKind.STORED, h, 0, tier) for h in held.hashes]
             tail = held.hashes[-1]
         return events
@@ -71,10 +77,13 @@ class VLLMBlockBridge:
         events: list[BlockEvent] = []
         for vllm_hash in block_hashes:
             held = self._held.get(vllm_hash)
-            if held is None or tier not in held.tiers:
+            if held is None or held.copies[tier] == 0:
                 continue
-            held.tiers.discard(tier)
-            if not held.tiers:
+            held.copies[tier] -= 1
+            if held.copies[tier] > 0:  # another copy of the block is still there
+                continue
+            del held.copies[tier]
+            if not held.copies:
                 del self._held[vllm_hash]
             events += [BlockEvent(BlockEventKind.REMOVED, h, 0, tier) for h in held.hashes]
         return events
@@ -82,7 +91,7 @@ class VLLMBlockBridge:
     def cleared(self) -> list[BlockEvent]:
         """``AllBlocksCleared``: the engine holds nothing any more."""
         events = [BlockEvent(BlockEventKind.REMOVED, h, 0, tier)
-                  for held in self._held.values() for tier in held.tiers for h in held.hashes]
+                  for held in self._held.values() for tier in held.copies for h in held.hashes]
         self._held.clear()
         return events
 
@@ -90,7 +99,7 @@ class VLLMBlockBridge:
         """Tier -> the index hashes of every block vLLM holds now."""
         out: dict[str, list[BlockHash]] = {TIER_POOL: [], TIER_HOST: []}
         for held in self._held.values():
-            for tier in held.tiers:
+            for tier in held.copies:
                 out[tier].extend(held.hashes)
         return out
 
