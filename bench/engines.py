@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.plots import pyplot
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).parent / "results"
 PYTHONS = {"baton": Path(sys.executable), "vllm": ROOT / ".venv-vllm" / "bin" / "python",
@@ -129,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                                "results": [asdict(r) for r in results], "table": table}, indent=1))
     print(f"results: {out}")
     if args.plot:
-        plot(table, workload, Path(args.plot))
-        print(f"plot: {args.plot}")
+        if plot(table, workload, Path(args.plot)):
+            print(f"plot: {args.plot}")
     return 0 if all(not r.error for r in results) else 1
 
 
@@ -391,11 +393,10 @@ def format_table(rows: list[dict], workload: Workload) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], workload: Workload, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(rows: list[dict], workload: Workload, path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
 
     cols = columns(workload)
     fig, ax = plt.subplots(figsize=(11, 4.2))
@@ -419,6 +420,7 @@ def plot(rows: list[dict], workload: Workload, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    return path
 
 
 if __name__ == "__main__":

@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.study:
         print(table(rows))
         if args.plot is not None:
-            plot(rows, args.plot)
-            print(f"wrote {args.plot}")
+            if plot(rows, args.plot):
+                print(f"wrote {args.plot}")
     return 0
 
 

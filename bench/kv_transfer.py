@@ -75,6 +75,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import kv_device, kv_peers
+from bench.plots import pyplot
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
 from kv_transfer.tcp_wire import IOV_MAX, advance
@@ -554,14 +555,13 @@ def print_table(results: list[dict], skipped: dict[str, str], isolated: bool = F
         print(f"skipped {name}: {reason}")
 
 
-def plot(doc: dict, path: Path) -> None:
+def plot(doc: dict, path: Path) -> Path | None:
     """Grouped bars: median GB/s per system per prompt size (one colour per system, scattered hatched ``//``,
     merged ``..``);
-    whiskers down to the GB/s at p99 latency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    whiskers down to the GB/s at p99 latency. The path written, or None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
 
     results = doc["results"]
     # "raw" is a copy of the faster of its variants, which are drawn
@@ -587,13 +587,14 @@ def plot(doc: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
 
 def write_results(doc: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
-    plot(doc, out.with_suffix(".png"))
-    print(f"\nwrote {out} and {out.with_suffix('.png').name}")
+    png = plot(doc, out.with_suffix(".png"))
+    print(f"\nwrote {out}" + (f" and {png.name}" if png else ""))
 
 
 # --- main -------------------------------------------------------------------------------------------

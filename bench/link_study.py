@@ -20,6 +20,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.plots import pyplot
+
 _REMOTE = re.compile(r"remote on (\S+) ([0-9.]+) s = .*?\+ transfer ([0-9.]+)")
 _LOCAL = re.compile(r"local ([0-9.]+) s = .*?stall of running ([0-9.]+)\)")
 
@@ -133,9 +135,12 @@ def _mbit(mbit: float) -> str:
     return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path) -> Path | None:
     """Top: per link rate, the cost policy's share of remote prefills and both plans' predicted costs (medians).
-    Bottom: per policy, the measured cost p50 (D's first token + the stall of D's other streams) and TTFT p50."""
+    Bottom: per policy, the measured cost p50 (D's first token + the stall of D's other streams) and TTFT p50.
+    The path written, or None without matplotlib."""
+    if pyplot() is None:
+        return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -169,6 +174,7 @@ def plot(rows: list[dict], path: Path) -> None:
     bottom.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return path
 
 
 def as_dicts(samples: list[Sample]) -> list[dict]:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from bench.client import greedy_request, stream_generate
 from bench.launcher import ROOT, free_port
+from bench.plots import pyplot
 from bench.workload import sharegpt_like
 
 ROLES = ("prefill", "decode")
@@ -396,13 +397,8 @@ def _met(value: bool | None) -> str:
 
 
 def plot(report: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return None
     cfg, runs = report["config"], report["runs"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)

@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
     if args.plot is not None:
-        plot(report, args.plot)
-        print(f"wrote {args.plot}")
+        if plot(report, args.plot):
+            print(f"wrote {args.plot}")
     return 0
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.plots import pyplot
+
 
 def _label(row: dict[str, Any]) -> str:
     if row["path"] == "direct":
@@ -26,11 +28,10 @@ def print_table(report: dict[str, Any]) -> None:
               f"{row.get('other_cores', 0):>6.2f} {row.get('loadavg_1m', 0):>5.1f}")
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(report: dict[str, Any], path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
 
     series: dict[str, list[dict[str, Any]]] = {}
     for row in report["rows"]:
@@ -55,3 +56,4 @@ def plot(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path

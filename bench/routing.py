@@ -37,6 +37,7 @@ from pathlib import Path
 import grpc
 
 from bench.client import greedy_request, stream_generate
+from bench.plots import pyplot
 from deploy.up import Child, spawn, start_redis, stop_all
 from proto import baton_pb2_grpc as pb_grpc
 from router.routing.policy import POLICIES
@@ -295,13 +296,8 @@ def print_comparisons(report: dict) -> None:
 
 
 def plot(ttfts: dict[str, list[float]], path: Path, model: str = "tiny") -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, values in ttfts.items():

@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 
 from bench import routing
+from bench.plots import pyplot
 
 RESULTS = routing.RESULTS
 FIGURES = ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms")
@@ -62,14 +63,11 @@ def print_rows(rows: list[dict], baseline: str) -> None:
 
 
 def plot(rows: list[dict], path: Path, fits_at: int, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
+    from matplotlib.ticker import FuncFormatter
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name in dict.fromkeys(r["policy"] for r in rows):
         mine = [r for r in rows if r["policy"] == name]
@@ -87,7 +85,7 @@ def plot(rows: list[dict], path: Path, fits_at: int, title: str) -> bool:
         ax.set_xlabel("KV blocks per worker (16 tokens each)")
         ax.grid(alpha=0.3)
     left.set(ylabel="TTFT p50 (ms)", yscale="log", title="TTFT p50")
-    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
     left.yaxis.set_major_formatter(plain)
     left.yaxis.set_minor_formatter(plain)
     right.set(ylabel="prefix cache hit rate / oracle's", title="Hit rate", ylim=(0, 1.05))

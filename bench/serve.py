@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.client import PROTOCOLS, Planned, Result, http_model_card, model_info, run_once
+from bench.plots import pyplot
 from bench.workload import sharegpt_like
 from proto import baton_pb2 as pb
 from proto import tls
@@ -188,13 +189,8 @@ def print_sweep(runs: list[dict]) -> None:
 
 
 def plot(runs: list[dict], results: list[list[Result]], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plots")
+    plt = pyplot()
+    if plt is None:
         return []
     fig, axes = plt.subplots(1, 4, figsize=(16, 4))
     series = {"TTFT": lambda rs: [r.ttft_s for r in rs],

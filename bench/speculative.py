@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.plots import pyplot
+
 RESULTS_DIR = Path(__file__).parent / "results"
 OPEN_QUESTIONS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -144,10 +146,9 @@ def _report(runs: list[Run], args: argparse.Namespace) -> None:
 
 
 def _plot(runs: list[Run], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = sorted({(r.workload, r.concurrency) for r in runs})

@@ -35,6 +35,7 @@ import urllib.request
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from bench.plots import pyplot
 from bench.serving_targets import TARGETS, start
 from bench.stats import percentile
 from bench.trace_replay.aiperf_client import aiperf_binary, replay_aiperf
@@ -179,13 +180,8 @@ def table(report: dict) -> str:
 
 def plot(reports: list[dict], path: Path) -> Path | None:
     """One row per report (a load): TTFT p50/p99 (log scale), ITL p50/p99, goodput, per target."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no plot: matplotlib is not installed (pip install 'baton[bench]')", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(len(reports), 3, figsize=(16, 4.2 * len(reports)), squeeze=False)
     for row, report in zip(axes, reports):

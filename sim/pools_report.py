@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TextIO
 
+from bench.plots import pyplot
+
 
 def row_of(label: str, prefill: int | list[tuple[int, int]], decode: int | None, summary: dict) -> dict[str, Any]:
     """A run's figures; a planner-driven run gives its (prefill, decode) sizes over the intervals instead."""
@@ -65,11 +67,10 @@ def _predicted(row: dict) -> str:
     return " / ".join(f"{p[key]:,.0f}" if key in p else "-" for key in ("mgn_ms", "split_ms", "md1_split_ms"))
 
 
-def plot(doc: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+def plot(doc: dict, path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
 
     fig, ax = plt.subplots(figsize=(8, 5))
     fixed = [r for r in doc["rows"] if r["label"].startswith("fixed")]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from bench.plots import pyplot
 from sim.metrics import RequestRecord
 
 nan = float("nan")
@@ -69,12 +70,12 @@ def write_json(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def plot(runs: Sequence[tuple[dict, list[RequestRecord]]], path: Path) -> Path:
-    """TTFT CDFs of each run at the first time scale, and SLO attainment against the request rate per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+def plot(runs: Sequence[tuple[dict, list[RequestRecord]]], path: Path) -> Path | None:
+    """TTFT CDFs of each run at the first time scale, and SLO attainment against the request rate per policy.
+    The path written, or None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
 
     fig, (cdf, sweep) = plt.subplots(1, 2, figsize=(12, 4.5))
     first_scale = runs[0][0]["time_scale"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from bench.plots import pyplot
+
 
 def loadavg() -> str:
     try:
@@ -54,12 +56,8 @@ def table(report: dict) -> str:
 def plot(report: dict, path: Path) -> Path | None:
     """Hit rate (with the trace's ceiling), TTFT p50/p90 (with the load average at each run's start and end: this
     machine is shared) and output throughput, one bar per run."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     runs = report["runs"]
     names = [label(r) for r in runs]

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.packaging import top_level_packages
+
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("proto", "kv_transfer", "engine", "worker", "prefill_node", "decode_node", "router", "deploy", "bench", "sim")
+OURS = top_level_packages()  # pyproject.toml's list
 ALLOWED: dict[str, set[str]] = {
     "proto": set(),
     "kv_transfer": set(),
