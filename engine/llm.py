@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.core.config_dicts import check_keys
 from engine.core.outputs import RequestDelta
 from engine.engine import Engine
 from engine.errors import InvalidRequest
@@ -51,9 +53,12 @@ class _Live:
 
 class LLM:
     """Offline batch generation. Extra keyword arguments are EngineConfig fields (``tensor_parallel_size=2``
-    starts a second rank process: ``close()`` it, or use the LLM as a context manager)."""
+    starts a second rank process: ``close()`` it, or use the LLM as a context manager); nested configs also as
+    vLLM's dicts (``speculative_config={"method": "ngram", "num_speculative_tokens": 3}``, ``compilation_config``)."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
+        fields = [name for name in inspect.signature(EngineConfig).parameters if name != "model"]
+        check_keys("LLM", engine_args, fields, noun="argument")  # not a TypeError from deep inside
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = load_tokenizer(self.engine.gguf or self.engine.model_path)
         if self.tokenizer is not None and not self.engine.eos_token_ids:

@@ -160,7 +160,7 @@ def _speculative(text: str | None) -> SpeculativeConfig | None:
     try:
         return SpeculativeConfig.from_dict(raw)
     except (InvalidRequest, TypeError) as exc:
-        raise ValueError(f"--speculative-config: {exc}") from None
+        raise ValueError(f"--speculative-config: {str(exc).removeprefix('speculative_config: ')}") from None
 
 
 def parser(role: str) -> argparse.ArgumentParser:

@@ -17,11 +17,12 @@ Auto-off: a request whose drafts keep failing (``min_acceptance`` of its drafted
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine.core.config_dicts import check_keys, check_types
 from engine.errors import InvalidRequest
 
 SEARCH_WINDOW = 4096  # tokens of the sequence's tail searched for an earlier occurrence
@@ -55,12 +56,34 @@ class SpeculativeConfig:
                                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
     @staticmethod
-    def from_dict(raw: dict) -> SpeculativeConfig:
-        known = set(SpeculativeConfig.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise InvalidRequest(f"unknown speculative config field(s) {unknown}; known: {sorted(known)}")
-        return SpeculativeConfig(**raw)
+    def from_dict(raw: Mapping) -> SpeculativeConfig:
+        """The dict vLLM users pass (``--speculative-config``, ``LLM(speculative_config=...)``): Baton's fields,
+        and vLLM's keys of features Baton lacks only where they restate vLLM's default, which is Baton's too."""
+        where = "speculative_config"
+        fields = dict(raw)
+        if "method" in fields and fields["method"] is None:
+            del fields["method"]  # vLLM's default: implied by the model
+        for key, default in VLLM_DEFAULTS.items():
+            if key in fields and fields.pop(key) != default:
+                raise InvalidRequest(f"{where}: {key!r} is vLLM's; Baton has only its default {default!r} "
+                                     f"(got {raw[key]!r})")
+        check_keys(where, fields, SpeculativeConfig.__dataclass_fields__)
+        check_types(where, SpeculativeConfig, fields)
+        return SpeculativeConfig(**fields)
+
+
+# vLLM's speculative keys Baton has no use for, taken only with the value that restates what Baton does (any other
+# value is refused, never ignored). Left out, so refused whatever their value as unknown keys: those whose vLLM
+# default is not what Baton does (rejection_sample_method "standard" is a probabilistic test, Baton's is equality
+# under the same noise), or defers to the target or the draft's checkpoint in ways Baton's draft does not promise
+# to match (enforce_eager, quantization, kv_cache_dtype, max_model_len, draft_tensor_parallel_size, revision, ...).
+VLLM_DEFAULTS: dict[str, object] = {
+    "draft_sample_method": "greedy",  # Baton's draft model chooses its drafts greedily
+    "parallel_drafting": False,  # drafts come one after another
+    "use_heterogeneous_vocab": False,  # the draft must share the target's vocabulary
+    "disable_padded_drafter_batch": False,  # EAGLE only
+    "num_speculative_tokens_per_batch_size": None,  # one num_speculative_tokens at every batch size
+}
 
 
 def ngram_drafts(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
