@@ -13,12 +13,10 @@ import time
 import grpc
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
+from tests.oracle import Output, assert_same, reference, streamed
 from tests.redis_server import RedisServer, require_redis_server
 from tests.tiny_model import shared_tiny
 
@@ -34,14 +32,15 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    out: dict[int, list[int]] = {}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out.setdefault(int(delta.request_id), []).extend(delta.new_token_ids)
-    return [out[i] for i in range(len(PROMPTS))]
+    """The offline engine's greedy tokens per prompt."""
+    return [output.tokens for output in reference(model_dir, PROMPTS, MAX_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def expected_outputs(model_dir):
+    """The offline engine's greedy tokens and their logprobs per prompt: the oracle that sees one wrong KV block
+    (tests/oracle.py)."""
+    return reference(model_dir, PROMPTS, MAX_TOKENS)
 
 
 def start_cluster(model_dir, log_dir, *, prefill: int, decode: int, policy: str = "least_loaded",
@@ -84,6 +83,14 @@ def generate(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS, time
     return [t for r in responses for t in r.token_ids], responses[-1]
 
 
+def generate_output(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[Output, pb.GenerateResponse]:
+    """``generate`` asking for each token's logprob: (tokens and logprobs, the last response)."""
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
+    params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params)))
+    return streamed(responses), responses[-1]
+
+
 def assert_pools_full(cluster: Cluster, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -97,17 +104,18 @@ def assert_pools_full(cluster: Cluster, timeout_s: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-def test_disaggregated_equals_offline_engine_and_local_mode(platform, expected):
+def test_disaggregated_equals_offline_engine_and_local_mode(platform, expected_outputs):
     kinds = set()
     for i, prompt in enumerate(PROMPTS):
-        tokens, last = generate(platform.router.address, prompt)
-        assert tokens == expected[i], f"prompt {i} ({len(prompt)} tokens) via {last.timings.route_kind}"
+        output, last = generate_output(platform.router.address, prompt)
+        assert_same(output, expected_outputs[i], f"prompt {i} ({len(prompt)} tokens) via {last.timings.route_kind}")
         assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == MAX_TOKENS
         kinds.add(last.timings.route_kind)
         if last.timings.route_kind == "remote":  # the KV moved: a recompute on D would give the same tokens
             assert last.timings.transfer_bytes > 0 and not last.timings.local_fallback, last.timings
-        local_tokens, local_last = generate(platform.local_router.address, prompt)
-        assert local_tokens == expected[i] and local_last.timings.route_kind == "local"
+        local_output, local_last = generate_output(platform.local_router.address, prompt)
+        assert_same(local_output, expected_outputs[i], f"prompt {i} local")
+        assert local_last.timings.route_kind == "local"
     assert kinds == {"local", "remote"}  # short prompts stay local under the 8-token threshold
     assert_pools_full(platform)
 
@@ -197,20 +205,21 @@ def test_bad_input_is_invalid_argument_and_the_platform_keeps_serving(platform, 
     assert generate(platform.router.address, PROMPTS[3])[0] == expected[3]
 
 
-def test_two_prefill_two_decode_equals_offline_engine(model_dir, tmp_path, expected):
+def test_two_prefill_two_decode_equals_offline_engine(model_dir, tmp_path, expected_outputs):
     cluster, redis = start_cluster(model_dir, tmp_path, prefill=2, decode=2, router_args=("--log-level", "debug"))
     try:
-        results: dict[int, tuple[list[int], pb.GenerateResponse]] = {}
+        results: dict[int, tuple[Output, pb.GenerateResponse]] = {}
 
         def run(i: int) -> None:
-            results[i] = generate(cluster.router.address, PROMPTS[i])
+            results[i] = generate_output(cluster.router.address, PROMPTS[i])
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
-        assert [results[i][0] for i in range(len(PROMPTS))] == expected
+        for i in range(len(PROMPTS)):
+            assert_same(results[i][0], expected_outputs[i], f"prompt {i} via {results[i][1].timings.route_kind}")
         routed = [line for line in cluster.router.log_path.read_text().splitlines() if " routed " in line]
         assert {results[i][1].timings.decode_worker for i in results} == {"d0", "d1"}, "\n".join(routed)
         assert_pools_full(cluster)

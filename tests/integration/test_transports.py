@@ -18,7 +18,10 @@ from kv_transfer.transport import parse_kinds
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
-from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, _wait_serving, assert_pools_full, expected, model_dir  # noqa: F401
+from tests.integration.test_e2e import (  # noqa: F401
+    MAX_TOKENS, PROMPTS, _wait_serving, assert_pools_full, expected, expected_outputs, generate_output, model_dir,
+)
+from tests.oracle import assert_same
 from tests.redis_server import RedisServer, require_redis_server
 
 # decode worker -> (its --kv-transport, has the data-plane secret); p0 serves every transport that runs here
@@ -82,11 +85,13 @@ def generate(cluster, prompt: list[int]) -> tuple[list[int], pb.Timings]:
     ("d-nccl", "nccl"), ("d-tcp", "tcp"), ("d-ucx", "ucx"), ("d-auto", "cma"),
     pytest.param("d-nixl", "nixl", marks=pytest.mark.skipif(NIXL is not None, reason=NIXL or "")),
 ])
-def test_the_pair_uses_the_pullers_first_transport_the_server_offers(cluster, expected, decode_id, transport):  # noqa: F811
+def test_the_pair_uses_the_pullers_first_transport_the_server_offers(cluster, expected_outputs, decode_id,  # noqa: F811
+                                                                      transport):
     only(cluster, decode_id)
     for i in (20, 23):  # long enough to prefill remotely
-        tokens, timings = generate(cluster, PROMPTS[i])
-        assert tokens == expected[i]
+        output, last = generate_output(cluster.router.address, PROMPTS[i])
+        assert_same(output, expected_outputs[i], f"prompt {i} over {transport}")  # tokens and logprobs: every block
+        timings = last.timings
         assert (timings.route_kind, timings.decode_worker, timings.prefill_worker) == ("remote", decode_id, "p0")
         assert timings.transport == transport and timings.transfer_bytes > 0 and not timings.local_fallback, timings
     assert_pools_full(cluster)
