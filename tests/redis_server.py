@@ -45,9 +45,9 @@ def require_redis_server() -> str:
     """The binary's path, or skip the calling pytest test with a clear reason."""
     binary = redis_server_binary()
     if binary is None:
-        import pytest
+        from tests.required import skip_unless
 
-        pytest.skip(INSTALL_HINT)
+        skip_unless("redis", INSTALL_HINT)
     return binary
 
 

@@ -25,8 +25,9 @@ from engine.sampling_params import SamplingParams
 from tests.hosts import ROOT, Network, remove_stale, unavailable_reason
 from tests.hosts_cluster import HostsCluster
 from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, expected, model_dir  # noqa: F401
+from tests.required import unavailable
 
-WHY_NOT = unavailable_reason()
+WHY_NOT = unavailable("root", unavailable_reason())
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 AUTO = ("--kv-transport", "auto", "--calibrate-tokens", "0")
 # prompts no test sent before (a cached prompt is prefilled locally: nothing to move), long enough to go remote

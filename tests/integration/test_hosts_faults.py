@@ -24,8 +24,9 @@ from tests.hosts import Network, unavailable_reason
 from tests.hosts_cluster import HostsCluster
 from tests.integration.test_e2e import model_dir  # noqa: F401
 from tests.integration.test_hosts import offline
+from tests.required import unavailable
 
-WHY_NOT = unavailable_reason()
+WHY_NOT = unavailable("root", unavailable_reason())
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 WORKER = ("--kv-transport", "tcp", "--calibrate-tokens", "0", "--lease-ttl-s", "5", "--kv-io-timeout-s", "3")
 PROMPTS = [[(13 * i + 7 * j) % 2900 + 40 for j in range(150 + i)] for i in range(12)]

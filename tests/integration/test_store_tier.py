@@ -36,8 +36,9 @@ from tests.integration.cluster import Cluster, free_port
 from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, assert_pools_full, expected, model_dir  # noqa: F401
 from tests.integration.test_metrics import scrape
 from tests.redis_server import RedisServer, require_redis_server
+from tests.required import import_or_skip
 
-mooncake = pytest.importorskip("mooncake", reason="the store tier needs mooncake-transfer-engine-non-cuda")
+mooncake = import_or_skip("mooncake", "mooncake", "the store tier needs mooncake-transfer-engine-non-cuda")
 
 BLOCK = 4
 TIMEOUT_S = 2.0  # the store's per-call deadline (the URI's timeout_s)

@@ -24,9 +24,10 @@ from tests.integration.cluster import ROOT, free_port, interrupt
 from tests.integration.test_metrics import scrape
 from tests.integration.test_scaling import _alive, decode_workers, generate, prefill_workers, wait_for
 from tests.redis_server import require_redis_server
+from tests.required import import_or_skip
 from tests.tiny_model import shared_tiny
 
-pytest.importorskip("mooncake", reason="the store tier needs mooncake-transfer-engine-non-cuda")
+import_or_skip("mooncake", "mooncake", "the store tier needs mooncake-transfer-engine-non-cuda")
 LOOPBACK = ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]")
 TRANSFER_ENGINE_LISTENERS = 2  # a Mooncake client's handshake and data ports, bound to all interfaces
 

@@ -17,6 +17,7 @@ from kv_transfer.bounded_thread import BoundedThread, CallTimeout, ThreadStuck
 from kv_transfer.kv_store import (
     CHECKSUM_BYTES, CORRUPT, FETCHED, MISSING, BlockStore, StoreError, parse_store_uri, seal,
 )
+from tests.required import import_or_skip
 
 H = [bytes([i]) * 16 for i in range(8)]
 
@@ -83,7 +84,7 @@ BLOCK_BYTES = 1024
 
 @pytest.fixture(scope="module")
 def store_uri(tmp_path_factory):
-    pytest.importorskip("mooncake", reason="the store tier needs mooncake-transfer-engine-non-cuda")
+    import_or_skip("mooncake", "mooncake", "the store tier needs mooncake-transfer-engine-non-cuda")
     procs: list[subprocess.Popen] = []
 
     def spawn(name, argv, log_path):
