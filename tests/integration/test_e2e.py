@@ -91,11 +91,14 @@ def generate_output(address: str, prompt: list[int], max_tokens: int = MAX_TOKEN
     return streamed(responses), responses[-1]
 
 
-def assert_pools_full(cluster: Cluster, timeout_s: float = 10.0) -> None:
+def assert_pools_full(cluster: Cluster, timeout_s: float = 10.0, channel=grpc.insecure_channel,
+                      workers=None) -> None:
+    """Until every live worker (``cluster.workers``, or ``workers``) has its whole pool free, no lease open and
+    nothing running; ``channel(address)`` reaches a worker (a TLS one for mTLS workers)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = [pb_grpc.WorkerStub(grpc.insecure_channel(w.address)).Stats(pb.StatsRequest())
-                 for w in cluster.workers if w.popen.poll() is None]
+        stats = [pb_grpc.WorkerStub(channel(w.address)).Stats(pb.StatsRequest(), timeout=10)
+                 for w in (cluster.workers if workers is None else workers) if w.popen.poll() is None]
         if all(s.num_free_blocks == s.num_total_blocks and s.num_open_leases == 0 and s.num_running == 0
                and s.num_free_staging_blocks == s.num_staging_blocks for s in stats):
             return

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from tests.integration.cluster import Cluster, free_port
-from tests.integration.test_e2e import _wait_serving, generate
+from tests.integration.test_e2e import _wait_serving, assert_pools_full, generate
 from tests.redis_server import RedisServer, require_redis_server
 from tests.tiny_model import shared_tiny
 
@@ -40,6 +40,15 @@ def cluster(model_dir, tmp_path_factory):
     yield cluster
     cluster.stop_all()
     redis.stop()
+
+
+@pytest.fixture(autouse=True)
+def pools_return_to_full(request):
+    """After every test that used the cluster: its pools full, no lease open, nothing running."""
+    yield
+    if "cluster" in request.fixturenames:
+        cluster = request.getfixturevalue("cluster")
+        assert_pools_full(cluster, workers=[p for p in cluster.procs if p.name in ("p0", "d0")])
 
 
 def scrape(port: int) -> dict[str, float]:

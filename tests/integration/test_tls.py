@@ -27,6 +27,7 @@ from proto.tls import TlsConfig
 from router import generate_cli
 from router.admin.convert import worker_rates
 from tests.integration.cluster import Cluster, Proc, free_port
+from tests.integration.test_e2e import assert_pools_full
 from tests.redis_server import RedisServer, RedisTls, require_redis_server
 from tests.tiny_model import shared_tiny
 from tests.tls_certs import KeyPair, Pki, make_pki
@@ -85,6 +86,17 @@ def _offline(model_dir, prompt: list[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def expected(model_dir) -> list[int]:
     return _offline(model_dir, PROMPT)
+
+
+@pytest.fixture(autouse=True)
+def pools_return_to_full(request):
+    """After every test of the module: p0's and d0's pools full, no lease open, nothing running (asked over mTLS)."""
+    yield
+    if "platform" in request.fixturenames:
+        platform = request.getfixturevalue("platform")
+        client = _client(platform.pki)
+        assert_pools_full(platform, channel=lambda address: tls.channel(address, client),
+                          workers=[platform.prefill, platform.worker])
 
 
 @pytest.fixture(scope="module")
