@@ -310,12 +310,17 @@ class Engine:
         return rates
 
     def _price_host_tier(self, prefill_tokens_per_s: float, scratch: list[int]) -> None:
-        """Copying a block up from the host tier must beat recomputing it; time a copy of scratch blocks."""
+        """Copying a block up from the host tier must beat recomputing it; time a copy of scratch blocks, the
+        fastest of a few: one copy takes microseconds, so a single timing was the first call's costs, or a wait for
+        the GIL (a worker calibrates on a thread beside its event loop), 50x over, and the tier was off for good."""
         host, count = self.runner.host, min(len(scratch), self.cache_config.num_host_blocks)
-        started = time.perf_counter()
-        host.copy(HostCopies(loads=tuple(zip(range(count), scratch))))  # scratch blocks: garbage in, freed after
-        host.sync()
-        copy_s = (time.perf_counter() - started) / count
+        loads = HostCopies(loads=tuple(zip(range(count), scratch)))  # scratch blocks: garbage in, freed after
+        copy_s = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            host.copy(loads)
+            host.sync()
+            copy_s = min(copy_s, (time.perf_counter() - started) / count)
         compute_s = self.cache_config.block_size / prefill_tokens_per_s
         self.kv_cache_manager.host.worth_loading = copy_s < compute_s
         logger.info("host tier: %d blocks of %.2f MiB; a block copies up in %.3f ms, recomputes in %.3f ms: %s",

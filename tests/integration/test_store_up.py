@@ -2,11 +2,15 @@
 the workers (``--kv-store-write through``) write what they compute to the store (the index lists the store's
 blocks); the store's processes and the workers listen on loopback only, but for the Mooncake transfer engines'
 own two listeners per process, which Mooncake 0.3.13 binds to all interfaces whatever it is told (they advertise
-127.0.0.1: no byte leaves loopback); Ctrl-C stops every process, the store's too. (The router's own listeners
-follow its ``--host``, 0.0.0.0 by default: not the store's business.)"""
+127.0.0.1: no byte leaves loopback); the router's store hint end to end: a prompt written to the store, evicted from
+the decode worker's small pool (32 blocks) by other prompts, asked again: the router tells the worker how many
+blocks the store holds, the worker reads them without asking the store and the output equals the offline engine's;
+Ctrl-C stops every process, the store's too. (The router's own listeners follow its ``--host``, 0.0.0.0 by default:
+not the store's business.)"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -20,16 +24,29 @@ import pytest
 import redis
 
 from bench.engines import descendants
+from engine import LLM, SamplingParams
+from kv_transfer.hashing import hash_blocks, root_hash
+from kv_transfer.layout import KVLayout
+from kv_transfer.redis_index import KVIndex
+from kv_transfer.registry import Registry, connect
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import ROOT, free_port, interrupt
 from tests.integration.test_metrics import scrape
 from tests.integration.test_scaling import _alive, decode_workers, generate, prefill_workers, wait_for
 from tests.redis_server import require_redis_server
+from tests.oracle import Output, assert_same, streamed
 from tests.required import import_or_skip
 from tests.tiny_model import shared_tiny
 
 import_or_skip("mooncake", "mooncake", "the store tier needs mooncake-transfer-engine-non-cuda")
 LOOPBACK = ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]")
 TRANSFER_ENGINE_LISTENERS = 2  # a Mooncake client's handshake and data ports, bound to all interfaces
+BLOCK = 4
+NUM_BLOCKS = 32  # every worker's pool: three 60-token prompts (18 blocks each with their output) evict a fourth
+MAX_TOKENS = 10
+PROMPT = [(13 * j + 7) % 300 + 3 for j in range(60)]  # 14 reusable blocks; 60 tokens: under the router's
+FILLERS = [[(5 + 7 * i + 3 * j) % 300 + 3 for j in range(60)] for i in (11, 12, 13)]  # threshold, so D computes
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -68,7 +85,8 @@ def platform(tmp_path_factory):
     metrics_port = free_port()  # the router's; the workers take the next two
     cmd = [sys.executable, "-m", "deploy.cli", "up", "--model", str(model_dir), "--port", str(port),
            "--metrics-port", str(metrics_port), "--http-port", "0", "--log-dir", str(log_dir), "--kv-store",
-           "--kv-store-memory", "64 MB", "--kv-store-write", "through", "--calibrate-tokens", "0", "--block-size", "4"]
+           "--kv-store-memory", "64 MB", "--kv-store-write", "through", "--calibrate-tokens", "0",
+           "--block-size", str(BLOCK), "--num-blocks", str(NUM_BLOCKS)]
     with (log_dir / "up.out").open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     address = f"127.0.0.1:{port}"
@@ -93,6 +111,68 @@ def test_up_starts_a_store_the_workers_write_through_to(platform):
     asked = [v for port in (metrics_port + 1, metrics_port + 2) for k, v in scrape(port).items()
              if k.startswith("baton:kv_store_lookups_total") and 'source="store"' in k]
     assert sum(asked) == 0, asked
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> dict[tuple[int, ...], tuple[list[int], list[float]]]:
+    """The offline engine's greedy tokens and each one's log-probability, per prompt."""
+    llm = LLM(str(shared_tiny(tmp_path_factory)), num_blocks=512, block_size=BLOCK)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    prompts = [PROMPT, *FILLERS]
+    outputs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    return {tuple(p): (o.token_ids, [chosen for chosen, _ in o.logprobs]) for p, o in zip(prompts, outputs)}
+
+
+def _generate(address: str, prompt: list[int], expected) -> pb.GenerateResponse:
+    """The last response of a greedy request, once its tokens and log-probabilities equal the offline engine's."""
+    params = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params)
+    responses = list(pb_grpc.GenerationStub(grpc.insecure_channel(address)).Generate(request, timeout=60))
+    assert_same(streamed(responses), Output(*expected[tuple(prompt)]), f"{len(prompt)}-token prompt")
+    return responses[-1]
+
+
+def _index(redis_url: str, prompt: list[int]):
+    """The index's tiers for ``prompt``'s full blocks (each worker's leading blocks, the store's)."""
+    async def lookup():
+        client = connect(redis_url)
+        try:
+            (info, _), *_ = await Registry(client, "baton").list_workers()
+            root = root_hash(KVLayout.from_json(info.layout_json).model_fingerprint, BLOCK, "")
+            hashes = hash_blocks(prompt[: (len(prompt) - 1) // BLOCK * BLOCK], BLOCK, root)
+            return await KVIndex(client, "baton").lookup_tiers(hashes)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(lookup())
+
+
+def _worker_counters(metrics_port: int) -> dict[str, float]:
+    """Both workers' store counters, summed: blocks fetched, and lookups by who said what the store holds."""
+    samples = [(k, v) for port in (metrics_port + 1, metrics_port + 2) for k, v in scrape(port).items()]
+    return {
+        "fetched": sum(v for k, v in samples if k.startswith("baton:kv_store_blocks_fetched_total{")),
+        "hinted": sum(v for k, v in samples if k.startswith("baton:kv_store_lookups_total{") and 'source="index"' in k),
+        "asked": sum(v for k, v in samples if k.startswith("baton:kv_store_lookups_total{") and 'source="store"' in k),
+    }
+
+
+def test_the_routers_store_hint_brings_back_an_evicted_prefix(platform, expected):
+    address, proc, log_dir, metrics_port = platform
+    redis_url = re.search(r"redis +(redis://\S+)", (log_dir / "up.out").read_text()).group(1)
+    assert _generate(address, PROMPT, expected).usage.cached_prompt_tokens == 0
+    wait_for(lambda: _index(redis_url, PROMPT).store == 14, 30, proc, log_dir)  # written through
+    for filler in FILLERS:
+        _generate(address, filler, expected)
+    wait_for(lambda: not _index(redis_url, PROMPT).gpu_or_cpu, 30, proc, log_dir)  # no worker holds any of it
+    before = _worker_counters(metrics_port)
+    last = _generate(address, PROMPT, expected)
+    assert last.usage.cached_prompt_tokens == 56, last
+    assert "fetched 56 prefix tokens from the store" in last.timings.route_reason, last.timings
+    wait_for(lambda: _worker_counters(metrics_port)["fetched"] - before["fetched"] >= 14, 10, proc, log_dir)
+    after = _worker_counters(metrics_port)
+    # read on the router's word (one hinted lookup), not the store's: no batch_is_exist call
+    assert {k: after[k] - before[k] for k in after} == {"fetched": 14, "hinted": 1, "asked": 0}
 
 
 def _store_processes(processes: dict[int, str]) -> list[int]:

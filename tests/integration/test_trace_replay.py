@@ -2,8 +2,10 @@
 writes (turns that extend earlier turns, interleaved so that a small KV pool and a smaller host tier evict between
 them) replayed against a real ``baton up`` per tier configuration. Every request completes in every configuration;
 each request's cached tokens, as its worker reported them, are whole blocks and never more than the trace lets a
-cache reuse; the tiers were used (host-tier saves, store writes); the report, its table and its plot are written;
-no process is left behind."""
+cache reuse; the tiers were used both ways (host-tier saves and loads, store writes and fetches); every output, in
+every configuration, equals the offline engine's (greedy tokens and each one's log-probability: the client is
+tapped to ask for them and keep them); the report, its table and its plot are written; no process is left
+behind."""
 
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
+import bench.client
 from bench import trace_replay as tr
 from bench.trace import Scale, load_trace
+from engine import LLM, SamplingParams
 from engine.tiny import build_model
+from tests.oracle import Output, assert_same
 from tests.redis_server import require_redis_server
 
 pytestmark = pytest.mark.slow
@@ -38,8 +43,48 @@ def conversation_trace(conversations: int = 8, turns: int = 3, gap_ms: int = 250
     return lines
 
 
-def test_a_conversation_trace_replays_on_every_configuration(tmp_path):
+def tap_outputs(monkeypatch) -> list[tuple[list[int], int, list[int], list[float]]]:
+    """Every request the bench's gRPC client sends, asking for each token's log-probability as well: (prompt,
+    max_tokens, tokens, log-probabilities), appended as each stream ends (the bench's own figures unchanged)."""
+    outputs = []
+    stream_generate = bench.client.stream_generate
+
+    async def tapped(stub, request, timeout_s=None):
+        request.sampling.logprobs = 0
+        responses = []
+
+        class Tap:
+            def Generate(self, request, timeout=None):  # the stub's method
+                async def each():
+                    async for response in stub.Generate(request, timeout=timeout):
+                        responses.append(response)
+                        yield response
+                return each()
+
+        stream = await stream_generate(Tap(), request, timeout_s)
+        outputs.append((list(request.token_ids.ids), request.sampling.max_tokens,
+                        [t for r in responses for t in r.token_ids], [lp.logprob for r in responses for lp in r.logprobs]))
+        return stream
+
+    monkeypatch.setattr(bench.client, "stream_generate", tapped)
+    return outputs
+
+
+def assert_offline_outputs(model: Path, outputs) -> None:
+    """Each distinct prompt's outputs, in every configuration, equal the offline engine's."""
+    distinct = {(tuple(prompt), max_tokens): None for prompt, max_tokens, _, _ in outputs}
+    llm = LLM(str(model), num_blocks=1024)
+    for prompt, max_tokens in distinct:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+        out = llm.generate({"prompt_token_ids": list(prompt)}, params)[0].outputs[0]
+        distinct[prompt, max_tokens] = out.token_ids, [chosen for chosen, _ in out.logprobs]
+    for prompt, max_tokens, tokens, logprobs in outputs:
+        assert_same(Output(tokens, logprobs), Output(*distinct[tuple(prompt), max_tokens]), f"{len(prompt)}-token prompt")
+
+
+def test_a_conversation_trace_replays_on_every_configuration(tmp_path, monkeypatch):
     require_redis_server()
+    outputs = tap_outputs(monkeypatch)
     configs = ["none", "host", "oracle"]
     if importlib.util.find_spec("mooncake") is not None:
         configs.insert(2, "host+store")
@@ -68,9 +113,13 @@ def test_a_conversation_trace_replays_on_every_configuration(tmp_path):
         assert set(run["counters"]) == {"prefill-0", "decode-0"}
     runs = {r["config"]: r for r in report["runs"]}
     assert runs["oracle"]["hit_rate"] > 0  # the shared first block, at least
-    assert sum(w.get("kv_host_tier_saved", 0) for w in runs["host"]["counters"].values()) > 0
+    total = lambda config, counter: sum(w.get(counter, 0) for w in runs[config]["counters"].values())
+    # the host tier was written and read: its workers' calibration found loading a hit cheaper than recomputing
+    assert total("host", "kv_host_tier_saved") > 0 and total("host", "kv_host_tier_loaded") > 0
     if "host+store" in runs:
-        assert sum(w.get("kv_store_blocks_written", 0) for w in runs["host+store"]["counters"].values()) > 0
+        assert total("host+store", "kv_store_blocks_written") > 0 and total("host+store", "kv_store_blocks_fetched") > 0
+    assert len(outputs) == len(configs) * (24 + 2)  # the slice and the client's two warm-up prompts, per run
+    assert_offline_outputs(model, outputs)
     assert (out / "trace-grpc.png").exists()
     assert "| oracle |" in tr.table(report)
     assert not _running_with(str(model))  # every router and worker of every platform was stopped

@@ -153,6 +153,39 @@ def test_property_the_least_loaded_are_the_least_loaded_by_reports_and_books(see
         assert got == sorted(keys, key=lambda w: (keys[w], w))[:k]
 
 
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), holders=st.integers(0, 4), least=st.integers(1, 4))
+def test_property_the_preselected_set_is_the_pending_the_deepest_and_the_least_loaded(seed, holders, least):
+    """What the module's docs promise, unconditionally: with nothing sampled, the set priced is exactly every
+    worker computing a prefix of the prompt for this router, then per role the ``holders`` deepest prefix holders
+    (ties: the least loaded, then by id) and the ``least_loaded`` least loaded, read here from the figures full
+    pricing gives each candidate (``tiered_blocks``, ``num_active``, ``queued_prefill_tokens``); a sampled worker
+    only adds to it."""
+    rng, clock = random.Random(seed), Clock()
+    snapshot = cluster(rng, rng.randint(1, 12), rng.randint(1, 12))
+    books, mirror = books_for(rng, snapshot, clock), IndexMirror()
+    for info, _ in snapshot.workers:  # few depths: holders tie, and the least loaded of a tie must be taken
+        if rng.random() < 0.5:
+            mirror.store(info.worker_id, CHAIN[: rng.choice([8, 32, 64])])
+    books.pending = {info.worker_id: rng.randint(1, 8) for info, _ in snapshot.workers if rng.random() < 0.15}
+    view, match = PoolView(snapshot), mirror.match(CHAIN)
+    everyone, _ = view.candidates(match, books, None, rng)
+    expected = set(books.pending)
+    for role in ("decode", "prefill"):
+        mine = [c for c in everyone if c.info.role == role]
+        load = {c.worker_id: (c.num_active, c.queued_prefill_tokens) if role == "decode"
+                else (c.queued_prefill_tokens, c.num_active) for c in mine}
+        expected.update(sorted(load, key=lambda w: (load[w], w))[:least])
+        deep = [c.worker_id for c in mine if c.tiered_blocks > 0]
+        by_depth = {c.worker_id: c.tiered_blocks for c in mine}
+        expected.update(sorted(deep, key=lambda w: (-by_depth[w], load[w], w))[:holders])
+    config = PreselectConfig(above=0, holders=holders, least_loaded=least, sampled=0)
+    assert view.preselect(match, books, config, random.Random(0)) == expected
+    sampled = view.preselect(match, books, PreselectConfig(above=0, holders=holders, least_loaded=least, sampled=1),
+                             random.Random(seed))
+    assert sampled is not None and expected <= sampled and len(sampled - expected) <= 2  # one per role at most
+
+
 def test_a_thousand_workers_price_a_handful(monkeypatch):
     """500 prefill + 500 decode workers, a system prompt every worker holds and a conversation three hold: the
     cost model quotes and prices only the pre-selected few, the deepest holders among them, and decides."""

@@ -77,5 +77,10 @@ def test_preempted_windowed_requests_resume_exactly(tiny_checkpoints, mode):
     llm = LLM(str(checkpoint.path), num_blocks=12, max_num_batched_tokens=64, kv_host_blocks=64,
               preemption_mode=mode)
     assert generate(llm) == expected
-    assert llm.engine.stats().num_preemptions > 0
-    llm.engine.kv_cache_manager.host.check_invariants()
+    preemptions, host = llm.engine.stats().num_preemptions, llm.engine.kv_cache_manager.host
+    assert preemptions > 0
+    # swap: every preempted request's window went to the host tier (64 blocks: room for all) and came back;
+    # recompute: nothing did
+    swapped = preemptions if mode == "swap" else 0
+    assert (host.num_swapped_out, host.num_swapped_in) == (swapped, swapped)
+    host.check_invariants()
