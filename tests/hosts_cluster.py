@@ -30,6 +30,7 @@ from kv_transfer.workers import WorkerInfo
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.hosts import HostProc, Network
+from tests.integration.cluster import set_draining_seen
 from tests.redis_server import require_redis_server
 
 REDIS_PORT, ROUTER_PORT, WORKER_PORT, METRICS_PORT = 6379, 50051, 50061, 9451
@@ -147,19 +148,12 @@ class HostsCluster:
         finally:
             await redis.aclose()
 
-    def only(self, *worker_ids: str, settle_s: float = 1.5) -> None:
-        """Drain every worker but ``worker_ids`` (the router then has one choice per role); waits ``settle_s``
-        for the router to re-list the registry (every 0.5 s)."""
-        async def set_draining() -> None:
-            redis = connect(f"unix://{self.forward(self.redis.address)}?db=0")
-            registry = Registry(redis, "baton")
-            for worker_id in self.workers:
-                await (registry.remove_draining(worker_id) if worker_id in worker_ids
-                       else registry.add_draining(worker_id))
-            await redis.aclose()
-
-        asyncio.run(set_draining())
-        time.sleep(settle_s)
+    def only(self, *worker_ids: str) -> None:
+        """Drain every worker but ``worker_ids`` (the router then has one choice per role); returns once the router
+        routes by a listing that says so (``set_draining_seen``: probe requests, decoded locally)."""
+        decode = [w for w, (_, args) in self._worker_args.items() if args[0] == "decode"]
+        set_draining_seen(self.channel(self.router.address), f"unix://{self.forward(self.redis.address)}?db=0",
+                          "baton", decode_ids=decode, draining=[w for w in self.workers if w not in worker_ids])
 
     # ---- talking to them -------------------------------------------------------------------
     def channel(self, address: str) -> grpc.Channel:

@@ -9,10 +9,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
+from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.registry import Registry, connect
+from proto import baton_pb2 as pb
+from proto import baton_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,7 +131,111 @@ class Cluster:
         finally:
             await redis.aclose()
 
+    def wait_indexed(self, holder: str, tokens: Sequence[int], *, salt: str = "", mirrors: int = 0,
+                     timeout_s: float = 30.0) -> None:
+        """Until the KV index in Redis names ``holder`` for every full block of ``tokens`` (hashed as a router hashes
+        a request of tenant ``salt``: the holder's registered fingerprint and block size; workers publish their
+        blocks every 0.25 s), then until ``mirrors`` routers' index mirrors hold it too (``wait_mirrors_read``)."""
+        asyncio.run(self._wait_indexed(holder, tokens, salt, time.monotonic() + timeout_s))
+        if mirrors:
+            wait_mirrors_read(self.redis_url, mirrors, timeout_s)
+
+    async def _wait_indexed(self, holder: str, tokens: Sequence[int], salt: str, deadline_s: float) -> None:
+        from router.routing.directory import scheme_of
+
+        redis = connect(self.redis_url)
+        try:
+            registry = Registry(redis, self.namespace)
+            listed = {info.worker_id: info for info, _ in await registry.list_workers()}
+            assert holder in listed, f"{holder} is not registered (listed: {sorted(listed)})"
+            scheme = scheme_of(listed[holder])
+            assert scheme is not None, listed[holder]
+            hashes = hash_blocks(tokens, scheme.block_size, root_hash(scheme.fingerprint, scheme.block_size, salt))
+            assert hashes, f"{len(tokens)} tokens fill no block"
+            while (held := (await registry.index.lookup_tiers(hashes)).gpu.get(holder, 0)) < len(hashes):
+                assert time.monotonic() < deadline_s, f"{holder} indexed for {held} of {len(hashes)} blocks"
+                await asyncio.sleep(0.05)
+        finally:
+            await redis.aclose()
+
     def stop_all(self) -> None:
         for proc in self.procs:
             proc.kill(signal.SIGTERM)
         self.procs.clear()
+
+
+# Shorter than one KV block (every cluster here runs block size 4) and under every test router's disaggregation
+# threshold: decoded where it is routed, with no prefill worker, and nothing of it cached or indexed.
+PROBE_PROMPT = [17, 29]
+
+
+def set_draining_seen(channel: grpc.Channel, redis_url: str, namespace: str, *, decode_ids: Collection[str],
+                      draining: Collection[str], timeout_s: float = 30.0) -> None:
+    """Make the registry's draining set exactly ``draining`` and return once the router behind ``channel`` routes
+    by a listing that has it so.
+
+    The router re-lists the registry when a request finds its listing older than ``worker_list_ttl_s`` (0.5 s), and
+    shows its listing nowhere but in its decisions (the Admin ``ListWorkers`` reads Redis afresh). So every decode
+    worker (``decode_ids``) is drained first, until a probe request is refused with "no decode workers (N
+    draining)": the router's listing is newer than that write. Then the set becomes ``draining`` in one write, and
+    once a probe is served, the listing that routed it is newer than that write too."""
+    everyone = {*decode_ids, *draining}
+    asyncio.run(_write_draining(redis_url, namespace, everyone, exactly=False))
+    _probe_until(channel, refused=True, timeout_s=timeout_s)
+    if set(decode_ids) <= set(draining):
+        return  # every decode worker drained: the refusal was the listing to wait for
+    asyncio.run(_write_draining(redis_url, namespace, draining, exactly=True))
+    _probe_until(channel, refused=False, timeout_s=timeout_s)
+
+
+async def _write_draining(redis_url: str, namespace: str, worker_ids: Collection[str], *, exactly: bool) -> None:
+    """Add ``worker_ids`` to the draining set, or (``exactly``) make it that set, in one transaction."""
+    redis = connect(redis_url)
+    try:
+        key = Registry(redis, namespace).keys.draining
+        async with redis.pipeline(transaction=True) as pipe:
+            if exactly:
+                pipe.delete(key)
+            if worker_ids:
+                pipe.sadd(key, *worker_ids)
+            await pipe.execute()
+    finally:
+        await redis.aclose()
+
+
+def _probe_until(channel: grpc.Channel, *, refused: bool, timeout_s: float) -> None:
+    """Until a probe is refused for want of an undrained decode worker (``refused``), or served (not)."""
+    stub = pb_grpc.GenerationStub(channel)
+    params = pb.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROBE_PROMPT), sampling=params)
+    deadline, last = time.monotonic() + timeout_s, ""
+    while True:
+        try:
+            list(stub.Generate(request, timeout=10))
+            last = "served"
+        except grpc.RpcError as exc:
+            last = f"{exc.code().name}: {exc.details()}"
+        drained = last.startswith("UNAVAILABLE: ") and "no decode workers (" in last and "draining)" in last
+        if drained if refused else last == "served":
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router's listing did not show the drain in {timeout_s} s; last probe: {last}")
+        time.sleep(0.05)
+
+
+def wait_mirrors_read(redis_url: str, mirrors: int, timeout_s: float = 30.0) -> None:
+    """Until ``mirrors`` clients of Redis wait in a blocking XREAD: the routers' index mirrors (nothing else reads
+    streams here), each of which reads again only once it applied what it read, with one XREAD at a time. A blocked
+    XREAD has nothing left to read, so once every mirror's is, each holds every index event written before this
+    call. ``mirrors``: the routers with ``--index-mirror`` (the default) on that Redis."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (waiting := sum(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in client.client_list())) \
+                < mirrors:
+            assert time.monotonic() < deadline, f"{waiting} of {mirrors} index mirrors caught up in {timeout_s} s"
+            time.sleep(0.01)
+    finally:
+        client.close()

@@ -6,9 +6,10 @@ What each expects (beyond the checks every scenario ends with, see ``faults_lib.
   (still listed): every request completes token-exact (local recompute on the decode worker).
 - decode_killed_before_first_token: d0 frozen, then SIGKILLed while requests wait on it: they are retried
   on d1 and complete token-exact.
-- decode_killed_mid_stream: streams on d0 (greedy and seeded; d1 drained while they start) when d0 is frozen
-  mid-stream and SIGKILLed migrate to d1 (undrained first) and complete exactly as the offline engine's, each
-  counted once in the router's ``baton:request_migrations_total``.
+- decode_killed_mid_stream: streams on d0 (restarted slowed, ``--fault-step-delay-s``: mid-stream on any machine;
+  greedy and seeded; d1 drained while they start) when d0 is frozen mid-stream and SIGKILLed migrate to d1
+  (undrained first) and complete exactly as the offline engine's, each counted once in the router's
+  ``baton:request_migrations_total``.
 - router_restarted: streams end in UNAVAILABLE; a new router on the same port serves.
 - redis_restarted / redis_stopped (killed and started again / frozen with SIGSTOP): requests complete on
   the router's last listing or fail UNAVAILABLE; workers re-register.
@@ -34,6 +35,7 @@ from tests.integration.faults_lib import (
 )
 
 STREAM_TOKENS = 64  # mid-stream when the fault hits (3 tokens in), and cheap to finish on a slow CPU
+MIGRATING_STEP_S = 0.1  # d0's --fault-step-delay-s in decode_killed_mid_stream: 64 tokens take 6.4 s or more
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 1234}  # sampled, and reproducible by the reference engine
 # Just after a Redis restart the router may read an empty registry (a successful answer, so not replaced by its
 # last listing) until the workers' next heartbeat re-registers them (ROUTER_LISTING_S).
@@ -80,6 +82,9 @@ def _router_log(p: FaultPlatform) -> str:
 def decode_killed_mid_stream(p: FaultPlatform, ref: Reference) -> ScenarioResult:
     check = Checker("decode_killed_mid_stream", ref)
     counted = p.router_counter("baton:request_migrations_total")
+    # d0 slowed for this scenario: its streams last STREAM_TOKENS x MIGRATING_STEP_S or more on any machine, so they
+    # are mid-way when it is frozen (a fast machine's d0 had finished them)
+    p.restart_worker("d0", "--fault-step-delay-s", str(MIGRATING_STEP_S))
     d0 = p.workers["d0"]
     p.set_draining("d1", True)  # every stream starts on d0
     try:
@@ -87,9 +92,11 @@ def decode_killed_mid_stream(p: FaultPlatform, ref: Reference) -> ScenarioResult
                    Batch(p.address, [p.prompt(i) for i in range(22, 24)], STREAM_TOKENS, DEADLINE_S, SEEDED)]
         if not all(batch.wait_tokens(3) for batch in batches):
             check.problem("streams did not start")
-        d0.popen.send_signal(signal.SIGSTOP)  # mid-stream, while the router sees d1 come back
     finally:
-        p.set_draining("d1", False)
+        p.set_draining("d1", False)  # the router routes by a listing with d1 back before d0 fails
+    d0.popen.send_signal(signal.SIGSTOP)  # mid-stream
+    if any(n >= STREAM_TOKENS for batch in batches for n in batch.progress):
+        check.problem(f"a stream ended before d0 froze (d0's steps took less than {MIGRATING_STEP_S} s?)")
     d0.kill(signal.SIGKILL)
     outcomes = [o for batch in batches for o in check.add(batch.results(), {"OK"})]
     for o in outcomes:
@@ -98,7 +105,7 @@ def decode_killed_mid_stream(p: FaultPlatform, ref: Reference) -> ScenarioResult
             check.problem(f"not migrated once to d1: {t.migrations} migrations, on {t.decode_worker!r}")
     if p.router_counter("baton:request_migrations_total") - counted != len(outcomes):
         check.problem("the router did not count one migration per stream")
-    p.restart_worker("d0")
+    p.restart_worker("d0")  # as the platform started it: not slowed
     return check.finish(p)
 
 

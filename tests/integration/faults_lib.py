@@ -29,7 +29,7 @@ import grpc
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.client_batch import Outcome, generate
-from tests.integration.cluster import Cluster, Proc, free_port
+from tests.integration.cluster import Cluster, Proc, free_port, set_draining_seen
 from tests.integration.kv_proxy import KVProxy
 from tests.redis_server import RedisServer, require_redis_server
 
@@ -114,15 +114,18 @@ class FaultPlatform:
         assert self.router is not None
         return self.router.address
 
-    def start_worker(self, name: str) -> Proc:
-        common = ("--heartbeat-ttl-s", str(HEARTBEAT_TTL_S))
+    def start_worker(self, name: str, *extra: str) -> Proc:
+        """``extra``: more flags for this start only (e.g. ``--fault-step-delay-s``)."""
+        common = ("--heartbeat-ttl-s", str(HEARTBEAT_TTL_S), *extra)
         if name.startswith("p"):
-            extra = ("--lease-ttl-s", str(LEASE_TTL_S), "--kv-port", str(self.kv_port),
-                     "--kv-advertise-uri", self.proxy.uri, *common)
-            proc = self.cluster.start_worker("prefill", *extra, worker_id=name)
+            args = ("--lease-ttl-s", str(LEASE_TTL_S), "--kv-port", str(self.kv_port),
+                    "--kv-advertise-uri", self.proxy.uri, *common)
+            proc = self.cluster.start_worker("prefill", *args, worker_id=name)
         else:
-            extra = ("--kv-checksum", "--kv-io-timeout-s", str(KV_IO_TIMEOUT_S), *common)
-            proc = self.cluster.start_worker("decode", *extra, worker_id=name)
+            # --on-drain stay: a decode worker drained by a scenario (set_draining) never exits however long the
+            # scenario takes (the default exits once drained and idle for 5 s)
+            args = ("--kv-checksum", "--kv-io-timeout-s", str(KV_IO_TIMEOUT_S), "--on-drain", "stay", *common)
+            proc = self.cluster.start_worker("decode", *args, worker_id=name)
         self.workers[name] = proc
         self.cluster.workers = list(self.workers.values())  # what test_e2e.assert_pools_full reads
         return proc
@@ -150,25 +153,29 @@ class FaultPlatform:
         return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(f"{name}{{"))
 
     def set_draining(self, name: str, draining: bool) -> None:
-        """Drain (or undrain) worker ``name`` in the registry; returns once the router has re-listed it."""
+        """Drain (or undrain) worker ``name`` in the registry; returns once the router routes by a listing that
+        says so (``cluster.set_draining_seen``: probe requests, decoded locally by the decode workers left)."""
         import asyncio
 
         from kv_transfer.registry import Registry, connect
 
-        async def change() -> None:
+        async def listed() -> set[str]:
             redis = connect(self.redis.url)
             try:
-                registry = Registry(redis, self.cluster.namespace)
-                await (registry.add_draining(name) if draining else registry.remove_draining(name))
+                return await Registry(redis, self.cluster.namespace).list_draining()
             finally:
                 await redis.aclose()
 
-        asyncio.run(change())
-        time.sleep(ROUTER_LISTING_S)
+        now = asyncio.run(listed())
+        wanted = now | {name} if draining else now - {name}
+        with grpc.insecure_channel(self.address) as channel:
+            set_draining_seen(channel, self.redis.url, self.cluster.namespace, draining=wanted,
+                              decode_ids=[n for n in self.workers if n.startswith("d")])
 
-    def restart_worker(self, name: str) -> None:
+    def restart_worker(self, name: str, *extra: str) -> None:
+        """SIGKILL worker ``name`` and start it again (with ``extra`` flags: see ``start_worker``)."""
         self.workers[name].kill(signal.SIGKILL)
-        self.start_worker(name)
+        self.start_worker(name, *extra)
         self.wait_registered((name,))
 
     def registered(self) -> dict[str, str]:

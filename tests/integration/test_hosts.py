@@ -86,12 +86,14 @@ def test_hosts_are_isolated_and_their_links_shaped(tmp_path) -> None:
              "for addr, n in ((sys.argv[1], 4 << 20), (sys.argv[2], 1 << 20)):\n"
              "    s = socket.create_connection((addr, 5001)); t = time.perf_counter(); s.sendall(b'x' * n)\n"
              "    s.shutdown(socket.SHUT_WR); s.recv(1); print('rate', addr, n * 8 / (time.perf_counter() - t))\n")
-    sink = ("import socket\ns = socket.create_server(('0.0.0.0', 5001))\nc, _ = s.accept()\n"
-            "while c.recv(1 << 16): pass\nc.close()\n")
+    sink = ("import socket\ns = socket.create_server(('0.0.0.0', 5001))\nprint('listening', flush=True)\n"
+            "c, _ = s.accept()\nwhile c.recv(1 << 16): pass\nc.close()\n")
     with Network.create(["a", "b", "c"]) as net:
         net.shape("a", "100mbit", per_peer={"c": "20mbit"})
         sinks = [net[h].spawn(f"sink-{h}", [sys.executable, "-c", sink], tmp_path) for h in ("b", "c")]
-        time.sleep(0.5)
+        for sink_proc in sinks:  # until each sink listens (the probe connects to both)
+            wait_for(lambda p=sink_proc: "listening" in p.log() or not p.alive(), f"{sink_proc.name} listening")
+            assert sink_proc.alive(), sink_proc.log()
         b, c = net["b"].address, net["c"].address
         sender = net["a"].spawn("probe", [sys.executable, "-c", probe, b, c], tmp_path)
         assert sender.popen.wait(60) == 0, sender.log()
@@ -118,6 +120,13 @@ def test_a_crashed_runs_hosts_die_with_it_and_their_namespaces_go_with_the_next_
     assert sorted(removed) == [f"{prefix}-a", f"{prefix}-br"]
     assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                 if n.startswith(prefix)]
+
+
+def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
 
 
 def wait_for_exit(pid: int, timeout_s: float = 10.0) -> None:

@@ -133,7 +133,7 @@ def test_hosts_whose_processes_are_all_killed_migrate_streams_exactly_and_are_ro
     calls = [cluster.stream(PROMPTS[3], MIGRATING_TOKENS, timeout_s=60),
              cluster.stream(PROMPTS[3], MIGRATING_TOKENS, timeout_s=60, **SEEDED)]
     received = [[t for _ in range(2) for t in next(call).token_ids] for call in calls]  # P's first token, then d1's
-    cluster.only("p0", "p1", "d0", "d1", settle_s=1.0)  # d0 to migrate to
+    cluster.only("p0", "p1", "d0", "d1")  # d0 to migrate to
     net["f"].kill_all()  # d1's host: every process SIGKILLed at once, mid-stream
     for call, tokens, undisturbed in zip(calls, received, migrating):
         responses = list(call)

@@ -56,15 +56,21 @@ def generate(cluster, prompt: list[int], salt: str = "", router=None) -> pb.Gene
     return list(stub.Generate(request, timeout=60))[-1]
 
 
-def wait_indexed(seconds: float = 1.0) -> None:
-    time.sleep(seconds)  # workers publish block events to the Redis index every 0.25 s
+def wait_indexed(cluster, served: pb.GenerateResponse, prefix: list[int], salt: str = "") -> None:
+    """Until the workers that ``served`` a request (its decode worker, and its prefill worker if any) are named for
+    ``prefix`` in the Redis index and in both routers' mirrors of it (the cluster's router mirrors the index too:
+    ``--index-mirror`` is the default). A router also counts a prefix it sent a worker to compute as held there, for
+    1 s after its first token (``PendingPrefixes.grace_s``), and says so ("d0 is computing N of them"): the tests
+    below assert that it did not have to, so a router that cannot read the index fails them."""
+    for holder in filter(None, (served.timings.decode_worker, served.timings.prefill_worker)):
+        cluster.wait_indexed(holder, prefix, salt=salt, mirrors=2)
 
 
 def test_a_repeated_long_prefix_lands_where_it_is_cached(cluster):
     first = generate(cluster, PREFIX + [7, 8, 9])
     holders = {first.timings.decode_worker}
     assert first.usage.cached_prompt_tokens == 0
-    wait_indexed()
+    wait_indexed(cluster, first, PREFIX)
     for suffix in ([1, 2, 3, 4, 5], [40, 41], [99] * 9):
         again = generate(cluster, PREFIX + suffix)
         t = again.timings
@@ -76,15 +82,17 @@ def test_a_repeated_long_prefix_lands_where_it_is_cached(cluster):
             (holders, t.route_reason)
         holders.add(t.decode_worker)
         assert again.usage.cached_prompt_tokens >= len(PREFIX), t.route_reason
+        assert "is computing" not in t.route_reason, t.route_reason  # the index named the holders
         assert again.timings.predicted_ttft_ms > 0  # the cost model's prediction, beside the measured ttft
-        wait_indexed(0.3)
+        wait_indexed(cluster, again, PREFIX)
     assert_pools_full(cluster)
 
 
 def test_a_router_mirroring_the_index_agrees_with_the_one_that_placed_the_prefix(cluster):
     prefix = [(7 * j) % 2500 + 30 for j in range(120)]
-    holders = {generate(cluster, prefix + [1]).timings.decode_worker}  # placed through the first router
-    wait_indexed()
+    placed = generate(cluster, prefix + [1])  # through the first router
+    holders = {placed.timings.decode_worker}
+    wait_indexed(cluster, placed, prefix)
     for suffix in ([2, 3], [4] * 7):  # the second router learned where it lives from the event streams alone
         again = generate(cluster, prefix + suffix, router=cluster.mirror_router)
         reason, decoder = again.timings.route_reason, again.timings.decode_worker
@@ -95,15 +103,16 @@ def test_a_router_mirroring_the_index_agrees_with_the_one_that_placed_the_prefix
         on_holder = decoder in holders and f"{len(prefix)} of {total} prompt tokens cached on {decoder}" in reason
         imported = any(f"({len(prefix)} tokens from {h})" in reason for h in holders)
         assert on_holder or imported, (holders, reason)
+        assert "is computing" not in reason, reason  # its mirror named the holders (not the first router's books)
         assert again.usage.cached_prompt_tokens >= len(prefix), reason
         holders.add(decoder)
-        wait_indexed(0.3)
+        wait_indexed(cluster, again, prefix)
     assert_pools_full(cluster)
 
 
 def test_another_tenant_salt_never_reuses_the_prefix(cluster):
-    generate(cluster, PREFIX + [5, 5, 5], salt="tenant-a")
-    wait_indexed()
+    first = generate(cluster, PREFIX + [5, 5, 5], salt="tenant-a")
+    wait_indexed(cluster, first, PREFIX, salt="tenant-a")
     same_tenant = generate(cluster, PREFIX + [6, 6, 6], salt="tenant-a")
     other_tenant = generate(cluster, PREFIX + [6, 6, 6], salt="tenant-b")
     assert same_tenant.usage.cached_prompt_tokens >= len(PREFIX)
@@ -304,7 +313,9 @@ def keep_busy(cluster, streams_per_worker: int = 3) -> Busy:
     while reported_running(cluster) != {"d0": 0, "d1": streams_per_worker, "d2": streams_per_worker}:
         assert time.monotonic() < deadline, reported_running(cluster)
         time.sleep(0.02)
-    time.sleep(0.6)  # the routers' listings (0.5 s) catch up with the heartbeats
+    # the routers' listings (renewed when 0.5 s old) catch up with the heartbeats: kept as a sleep, as no interface
+    # shows a router's listing and a probe request would change the books the burst is about
+    time.sleep(0.6)
     return busy
 
 
@@ -326,6 +337,7 @@ def burst(cluster, routers) -> tuple[Counter, list[str]]:
             try:
                 start, streams = time.monotonic(), []
                 for i, request in enumerate(requests):  # one thread: a call is sent when it is made
+                    # the burst's pacing, one send every BURST_GAP_S: the scenario itself, not a wait for state
                     time.sleep(max(0.0, start + i * BURST_GAP_S - time.monotonic()))
                     streams.append(stubs[i % len(stubs)].Generate(request, timeout=60))
                 routed_s = time.monotonic() + 0.6  # the last send routed, and its listing's view of d1 and d2 too

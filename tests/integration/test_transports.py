@@ -6,18 +6,14 @@ auto (cma first on one host)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import grpc
 import pytest
 
 from kv_transfer.nixl import INSTALL_HINT as NIXL_HINT, installed as nixl_installed
-from kv_transfer.registry import Registry, connect
 from kv_transfer.transport import parse_kinds
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import Cluster, set_draining_seen
 from tests.integration.test_e2e import (  # noqa: F401
     MAX_TOKENS, PROMPTS, _wait_serving, assert_pools_full, expected, expected_outputs, generate_output, model_dir,
 )
@@ -58,16 +54,11 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811
 
 
 def only(cluster, decode_id: str) -> None:
-    """Drain every decode worker but ``decode_id`` so the router has one choice."""
-    async def set_draining() -> None:
-        redis = connect(cluster.redis_url)
-        registry = Registry(redis, cluster.namespace)
-        for other in DECODES:
-            await (registry.remove_draining(other) if other == decode_id else registry.add_draining(other))
-        await redis.aclose()
-
-    asyncio.run(set_draining())
-    time.sleep(1.5)  # the router re-lists the registry every 0.5 s
+    """Drain every decode worker but ``decode_id`` so the router has one choice; returns once the router routes by a
+    listing that says so (``set_draining_seen``: probe requests, decoded locally)."""
+    with grpc.insecure_channel(cluster.router.address) as channel:
+        set_draining_seen(channel, cluster.redis_url, cluster.namespace, decode_ids=list(DECODES),
+                          draining=[d for d in DECODES if d != decode_id])
 
 
 def generate(cluster, prompt: list[int]) -> tuple[list[int], pb.Timings]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -214,6 +215,14 @@ class Owner:
         self.other_books = NO_OTHERS
 
 
+async def until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Polls the async ``condition`` until it holds; fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(0.01)
+
+
 @pytest.fixture(scope="module")
 def redis_url():
     require_redis_server()
@@ -256,9 +265,11 @@ def test_routers_see_each_others_books_through_redis_until_they_stop_or_die(redi
             a.other_books = NO_OTHERS
             b.inflight["d2"] += 1
             await syncs[1].sync_once()
+            assert 0 < await redis.pttl(keys.router_books("rb")) <= round(config.ttl_s * 1000)  # written with its TTL
             await syncs[2].sync_once()
             assert c.other_books.routers == ("rb",)
-            await asyncio.sleep(config.ttl_s + 0.1)  # b dies (syncs no more): its books expire
+            # b dies (syncs no more): Redis expires its books by their TTL (a key written without one never goes)
+            await until(lambda: _gone(redis, keys.router_books("rb")), "b's books expired", timeout_s=10 * config.ttl_s)
             await syncs[2].sync_once()
             assert c.other_books is NO_OTHERS and await redis.smembers(keys.routers) == set()
         finally:
@@ -268,24 +279,32 @@ def test_routers_see_each_others_books_through_redis_until_they_stop_or_die(redi
 
 
 def test_unchanged_books_are_only_extended_and_rewritten_after_they_expired(redis_url):
-    keys = RedisKeys("books-extend")
+    """By cause, not by racing the TTL: the time left on the document is cut by hand (as if most of its TTL had run
+    out) and the sync must set it back to the whole TTL; the clocks it reads move, so a rewrite would be dated later
+    (another document)."""
+    keys, key, ttl_ms = RedisKeys("books-extend"), RedisKeys("books-extend").router_books("r"), 60_000
 
     async def scenario() -> None:
         redis = connect(redis_url)
-        owner = Owner()
-        sync = BooksSync(redis, keys, owner, lambda: None, SharedBooksConfig(period_s=0.02, ttl_s=0.3, router_id="r"))
+        owner, clock = Owner(), Clock()
+        sync = BooksSync(redis, keys, owner, lambda: None,
+                         SharedBooksConfig(period_s=0.02, ttl_s=ttl_ms / 1000, router_id="r"),
+                         clock=clock, wall_ms=clock.wall_ms)
         try:
             owner.inflight["d0"] += 1
             await sync.sync_once()
-            written = await redis.get(keys.router_books("r"))
-            await asyncio.sleep(0.2)
+            written = await redis.get(key)
+            assert 0 < await redis.pttl(key) <= ttl_ms  # written with the TTL
+            await redis.pexpire(key, 1_000)  # 1 s left
+            clock.now_s += 30.0
             await sync.sync_once()  # unchanged: its TTL is extended, the document is the same one
-            assert await redis.get(keys.router_books("r")) == written
-            assert await redis.pttl(keys.router_books("r")) > 200
-            await redis.delete(keys.router_books("r"))  # gone (a Redis restart, a stall past the TTL)
+            assert await redis.get(key) == written
+            assert 1_000 < await redis.pttl(key) <= ttl_ms  # the whole TTL again
+            await redis.delete(key)  # gone (a Redis restart, a stall past the TTL)
             await sync.sync_once()  # finds it gone ...
-            await sync.sync_once()  # ... and writes it again
-            assert await redis.get(keys.router_books("r")) is not None
+            assert await redis.exists(key) == 0  # (extending a missing key does not make one)
+            await sync.sync_once()  # ... and writes it again: dated now
+            assert (await redis.get(key)) not in (None, written) and 0 < await redis.pttl(key) <= ttl_ms
         finally:
             await redis.aclose()
 
@@ -334,12 +353,11 @@ def test_redis_failing_drops_the_others_books_after_their_ttl():
                 await asyncio.sleep(0.01)
             assert mine.other_books.streams == {"d0": 1}
             server.stop()
-            await asyncio.sleep(0.3)
-            for _ in range(300):
-                if mine.other_books is NO_OTHERS:
-                    break
-                await asyncio.sleep(0.01)
-            assert mine.other_books is NO_OTHERS  # stale books are not priced for ever
+
+            async def dropped() -> bool:
+                return mine.other_books is NO_OTHERS
+
+            await until(dropped, "stale books are not priced for ever")  # once the reader's TTL has passed
             await reader.stop()  # its delete fails quietly: its books expire on their own
         finally:
             await redis.aclose()
@@ -348,3 +366,7 @@ def test_redis_failing_drops_the_others_books_after_their_ttl():
         asyncio.run(asyncio.wait_for(scenario(), 20.0))
     finally:
         server.stop()
+
+
+async def _gone(redis, key: str) -> bool:
+    return await redis.exists(key) == 0
