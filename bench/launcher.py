@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.up import Child, stop_all
+from deploy.up import Child, free_port, stop_all
 from kv_transfer.redis_index import RedisKeys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,10 +66,6 @@ def core_plan(layout: Layout, available: list[int], router_core: int | None = No
     return CorePlan(layout=layout, worker_cores=workers, router_core=router_core)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pinned(cmd: list[str], cores: set[int]) -> tuple[list[str], object]:

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import grpc
 
 from bench.client import greedy_request, stream_generate
 from bench.plots import pyplot
-from deploy.up import Child, spawn, start_redis, stop_all
+from deploy.up import Child, free_port, spawn, start_redis, stop_all
 from proto import baton_pb2_grpc as pb_grpc
 from router.routing.policy import POLICIES
 
@@ -113,12 +112,6 @@ def oracle_cached_tokens(planned: list[Planned]) -> list[int]:
 
 
 # ---- platform -----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_platform(redis_url: str, model: str, policy: str, log_dir: Path, children: list[Child],
                    num_blocks: int = 2048, tag: str | None = None) -> str:
     """2 prefill + 2 decode workers and a router in namespace ``bench-{tag}`` (default: the policy's name);
@@ -128,10 +121,10 @@ def start_platform(redis_url: str, model: str, policy: str, log_dir: Path, child
     for role in ("prefill", "decode"):
         for i in range(2):
             worker_id = f"{tag}-{role[0]}{i}"
-            spawn(worker_id, [role, *common, "--port", str(_free_port()), "--worker-id", worker_id,
+            spawn(worker_id, [role, *common, "--port", str(free_port()), "--worker-id", worker_id,
                               "--num-threads", "1", "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks)],
                   log_dir, children)
-    port = _free_port()
+    port = free_port()
     spawn(f"router-{tag}", ["router", *common, "--port", str(port), "--policy", policy,
                                      "--http-port", "0", "--metrics-port", "0"], log_dir, children)
     return f"127.0.0.1:{port}"

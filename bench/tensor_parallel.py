@@ -145,13 +145,12 @@ def allreduce_latency(rank: int, port: int) -> None:
 
 
 def _allreduce_pair() -> None:
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from deploy.up import free_port
+
+    port = free_port()
     peer = subprocess.Popen([sys.executable, "-m", "bench.tensor_parallel", "--allreduce-peer", str(port)])
     try:
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; gloo over loopback, 1 thread each:")

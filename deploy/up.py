@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,10 +38,24 @@ class Child:
     popen: subprocess.Popen
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports `baton up`, a test or a bench hands to a process it starts: below the kernel's ephemeral range (Linux: 32768-60999), so no
+# socket some other process binds to port 0 in the meantime (vLLM's engines open dozens while they load) can take one
+# between this choice and that process's bind.
+PORTS = range(20000, 32768)
+_rng = random.Random()  # its own: a test that seeds the module `random` must not make every run pick the same ports
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now, outside the ephemeral range (``PORTS``)."""
+    for _ in range(200):
+        port = _rng.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1} after 200 tries")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -143,7 +158,7 @@ def start_redis(log_dir: Path, children: list[Child]) -> str:
     binary = os.environ.get("BATON_REDIS_SERVER") or shutil.which("redis-server")
     if binary is None:
         raise FileNotFoundError("redis-server")
-    port = _free_port()
+    port = free_port()
     cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
            "--dir", str(log_dir)]
     with (log_dir / "redis.log").open("wb") as log:

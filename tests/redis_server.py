@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from deploy.up import free_port  # noqa: F401 - the port chooser (outside the ephemeral range), imported from here
+
 INSTALL_HINT = "redis-server not found: run scripts/ensure-redis.sh (Debian: apt-get install -y redis-server)"
 _CANDIDATES = ("/usr/bin/redis-server", "/usr/sbin/redis-server", "/usr/local/bin/redis-server",
                "/opt/homebrew/bin/redis-server")
@@ -51,10 +53,6 @@ def require_redis_server() -> str:
     return binary
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.up import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("none", "host", "host+store", "oracle")
 
@@ -29,10 +31,6 @@ def config_flags(config: str, *, num_blocks: int, host_blocks: int, store_memory
     raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from deploy.up import free_port  # noqa: F401 - the port chooser (outside the ephemeral range), imported from here
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb
@@ -23,10 +23,6 @@ from proto import baton_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def interrupt(popen: subprocess.Popen, timeout_s: float = 30.0) -> None:
