@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.up import Child, free_port, stop_all
+from deploy.up import Child, stop_all
+from kv_transfer.ports import free_port
 from kv_transfer.redis_index import RedisKeys
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import grpc
 
-from bench.launcher import Layout, Platform, core_plan, free_port
+from bench.launcher import Layout, Platform, core_plan
 from bench.layerwise import MODES, mode_medians
+from kv_transfer.ports import free_port
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 

@@ -39,9 +39,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.client import greedy_request, stream_generate
-from bench.launcher import ROOT, free_port
+from bench.launcher import ROOT
 from bench.plots import pyplot
 from bench.workload import sharegpt_like
+from kv_transfer.ports import free_port
 
 ROLES = ("prefill", "decode")
 TARGET_ATTAINMENT = 0.9

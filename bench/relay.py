@@ -29,11 +29,11 @@ from typing import Any
 
 import psutil
 
-from bench.launcher import free_port
 from bench.relay_load import GrpcStreams, HttpStreams, Point, measure
 from bench.relay_worker import text_lengths
 from deploy.up import Child, start_redis, stop_all
 from engine.tokenizer import Tokenizer
+from kv_transfer.ports import free_port
 
 RESULTS = Path(__file__).parent / "results" / "relay.json"
 NS = "relay"

@@ -36,9 +36,10 @@ from pathlib import Path
 import grpc
 
 from bench.client import greedy_request, stream_generate
-from bench.routing import _free_port, wait_for_workers
+from bench.routing import wait_for_workers
 from bench.stats import percentile
 from deploy.up import Child, spawn, start_redis, stop_all
+from kv_transfer.ports import free_port
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from router.routing.policy import POLICIES
@@ -74,7 +75,7 @@ def start_platform(args: argparse.Namespace, model: str, redis_url: str, mode: s
     decode = []
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
-            port, worker_id = _free_port(), f"{role[0]}{i}"
+            port, worker_id = free_port(), f"{role[0]}{i}"
             spawn(f"{tag}-{worker_id}", [role, *common, "--port", str(port), "--worker-id", worker_id,
                                          "--num-threads", str(args.threads), "--block-size", str(BLOCK_SIZE),
                                          "--num-blocks", str(args.num_blocks)], log_dir, children)
@@ -83,7 +84,7 @@ def start_platform(args: argparse.Namespace, model: str, redis_url: str, mode: s
     routers = []
     sharing = [] if mode == "shared" else ["--no-shared-books"]
     for i in range(args.routers):
-        port = _free_port()
+        port = free_port()
         spawn(f"{tag}-router{i}", ["router", *common, "--port", str(port), "--policy", args.policy,
                                    "--http-port", "0", "--metrics-port", "0", *sharing], log_dir, children)
         routers.append(f"127.0.0.1:{port}")

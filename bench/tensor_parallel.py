@@ -148,7 +148,7 @@ def _allreduce_pair() -> None:
     import subprocess
     import sys
 
-    from deploy.up import free_port
+    from kv_transfer.ports import free_port
 
     port = free_port()
     peer = subprocess.Popen([sys.executable, "-m", "bench.tensor_parallel", "--allreduce-peer", str(port)])

@@ -7,10 +7,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +21,7 @@ from deploy.passthrough import add_passthrough, argv_of
 from deploy.pools import PoolManager
 from engine.errors import ModelLoadError
 from engine.model_source import MODEL_HELP, resolve_model
+from kv_transfer.ports import free_port
 from kv_transfer.redis_index import RedisKeys
 from kv_transfer.registry import redact_url, with_ca
 from proto import tls
@@ -36,26 +35,6 @@ _REDIS_HINT = ("no redis-server binary found: install Debian's `redis-server` (a
 class Child:
     name: str
     popen: subprocess.Popen
-
-
-# Ports `baton up`, a test or a bench hands to a process it starts: below the kernel's ephemeral range (Linux: 32768-60999), so no
-# socket some other process binds to port 0 in the meantime (vLLM's engines open dozens while they load) can take one
-# between this choice and that process's bind.
-PORTS = range(20000, 32768)
-_rng = random.Random()  # its own: a test that seeds the module `random` must not make every run pick the same ports
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on now, outside the ephemeral range (``PORTS``)."""
-    for _ in range(200):
-        port = _rng.choice(PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1} after 200 tries")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from deploy.up import free_port  # noqa: F401 - the port chooser (outside the ephemeral range), imported from here
+from kv_transfer.ports import free_port  # noqa: F401 - the port chooser (outside the ephemeral range), imported from here
 
 INSTALL_HINT = "redis-server not found: run scripts/ensure-redis.sh (Debian: apt-get install -y redis-server)"
 _CANDIDATES = ("/usr/bin/redis-server", "/usr/sbin/redis-server", "/usr/local/bin/redis-server",

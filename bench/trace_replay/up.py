@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.up import free_port
+from kv_transfer.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("none", "host", "host+store", "oracle")

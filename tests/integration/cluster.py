@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from deploy.up import free_port  # noqa: F401 - the port chooser (outside the ephemeral range), imported from here
+from kv_transfer.ports import free_port  # noqa: F401 - the port chooser (outside the ephemeral range), imported from here
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb

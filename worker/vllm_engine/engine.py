@@ -41,6 +41,7 @@ from engine.core.request import FinishReason
 from engine.errors import CapacityExceeded, InvalidRequest
 from kv_transfer.errors import KVTransferError
 from kv_transfer.layout import KVBuffer, KVLayout
+from kv_transfer.ports import free_port
 from kv_transfer.transport import TransportConfig
 from kv_transfer.workers import WorkerLoad
 from worker.engine_seam import Holdings
@@ -89,7 +90,7 @@ class VLLMEngine:
         options = self.options
         self._tmp = tempfile.TemporaryDirectory(prefix="baton-vllm-")
         endpoint = f"ipc://{self._tmp.name}/kv-events"
-        self.side_channel_port = _free_port()
+        self.side_channel_port = free_port()
         _set_vllm_env(options, self.side_channel_port)
         args = AsyncEngineArgs(
             model=options.model, dtype=options.dtype, block_size=options.block_size,
@@ -389,9 +390,3 @@ def _set_vllm_env(options: VLLMOptions, side_channel_port: int) -> None:
         os.environ.pop(plugin.ENV, None)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
