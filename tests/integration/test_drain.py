@@ -15,7 +15,7 @@ import pytest
 from kv_transfer.registry import Registry, connect
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import Cluster, set_draining_seen
 from tests.integration.test_e2e import _wait_serving
 from tests.redis_server import RedisServer, require_redis_server
 from tests.tiny_model import shared_tiny
@@ -69,7 +69,9 @@ def registered(cluster) -> set[str]:
 def test_a_drained_worker_finishes_its_stream_then_exits(cluster):
     stub = admin(cluster)
     assert stub.Drain(pb.DrainRequest(worker_id="d-stay"), timeout=5).changed
-    time.sleep(1.5)  # routers re-list the registry every 0.5 s
+    # until the router routes by a listing with d-stay draining (probes: refused with both drained, then served)
+    set_draining_seen(grpc.insecure_channel(cluster.router.address), cluster.redis_url, cluster.namespace,
+                      decode_ids=("d-stay", "d-exit"), draining=("d-stay",))
     responses, received = [], threading.Event()
 
     def consume() -> None:
@@ -92,9 +94,21 @@ def test_a_drained_worker_finishes_its_stream_then_exits(cluster):
     assert cluster.exiting.popen.wait(60) == 0, cluster.exiting.log()
     assert "drained: exiting" in cluster.exiting.log()
     assert "d-exit" not in registered(cluster)
-    time.sleep(1.0)
-    last = list(stream(cluster, 4))[-1]
+    last = served_after_exit(cluster)
     assert last.timings.decode_worker == "d-stay" and last.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def served_after_exit(cluster, timeout_s: float = 20.0) -> pb.GenerateResponse:
+    """A request's last response once the router serves one: until its listing drops the exited worker, a request
+    sent there may fail (it has gone; no fixed sleep can know when the router re-lists)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return list(stream(cluster, 4))[-1]
+        except grpc.RpcError as exc:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no request served {timeout_s} s after d-exit left: {exc.details()}") from exc
+            time.sleep(0.1)
 
 
 def test_a_worker_with_on_drain_stay_stays_up(cluster):

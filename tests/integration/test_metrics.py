@@ -62,11 +62,21 @@ def scrape(port: int) -> dict[str, float]:
     return samples
 
 
+def sampled(port: int, ready, timeout_s: float = 10.0) -> dict[str, float]:
+    """``scrape(port)`` once ``ready`` holds for it."""
+    deadline = time.monotonic() + timeout_s
+    while not ready(samples := scrape(port)):
+        assert time.monotonic() < deadline, f"/metrics on {port} not there in {timeout_s} s"
+        time.sleep(0.05)
+    return samples
+
+
 def test_named_series_exist_and_move_after_requests(cluster):
     for prompt in (LONG_PROMPT, SHORT_PROMPT, OTHER_PROMPT):
         tokens, final = generate(cluster.router.address, prompt, max_tokens=6)
         assert len(tokens) == 6 and final.usage.completion_tokens == 6
-    time.sleep(1.0)  # the workers' housekeeping samples the engine every 0.25 s
+    # the workers' housekeeping samples the engine every 0.25 s: until p0's has sampled the third prompt's hit
+    sampled(cluster.metrics_ports["p0"], lambda s: s.get('baton:prefix_cache_hits_total{worker_id="p0"}', 0) > 0)
 
     router = scrape(cluster.metrics_ports["router"])
     assert router["baton:time_to_first_token_seconds_count"] == 3.0

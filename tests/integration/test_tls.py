@@ -193,7 +193,8 @@ def test_a_prefix_cached_on_the_prefill_worker_is_imported_over_mtls(platform, m
         warm = p0.Prefill(pb.PrefillRequest(request_id=salt, token_ids=LONG_PROMPT[:897], sampling=params,
                                             cache_salt=salt), timeout=60)
         assert p0.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=warm.handle.lease_id), timeout=10).found
-    time.sleep(1.0)  # p0 publishes its blocks to the Redis index every 0.25 s
+    routers = sum(p.name.startswith("router-") and p.popen.poll() is None for p in platform.procs)
+    platform.wait_indexed("p0", LONG_PROMPT[:896], salt=salt, mirrors=routers)  # in the index and every mirror
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=LONG_PROMPT), sampling=params, cache_salt=salt)
     with tls.channel(platform.local_router.address, client) as channel:
         responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
