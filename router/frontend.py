@@ -43,7 +43,7 @@ class Frontend:
         self.limits = limits
 
     def prepare(self, request: pb.GenerateRequest) -> Job:
-        self._check_model(request.model)
+        self.check_model(request.model)
         params = with_seed(sampling_from_proto(request.sampling if request.HasField("sampling") else None))
         field, token_ids = self._prompt_ids(request, request.WhichOneof("input"))
         self._check_length(field, token_ids)
@@ -55,6 +55,11 @@ class Frontend:
 
     def tokenize(self, request: pb.TokenizeRequest) -> list[int]:
         return self._prompt_ids(request, request.WhichOneof("input"))[1]
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids`` (each checked against the vocabulary), special tokens included."""
+        self._check_token_ids(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _prompt_ids(self, request: pb.GenerateRequest | pb.TokenizeRequest, kind: str | None) -> tuple[str, list[int]]:
         if kind == "prompt":
@@ -75,7 +80,7 @@ class Frontend:
             raise InvalidRequest(f"{kind} encodes to no tokens")
         return kind, ids
 
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         if model and model != self.limits.name:
             raise InvalidRequest(f"model {model!r} is not served here; this router serves {self.limits.name!r}")
 

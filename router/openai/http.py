@@ -38,7 +38,7 @@ from proto.tls import TlsConfig, describe, ssl_server_context
 from router.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, status_for
 from router.frontend import Frontend, Job
 from router.openai.logprobs import LogprobsBuilder
-from router.openai.request import Endpoint, InvalidParam, OpenAIRequest, parse
+from router.openai.request import Endpoint, InvalidParam, OpenAIRequest, parse, parse_detokenize, parse_tokenize
 from router.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,28 @@ class OpenAIHandlers:
             return _error_json(404, "invalid_request_error", f"model {http.match_info['model']!r} is not served here",
                                "model", "model_not_found")
         return web.json_response(self._model_card())
+
+    async def tokenize(self, http: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: the ids generation would see for a prompt or a chat (its template applied)."""
+        try:
+            body = parse_tokenize(await _json_body(http))
+            self._frontend.check_model(body.model)
+            ids = self._frontend.tokenize(body.request)
+        except Exception as exc:  # noqa: BLE001 - mapped, or logged as a bug
+            return self._error_response(exc)
+        tokenizer = self._frontend.tokenizer
+        strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.token_strs else None
+        return web.json_response({"count": len(ids), "max_model_len": self._frontend.limits.max_model_len,
+                                  "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, http: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: the text of a list of ids."""
+        try:
+            ids, model = parse_detokenize(await _json_body(http))
+            self._frontend.check_model(model)
+            return web.json_response({"prompt": self._frontend.detokenize(ids)})
+        except Exception as exc:  # noqa: BLE001 - mapped, or logged as a bug
+            return self._error_response(exc)
 
     def _model_card(self) -> dict[str, Any]:
         limits = self._frontend.limits
@@ -264,6 +286,8 @@ def build_app(handlers: OpenAIHandlers) -> web.Application:
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/v1/models/{model}", handlers.model)
+    app.router.add_post("/tokenize", handlers.tokenize)  # where vLLM serves them: no /v1 prefix
+    app.router.add_post("/detokenize", handlers.detokenize)
     if handlers.metrics_registry is not None:
         app.router.add_get("/metrics", handlers.metrics)
     return app

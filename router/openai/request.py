@@ -80,6 +80,50 @@ def parse(endpoint: Endpoint, body: object, request_id: str) -> OpenAIRequest:
                          max_tokens_given=max_tokens_given, logprobs=logprobs)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizeBody:
+    """vLLM's ``/tokenize`` body: a ``prompt`` (a string) or chat ``messages``, the ``model``, and whether each
+    token's text is wanted too (``return_token_strs``)."""
+
+    request: pb.TokenizeRequest
+    model: str
+    token_strs: bool
+
+
+def parse_tokenize(body: object) -> TokenizeBody:
+    """``{"prompt": str}`` or ``{"messages": [...]}`` as vLLM's ``/tokenize`` takes them; the options vLLM has that
+    change the tokens (``add_special_tokens``, ``add_generation_prompt``) are accepted at their defaults only."""
+    if not isinstance(body, Mapping):
+        raise InvalidParam(None, "the request body must be a JSON object")
+    request = pb.TokenizeRequest()
+    if "messages" in body:
+        request.chat.CopyFrom(_chat(body))
+        _default_only(body, "add_generation_prompt", True)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidParam("prompt", "prompt must be a non-empty string (or send messages for a chat)")
+        request.prompt = prompt
+        _default_only(body, "add_special_tokens", True)
+    return TokenizeBody(request, _optional(body, "model", str) or "", bool(_optional(body, "return_token_strs", bool)))
+
+
+def parse_detokenize(body: object) -> tuple[list[int], str]:
+    """vLLM's ``/detokenize`` body: (its ``tokens``, its ``model``); the range is checked against the vocabulary
+    by ``Frontend.detokenize``."""
+    if not isinstance(body, Mapping):
+        raise InvalidParam(None, "the request body must be a JSON object")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not tokens or not all(_is_int(t) for t in tokens):
+        raise InvalidParam("tokens", "tokens must be a non-empty list of token ids")
+    return tokens, _optional(body, "model", str) or ""
+
+
+def _default_only(body: Mapping[str, Any], key: str, default: bool) -> None:
+    if _optional(body, key, bool) not in (None, default):
+        raise InvalidParam(key, f"{key}={not default} is not supported (the tokens are what generation would use)")
+
+
 def _check_unsupported(body: Mapping[str, Any]) -> None:
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, False):

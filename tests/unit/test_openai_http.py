@@ -203,3 +203,33 @@ def test_http_errors_count_in_request_errors_total_like_grpc_ones(router, model_
     assert errors_counted(router, "INVALID_ARGUMENT") == before["INVALID_ARGUMENT"] + 2
     assert errors_counted(router, "UNAVAILABLE") == before["UNAVAILABLE"] + 2
     assert errors_counted(router, "INTERNAL") == before["INTERNAL"]
+
+
+# ---- vLLM's /tokenize and /detokenize ------------------------------------------------------------
+
+def test_tokenize_gives_the_ids_generation_sees_and_detokenize_inverts_it(router, model_dir):  # noqa: F811
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model(model_dir)
+    status, body = call(router, "/tokenize", {"prompt": "Hello there, Baton", "model": model_dir.name})
+    assert status == 200 and body["tokens"] == tokenizer.encode("Hello there, Baton")
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0 and body["token_strs"] is None
+    chat = [{"role": "user", "content": "Hi"}]
+    status, chat_body = call(router, "/tokenize", {"messages": chat, "return_token_strs": True})
+    assert status == 200 and chat_body["tokens"] == tokenizer.encode_chat(chat)  # the chat template applied
+    assert chat_body["token_strs"] == [tokenizer.decode([i], skip_special_tokens=False) for i in chat_body["tokens"]]
+    status, text = call(router, "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and text["prompt"] == tokenizer.decode(body["tokens"], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize(("path", "body", "param", "words"), [
+    ("/tokenize", {"prompt": ""}, "prompt", "non-empty string"),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": False}, "add_special_tokens", "not supported"),
+    ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, None, "'gpt-4' is not served here"),
+    ("/tokenize", {"messages": []}, "messages", "non-empty list"),
+    ("/detokenize", {"tokens": []}, "tokens", "non-empty list"),
+    ("/detokenize", {"tokens": [10**9]}, None, "token_ids must be in"),
+])
+def test_bad_tokenize_bodies_are_400_naming_their_parameter(router, path, body, param, words):
+    status, payload = call(router, path, body)
+    assert status == 400 and payload["error"]["param"] == param and words in payload["error"]["message"], payload
