@@ -19,7 +19,7 @@ import time
 from collections import Counter
 
 from bench.decision_latency import make_workers
-from bench.stats import percentile
+from workload.stats import percentile
 from kv_transfer.hashing import hash_blocks, root_hash
 from kv_transfer.index_schema import TieredLookup
 from router.routing.chain_match import TieredMatch

@@ -34,8 +34,8 @@ from pathlib import Path
 from bench import serve
 from bench.client import PROTOCOLS, Planned, Result, model_info, run_once
 from bench.launcher import CorePlan, Layout, Platform, core_plan
-from bench.plots import pyplot
-from bench.workload import sharegpt_like
+from workload.plots import pyplot
+from workload.synthetic import sharegpt_like
 
 ITL_TARGET_RATIO = 0.5  # disaggregated p99 ITL / aggregated, at most
 GOODPUT_TARGET_RATIO = 1.5  # disaggregated goodput / aggregated where aggregated first misses attainment

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.plots import pyplot
+from workload.plots import pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).parent / "results"

@@ -75,7 +75,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import kv_device, kv_peers
-from bench.plots import pyplot
+from workload.plots import pyplot
 from kv_transfer.layout import KVBuffer, KVLayout
 from kv_transfer.leases import LeaseTable
 from kv_transfer.tcp_wire import IOV_MAX, advance

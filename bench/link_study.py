@@ -20,7 +20,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.plots import pyplot
+from workload.plots import pyplot
 
 _REMOTE = re.compile(r"remote on (\S+) ([0-9.]+) s = .*?\+ transfer ([0-9.]+)")
 _LOCAL = re.compile(r"local ([0-9.]+) s = .*?stall of running ([0-9.]+)\)")

@@ -40,8 +40,8 @@ from pathlib import Path
 
 from bench.client import greedy_request, stream_generate
 from bench.launcher import ROOT
-from bench.plots import pyplot
-from bench.workload import sharegpt_like
+from workload.plots import pyplot
+from workload.synthetic import sharegpt_like
 from kv_transfer.ports import free_port
 
 ROLES = ("prefill", "decode")

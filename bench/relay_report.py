@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.plots import pyplot
+from workload.plots import pyplot
 
 
 def _label(row: dict[str, Any]) -> str:

@@ -37,7 +37,7 @@ import grpc
 
 from bench.client import greedy_request, stream_generate
 from bench.routing import wait_for_workers
-from bench.stats import percentile
+from workload.stats import percentile
 from deploy.up import Child, spawn, start_redis, stop_all
 from kv_transfer.ports import free_port
 from proto import baton_pb2 as pb

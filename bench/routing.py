@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 
 from bench.client import greedy_request, stream_generate
-from bench.plots import pyplot
+from workload.plots import pyplot
 from deploy.up import Child, spawn, start_redis, stop_all
 from kv_transfer.ports import free_port
 from proto import baton_pb2_grpc as pb_grpc

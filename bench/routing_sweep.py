@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 
 from bench import routing
-from bench.plots import pyplot
+from workload.plots import pyplot
 
 RESULTS = routing.RESULTS
 FIGURES = ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms")

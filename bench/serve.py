@@ -31,11 +31,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.client import PROTOCOLS, Planned, Result, http_model_card, model_info, run_once
-from bench.plots import pyplot
-from bench.workload import sharegpt_like
+from workload.plots import pyplot
+from workload.synthetic import sharegpt_like
 from proto import baton_pb2 as pb
 from proto import tls
-from bench.stats import percentile  # noqa: F401 - part of this module's interface (tests, bench.compare)
+from workload.stats import percentile  # noqa: F401 - part of this module's interface (tests, bench.compare)
 
 WORKLOADS = ("sharegpt", "shared-prefix", "long-prompt")
 PERCENTILES = (50, 90, 99)

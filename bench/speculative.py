@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.plots import pyplot
+from workload.plots import pyplot
 
 RESULTS_DIR = Path(__file__).parent / "results"
 OPEN_QUESTIONS = [

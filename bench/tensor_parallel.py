@@ -4,7 +4,7 @@
                                     [--threads 2] [--sizes 1 2] [--repeat 3]
     python -m bench.tensor_parallel --allreduce        # a bare gloo all-reduce between two processes, alone
 
-Each row runs the same greedy workload (``bench.workload.sharegpt_like``, ignore_eos) through the offline engine,
+Each row runs the same greedy workload (``workload.synthetic.sharegpt_like``, ignore_eos) through the offline engine,
 after a warm-up pass over the same prompts, twice: a prefill pass (every request with ``max_tokens=1``: prompt
 tokens/s) and a full pass (decode tokens/s over its decode-only steps, those with no prompt left to compute). A
 TP=N row gives each rank ``threads / N`` torch threads, so every row uses the same cores; a TP=1 row with one
@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.workload import SyntheticRequest, sharegpt_like
+from workload.synthetic import SyntheticRequest, sharegpt_like
 
 RESULTS_DIR = Path(__file__).parent / "results"
 

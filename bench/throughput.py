@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.workload import SyntheticRequest, sharegpt_like
+from workload.synthetic import SyntheticRequest, sharegpt_like
 
 RESULTS_DIR = Path(__file__).parent / "results"
 

@@ -3,7 +3,7 @@
     python -m bench vllm-serving --trace ../shared/traces/conversation_trace.jsonl --limit 100 --time-scale 6 \\
         --model smollm2 --targets vllm,vllm-router:cache_aware,vllm-router:kv_aware,baton-vllm,baton
 
-The same slice of a Mooncake-format trace (scaled as ``python -m bench trace`` scales it: ``bench/trace.py``) is sent
+The same slice of a Mooncake-format trace (scaled as ``python -m bench trace`` scales it: ``workload/trace.py``) is sent
 open-loop by NVIDIA's aiperf (``make aiperf``) to the OpenAI ``/v1/completions`` endpoint of each target, each started
 fresh and stopped after (every process by its process group), same model, same KV pool bytes per engine, one core
 per process where there are two:
@@ -35,9 +35,9 @@ import urllib.request
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench.plots import pyplot
+from workload.plots import pyplot
 from bench.serving_targets import TARGETS, start
-from bench.stats import percentile
+from workload.stats import percentile
 from bench.trace_replay.aiperf_client import aiperf_binary, replay_aiperf
 from bench.trace_replay.cli import _plan
 from bench.trace_replay.outcomes import Outcome, summarize

@@ -24,6 +24,11 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# (command, subcommand) -> module:function, where the subcommand lives in another package than its command:
+# `baton simulate check` runs the simulator beside real processes, which is the benches' business.
+_NESTED: dict[tuple[str, str], str] = {("simulate", "check"): "bench.sim_check:main"}
+
+
 def _usage() -> str:
     width = max(len(name) for name in _COMMANDS)
     lines = ["usage: baton <command> [options]", "", "commands:"]
@@ -41,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if entry is None:
         print(f"baton: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module, function = entry[0].split(":")
-    return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    nested = _NESTED.get((argv[0], argv[1])) if len(argv) > 1 else None
+    module, function = (nested or entry[0]).split(":")
+    return int(getattr(importlib.import_module(module), function)(argv[2:] if nested else argv[1:]) or 0)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ list sweeps the request rate, and with more than one the DistServe goodput (the 
 every figure with the configuration and the time model's terms. ``--profile`` prices steps from curves
 ``baton admin profile -o FILE`` measured instead of the roofline (a step's fixed cost fitted from them, paid once
 per step). Subcommands: ``baton simulate check`` (the simulator calibrated here and checked against real runs,
-``sim/check.py``) and ``baton simulate pools`` (the planner judged at scale, ``sim/pools.py``).
+``bench/sim_check.py``) and ``baton simulate pools`` (the planner judged at scale, ``sim/pools.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.trace import Scale, load_trace
+from workload.trace import Scale, load_trace
 from kv_transfer.hashing import root_hash
 from router.admin.queueing import dispatch_of
 from router.routing.cost_model import CostConfig
@@ -171,7 +171,7 @@ def setup(args: argparse.Namespace) -> tuple[ClusterConfig, list[SimRequest], Sl
     return dataclasses.replace(base, time_model=time_model_of(args, base)), requests, slo
 
 
-SUBCOMMANDS = {"check": "sim.check", "pools": "sim.pools"}
+SUBCOMMANDS = {"pools": "sim.pools"}  # `baton simulate check` runs real processes too: bench.sim_check (deploy.cli)
 
 
 def main(argv: list[str] | None = None) -> int:

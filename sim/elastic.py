@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bench.stats import percentile
+from workload.stats import percentile
 from router.admin import traffic as traffic_mod
 from router.admin.planner import DecodeProfile, PlannerConfig, PoolState, PrefillProfile, plan_pools
 from router.admin.planner import Slo as PlannerSlo

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from bench.stats import percentile
+from workload.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 

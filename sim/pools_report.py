@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TextIO
 
-from bench.plots import pyplot
+from workload.plots import pyplot
 
 
 def row_of(label: str, prefill: int | list[tuple[int, int]], decode: int | None, summary: dict) -> dict[str, Any]:

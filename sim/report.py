@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from bench.plots import pyplot
+from workload.plots import pyplot
 from sim.metrics import RequestRecord
 
 nan = float("nan")

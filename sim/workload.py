@@ -1,5 +1,5 @@
-"""The requests a simulation replays: from a Mooncake-format trace (``bench/trace.py``) or from the synthetic
-workloads the benchmarks generate (``bench/workload.py``), each with its prompt's block hashes computed by
+"""The requests a simulation replays: from a Mooncake-format trace (``workload/trace.py``) or from the synthetic
+workloads the benchmarks generate (``workload/synthetic.py``), each with its prompt's block hashes computed by
 Baton's own ``kv_transfer.hashing`` over the token ids the trace loader generates, so equal trace ids give equal
 hashes exactly as the router would compute them for a replay of the same trace.
 
@@ -14,8 +14,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.trace import Scale, TraceRequest, block_spans, block_token_ids
-from bench.workload import sharegpt_like
+from workload.trace import Scale, TraceRequest, block_spans, block_token_ids
+from workload.synthetic import sharegpt_like
 from kv_transfer.hashing import BlockHash, hash_blocks
 
 SYNTHETIC = ("sharegpt", "shared-prefix")
@@ -67,7 +67,7 @@ def from_trace(trace: Sequence[TraceRequest], scale: Scale, *, block_size: int, 
 
 def synthetic(kind: str, num_requests: int, *, rate_per_s: float, seed: int, block_size: int, root: BlockHash,
               vocab_size: int, prompt_median: int = 1024, output_median: int = 128) -> list[SimRequest]:
-    """``sharegpt``: ``bench.workload.sharegpt_like`` lengths (log-normal, no shared prefix); ``shared-prefix``:
+    """``sharegpt``: ``workload.synthetic.sharegpt_like`` lengths (log-normal, no shared prefix); ``shared-prefix``:
     the same requests behind one of 8 long system prompts (``prompt_median`` tokens each). Poisson arrivals."""
     if kind not in SYNTHETIC:
         raise ValueError(f"workload must be one of {SYNTHETIC}, got {kind!r}")

@@ -5,7 +5,7 @@ once per KV tier configuration, and report what the tiers reuse.
         [--model tiny] [--num-blocks 1024] [--host-blocks 4096] [--store-memory "1 GB"] \\
         [--configs none,host,host+store,oracle] [--passes N] [--client grpc|aiperf] [--out DIR]
 
-The slice (``--start``, ``--limit``) is scaled to this machine with ``bench/trace.py``, the loader the simulator
+The slice (``--start``, ``--limit``) is scaled to this machine with ``workload/trace.py``, the loader the simulator
 uses: every length divided by ``--length-scale`` (32 makes one 512-token trace block one 16-token KV block; a
 trace's partial last block stays partial, so it is never cached), arrival times multiplied by ``--time-scale``,
 and each block's token ids generated from its hash id alone, so equal ids give equal tokens and a prefix cache

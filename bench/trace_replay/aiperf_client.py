@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.trace import Scale
+from workload.trace import Scale
 from bench.trace_replay.outcomes import Outcome
 from bench.trace_replay.slice import ReplayRequest
 from bench.trace_replay.up import ROOT

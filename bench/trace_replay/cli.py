@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.trace import Scale, load_trace
+from workload.trace import Scale, load_trace
 from bench.trace_replay.aiperf_client import aiperf_binary, replay_aiperf
 from bench.trace_replay.counters import scrape
 from bench.trace_replay.grpc_client import replay_grpc

@@ -38,7 +38,7 @@ async def replay_grpc(address: str, requests: list[ReplayRequest], *, vocab_size
 async def _warm_up(stub, warmup: int, vocab_size: int, request_timeout_s: float) -> None:
     """Outside the clock: prompts that share nothing with the trace."""
     from bench.client import greedy_request, stream_generate
-    from bench.trace import block_token_ids
+    from workload.trace import block_token_ids
 
     for i in range(warmup):
         prompt = block_token_ids(WARMUP_HASH_BASE + i, 48, vocab_size).tolist()
@@ -100,7 +100,7 @@ async def probe(address: str, prompts: list[list[int]], *, max_tokens: int = 2,
                 request_timeout_s: float = 60.0) -> list[dict]:
     """Requests sent one at a time (nothing else in flight): per request the client's TTFT and what the router's
     timings say of it (route, the computing worker's queue + compute, the KV pull). The simulator's calibration
-    times the router's own share and the pull with these (``sim/check.py``)."""
+    times the router's own share and the pull with these (``bench/sim_check.py``)."""
     import grpc
 
     from bench.client import greedy_request, stream_generate

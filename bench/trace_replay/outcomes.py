@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from bench.stats import percentile
+from workload.stats import percentile
 
 _STORE_REASON = re.compile(r"fetched (\d+) prefix tokens from the store")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bench.plots import pyplot
+from workload.plots import pyplot
 
 
 def loadavg() -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from bench.trace import Scale, TraceRequest, prompt_token_ids
+from workload.trace import Scale, TraceRequest, prompt_token_ids
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

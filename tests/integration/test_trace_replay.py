@@ -17,7 +17,7 @@ import pytest
 
 import bench.client
 from bench import trace_replay as tr
-from bench.trace import Scale, load_trace
+from workload.trace import Scale, load_trace
 from engine import LLM, SamplingParams
 from engine.tiny import build_model
 from tests.oracle import Output, assert_same

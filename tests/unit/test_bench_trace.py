@@ -1,4 +1,4 @@
-"""bench/trace.py: Mooncake-format traces read, scaled, and turned into token ids that share exactly what the trace's
+"""workload/trace.py: Mooncake-format traces read, scaled, and turned into token ids that share exactly what the trace's
 hash ids share (the loader the simulator and trace replays use)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.trace import (
+from workload.trace import (
     TRACE_BLOCK_TOKENS, Scale, TraceError, TraceRequest, block_spans, block_token_ids, load_trace, parse_trace,
     prompt_token_ids,
 )

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from bench import trace_replay as tr
-from bench.trace import Scale, TraceRequest, prompt_token_ids
+from workload.trace import Scale, TraceRequest, prompt_token_ids
 
 SCALE = Scale(length_scale=32)  # one trace block = one 16-token KV block
 

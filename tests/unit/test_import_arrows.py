@@ -1,7 +1,9 @@
 """The packages' import arrows (DESIGN.md "Repository layout"), read from every module's source, lazy imports inside
 functions included, so the picture cannot rot: proto and kv_transfer lowest, engine on kv_transfer, the worker
-roles on engine, the router on proto, kv_transfer and engine's torch-free modules only, deploy and bench on top,
-the simulator above bench (it runs the router's policy on bench's workloads and engine's torch-free block pool).
+roles on engine, the router on proto, kv_transfer and engine's torch-free modules only, deploy on them all; the
+simulator on the router's policy, engine's torch-free block pool and ``workload`` (traces and synthetic workloads,
+which the benches read too, below both); bench on top of everything, the simulator included (``bench.sim_check``
+runs it beside real processes).
 Inside the router, routing imports nothing of the serving core but its typed errors, and the OpenAI front and
 the admin side never import each other."""
 
@@ -26,11 +28,12 @@ ALLOWED: dict[str, set[str]] = {
     "prefill_node": {"worker", "engine", "kv_transfer", "proto"},
     "decode_node": {"worker", "engine", "kv_transfer", "proto"},
     "router": {"proto", "kv_transfer", "engine"},
-    "deploy": set(OURS) - {"deploy", "bench", "sim"},  # `baton up` starts them all and takes their options
-    "bench": set(OURS) - {"bench", "sim"},
-    # `baton simulate` runs the router's own policy and planner against modelled workers (engine's BlockPool),
-    # on the benches' workloads and trace loader; nothing imports it (deploy.cli dispatches to it by name)
-    "sim": {"router", "engine", "kv_transfer", "bench"},
+    "workload": set(),  # traces, synthetic workloads, percentiles, plot setup: read by bench and sim
+    "deploy": set(OURS) - {"deploy", "bench", "sim", "workload"},  # `baton up` starts them all, takes their options
+    "bench": set(OURS) - {"bench"},  # bench.sim_check runs the simulator beside real processes
+    # `baton simulate` runs the router's own policy and planner against modelled workers (engine's BlockPool), on
+    # the workloads and trace loader of `workload`; only bench imports it (deploy.cli dispatches to it by name)
+    "sim": {"router", "engine", "kv_transfer", "workload"},
 }
 # Arrows that exist today and go against the picture, each with what removes it. The test fails on any other
 # arrow, and on one of these that is gone (so the list only shrinks).

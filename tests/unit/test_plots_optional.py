@@ -1,4 +1,4 @@
-"""matplotlib is optional (the ``bench`` extra): without it ``bench.plots.pyplot()`` says so, naming the extra, and the
+"""matplotlib is optional (the ``bench`` extra): without it ``workload.plots.pyplot()`` says so, naming the extra, and the
 plotting functions return their "no plot" value instead of raising; no package imports it at import time (``baton``
 itself must start without it); with it, plots are drawn on the Agg backend."""
 
@@ -22,7 +22,7 @@ import json, sys
 if sys.argv[2] == "without":
     sys.modules["matplotlib"] = None
 from pathlib import Path
-from bench.plots import pyplot
+from workload.plots import pyplot
 from bench.relay_report import plot as relay_plot
 from sim.metrics import RequestRecord
 from sim.report import plot as sim_plot

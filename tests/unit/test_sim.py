@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import router.routing.policy as policy_module
-from bench.trace import Scale, load_trace
+from workload.trace import Scale, load_trace
 from kv_transfer.hashing import root_hash
 from router.admin.planner import Plan
 from router.routing.in_progress import InflightPrefills, PendingPrefixes

@@ -15,7 +15,7 @@ from router.admin.planner import DecodeProfile, PrefillProfile
 from router.routing.policy import PolicyConfig
 from sim.calibration import (CPU, Probe, Served, calibrate, compare, fit_link, fit_loaded_hops, fit_per_stream_s,
                              fit_router_s, in_flight_at_send, pairs_in_order, ranking)
-from sim.check import sim_requests
+from bench.sim_check import sim_requests
 from sim.cluster import ClusterConfig
 from sim.contention import SharedCores
 from sim.hardware import LINKS, MODELS, WorkerShape

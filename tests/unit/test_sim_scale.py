@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.trace import Scale, load_trace
+from workload.trace import Scale, load_trace
 from kv_transfer.hashing import root_hash
 from sim.cluster import ClusterConfig
 from sim.hardware import GPUS, MODELS, WorkerShape

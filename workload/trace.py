@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces
-FIRST_TOKEN_ID = 4  # generated ids stay clear of the special tokens (bench/workload.py does the same)
+FIRST_TOKEN_ID = 4  # generated ids stay clear of the special tokens (workload/synthetic.py does the same)
 _MASK64 = (1 << 64) - 1
 
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.trace import Scale, block_token_ids, load_trace
+from workload.trace import Scale, block_token_ids, load_trace
 from bench.trace_replay.grpc_client import WARMUP_HASH_BASE, probe, replay_grpc
 from bench.trace_replay.outcomes import summarize as summarize_replay
 from bench.trace_replay.report import loadavg
@@ -47,7 +47,7 @@ from router.routing.cost_model import CostConfig
 from router.routing.policy import POLICIES, PolicyConfig
 from sim.calibration import (CPU, Calibration, Probe, Served, calibrate, compare, figures_of_real, figures_of_sim,
                              in_flight_at_send)
-from sim.check_report import ablations, print_check
+from bench.sim_check_report import ablations, print_check
 from sim.cluster import ClusterConfig
 from sim.cpu_load import RunnableSampler
 from sim.hardware import MODELS, WorkerShape
