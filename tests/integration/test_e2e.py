@@ -83,11 +83,13 @@ def generate(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS, time
     return [t for r in responses for t in r.token_ids], responses[-1]
 
 
-def generate_output(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[Output, pb.GenerateResponse]:
+def generate_output(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS,
+                    timeout=None) -> tuple[Output, pb.GenerateResponse]:
     """``generate`` asking for each token's logprob: (tokens and logprobs, the last response)."""
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
     params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params)))
+    responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params),
+                                   timeout=timeout))
     return streamed(responses), responses[-1]
 
 

@@ -3,7 +3,8 @@
 Random and extreme GenerateRequests, malformed protobuf bytes on the router's and workers' gRPC methods,
 garbage on a worker's KV data-plane port and Decode calls carrying bogus KV handles: every call ends in a
 stream or a clean status (never INTERNAL/UNKNOWN, never a hang), no process dies, every block pool comes
-back full, and a normal request still returns the offline engine's tokens."""
+back full, and a normal request still returns the offline engine's tokens and logprobs (tests/oracle.py: a KV block
+the garbage reached would move a logprob, seldom a token)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 from kv_transfer.registry import Registry, connect
 from kv_transfer.tcp_wire import HEADER, HELLO, MAGIC, READ, VERSION, encode_frame
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
-from tests.integration.test_e2e import assert_pools_full, generate, start_cluster
+from tests.integration.test_e2e import assert_pools_full, generate_output, start_cluster
+from tests.oracle import Output, assert_same, reference, streamed
 from tests.tiny_model import shared_tiny
 
 PROMPT = [(5 * j) % 3000 + 10 for j in range(37)]  # over the 8-token threshold: prefilled remotely
@@ -47,14 +46,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir) -> list[int]:
-    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=128, block_size=4))
-    engine.add_request("x", PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    out: list[int] = []
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out.extend(delta.new_token_ids)
-    return out
+def expected(model_dir) -> Output:
+    """The offline engine's greedy tokens for PROMPT and their logprobs."""
+    return reference(model_dir, [PROMPT], MAX_TOKENS)[0]
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +234,9 @@ def test_garbage_on_the_kv_data_plane_leaves_it_serving(platform, expected):
             assert not reply or reply[:4] == MAGIC, f"{info.worker_id}: {reply[:64]!r} for {payload[:64]!r}"
             assert b"DATA" not in reply
     _assert_alive(platform)
-    tokens, last = generate(platform.router.address, PROMPT, max_tokens=MAX_TOKENS, timeout=30)
-    assert tokens == expected and last.timings.route_kind == "remote" and last.timings.transfer_blocks > 0
+    output, last = generate_output(platform.router.address, PROMPT, max_tokens=MAX_TOKENS, timeout=30)
+    assert_same(output, expected, "after the garbage")
+    assert last.timings.route_kind == "remote" and last.timings.transfer_blocks > 0, last.timings
     assert_pools_full(platform)
 
 
@@ -280,8 +275,9 @@ def _bogus_handles(platform) -> list[tuple[str, pb.KVHandle]]:
 @pytest.mark.parametrize("with_first_token", [True, False])
 def test_decode_with_a_bogus_handle_recomputes_or_fails_cleanly(platform, expected, with_first_token):
     stub = pb_grpc.WorkerStub(grpc.insecure_channel(platform.workers[1].address))
-    outputs = expected[:1] if with_first_token else []
-    sampling = pb.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=0)
+    outputs = expected.tokens[:1] if with_first_token else []
+    sampling = pb.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=0,
+                                 logprobs=0)
     for name, handle in _bogus_handles(platform):
         request = pb.DecodeRequest(request_id=f"bogus-{uuid.uuid4().hex}", token_ids=[*PROMPT, *outputs],
                                    sampling=sampling, handle=handle, prompt_len=len(PROMPT),
@@ -291,8 +287,7 @@ def test_decode_with_a_bogus_handle_recomputes_or_fails_cleanly(platform, expect
         except grpc.RpcError as exc:
             assert exc.code() in CLEAN and exc.details(), f"{name}: {exc.code()} {exc.details()!r}"
             continue
-        tokens = [t for r in responses for t in r.token_ids]
-        assert outputs + tokens == expected, f"{name}: {responses[0].timings.route_reason}"
+        assert_same(streamed(responses), expected[len(outputs):], f"{name}: {responses[0].timings.route_reason}")
         assert responses[0].timings.route_reason, name  # says why it recomputed locally
     _assert_alive(platform)
     assert_pools_full(platform)
@@ -303,8 +298,9 @@ def test_decode_with_a_bogus_handle_recomputes_or_fails_cleanly(platform, expect
 def test_after_the_fuzzing_every_process_serves_and_every_pool_is_full(platform, expected):
     _assert_alive(platform)
     assert_pools_full(platform)
-    tokens, last = generate(platform.router.address, PROMPT, max_tokens=MAX_TOKENS, timeout=30)
-    assert tokens == expected and last.finish_reason == pb.FINISH_REASON_LENGTH
+    output, last = generate_output(platform.router.address, PROMPT, max_tokens=MAX_TOKENS, timeout=30)
+    assert_same(output, expected, "after the fuzzing")
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert_pools_full(platform)
     for proc in [*platform.workers, platform.router]:
         log = proc.log_path.read_text(errors="replace")

@@ -1,7 +1,7 @@
 """Baton across hosts (issue 21): each component on a host of its own — a network and PID namespace, joined by a
 bridge in a namespace of its own, each host's egress shaped to 1 Gbit/s (tests/hosts.py) — started with the
 ordinary CLI (tests/hosts_cluster.py). Greedy output through router -> P (host b) -> D (host c) equals the
-offline engine with the KV really moved; ``--kv-transport auto`` pulls over cma only between workers of one
+offline engine, tokens and their logprobs (tests/oracle.py), with the KV really moved; ``--kv-transport auto`` pulls over cma only between workers of one
 host and over tcp across hosts (the handshake refuses cma, the pair falls through and says so once); a worker
 whose address a peer cannot reach costs a request seconds, not a 20-30 s hang, and is named in the reports.
 
@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from proto import baton_pb2 as pb
 from tests.hosts import ROOT, Network, remove_stale, unavailable_reason
 from tests.hosts_cluster import HostsCluster
-from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, expected, model_dir  # noqa: F401
+from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, expected_outputs, model_dir  # noqa: F401
+from tests.oracle import Output, assert_same, reference, streamed
 from tests.required import unavailable
 
 WHY_NOT = unavailable("root", unavailable_reason())
@@ -34,21 +33,16 @@ AUTO = ("--kv-transport", "auto", "--calibrate-tokens", "0")
 FRESH = [[(11 * i + 5 * j) % 2900 + 40 for j in range(60 + 7 * i)] for i in range(9)]
 
 
-def offline(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # noqa: F811
-    """The offline engine's greedy output for ``prompts``."""
-    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    out: dict[int, list[int]] = {}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out.setdefault(int(delta.request_id), []).extend(delta.new_token_ids)
-    return [out[i] for i in range(len(prompts))]
-
-
 @pytest.fixture(scope="module")
-def fresh(model_dir):  # noqa: F811
-    return offline(model_dir, FRESH, MAX_TOKENS)
+def fresh(model_dir) -> list[Output]:  # noqa: F811
+    return reference(model_dir, FRESH, MAX_TOKENS)
+
+
+def generate_output(cluster: HostsCluster, prompt: list[int], max_tokens: int,
+                    timeout_s: float = 60.0) -> tuple[Output, pb.GenerateResponse]:
+    """Greedy ``prompt`` through the router with each token's logprob: (tokens and logprobs, the last response)."""
+    responses = list(cluster.stream(prompt, max_tokens, timeout_s, logprobs=0))
+    return streamed(responses), responses[-1]
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +135,13 @@ def wait_for_exit(pid: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def test_greedy_output_across_hosts_equals_the_offline_engine(cluster, expected) -> None:  # noqa: F811
+def test_greedy_output_across_hosts_equals_the_offline_engine(cluster, expected_outputs) -> None:  # noqa: F811
     cluster.only("p0", "d0")
     kinds = set()
     for i, prompt in enumerate(PROMPTS):
-        tokens, last = cluster.generate(prompt, MAX_TOKENS)
+        output, last = generate_output(cluster, prompt, MAX_TOKENS)
         t = last.timings
-        assert tokens == expected[i], f"prompt {i} ({len(prompt)} tokens) via {t.route_kind}"
+        assert_same(output, expected_outputs[i], f"prompt {i} ({len(prompt)} tokens) via {t.route_kind}")
         kinds.add(t.route_kind)
         if t.route_kind == "remote":  # the KV moved, over the 1 Gbit/s link (a recompute gives the same tokens)
             assert (t.prefill_worker, t.decode_worker, t.transport) == ("p0", "d0", "tcp"), t
@@ -166,9 +160,9 @@ def test_auto_pulls_over_cma_on_one_host_and_over_tcp_across_hosts(cluster, fres
     for n, (decode, transport) in enumerate((("d1", "cma"), ("d0", "tcp"), ("d0", "tcp"))):
         cluster.only("p0", decode)
         for i in (2 * n, 2 * n + 1):
-            tokens, last = cluster.generate(FRESH[i], MAX_TOKENS)
+            output, last = generate_output(cluster, FRESH[i], MAX_TOKENS)
             t = last.timings
-            assert tokens == fresh[i]
+            assert_same(output, fresh[i], f"fresh prompt {i} to {decode}")
             assert (t.route_kind, t.decode_worker, t.transport) == ("remote", decode, transport), t
             assert t.transfer_bytes > 0 and not t.local_fallback, t
     d0, d1 = cluster.metrics("d0"), cluster.metrics("d1")
@@ -186,8 +180,9 @@ def test_a_peer_that_cannot_reach_a_workers_address_costs_seconds_and_is_named(c
         net["c"].blackhole(e)  # d0 cannot reach p1 (a firewall dropping): p1's KV times out, then fails at once
         reasons = []
         for i in (6, 7):
-            tokens, last = cluster.generate(FRESH[i], MAX_TOKENS, timeout_s=15)
-            assert tokens == fresh[i] and last.timings.local_fallback, last.timings
+            output, last = generate_output(cluster, FRESH[i], MAX_TOKENS, timeout_s=15)
+            assert_same(output, fresh[i], f"fresh prompt {i} recomputed")
+            assert last.timings.local_fallback, last.timings
             reasons.append(last.timings.route_reason)
         assert re.search(rf"cannot connect to KV server \w+://{e}:50062", reasons[0]), reasons
         assert "--host" in reasons[0], reasons  # what to check
@@ -196,8 +191,9 @@ def test_a_peer_that_cannot_reach_a_workers_address_costs_seconds_and_is_named(c
         f = net["f"].address
         net["router"].blackhole(f)  # the router cannot reach p2 (never could): gRPC gives up in 2 s, not 20
         cluster.only("p2", "d0")
-        tokens, last = cluster.generate(FRESH[8], MAX_TOKENS, timeout_s=10)
-        assert tokens == fresh[8] and last.timings.route_kind == "local", last.timings
+        output, last = generate_output(cluster, FRESH[8], MAX_TOKENS, timeout_s=10)
+        assert_same(output, fresh[8], "fresh prompt 8 local")
+        assert last.timings.route_kind == "local", last.timings
         assert f"prefill on worker_id=p2 failed" in cluster.router.log(20_000) and f"{f}:50061" in cluster.router.log()
     finally:
         net["c"].unblackhole(e)

@@ -1,9 +1,9 @@
 """Faults across links (issue 21, items 4 and 5), each once, on hosts of tests/hosts.py (1 Gbit/s links): a prefill
 host's link taken down mid-pull, a decode host's link taken down mid-stream (no other decode worker to move to), a
 decode host's processes all SIGKILLed mid-stream (its streams migrate to another decode worker and go on exactly,
-greedy and seeded), the router cut off from Redis. Each request completes (recomputed, retried, migrated) or ends
-with a clear UNAVAILABLE within its deadline — none hangs — and every pool is full again afterwards: no block, no
-lease left behind.
+greedy and seeded), the router cut off from Redis. Each request completes (recomputed, retried, migrated: greedy
+outputs equal the offline engine's tokens and their logprobs, tests/oracle.py) or ends with a clear UNAVAILABLE within
+its deadline — none hangs — and every pool is full again afterwards: no block, no lease left behind.
 
 Hosts: redis, router, b (p0), c (d0), e (p1), f (d1: every step 20 ms slower, for long streams), client. Workers
 run `--lease-ttl-s 5 --kv-io-timeout-s 3` (ordinary flags) so what a partition strands is freed within seconds."""
@@ -23,7 +23,8 @@ from router.relay import INDEX_UNANSWERED
 from tests.hosts import Network, unavailable_reason
 from tests.hosts_cluster import HostsCluster
 from tests.integration.test_e2e import model_dir  # noqa: F401
-from tests.integration.test_hosts import offline
+from tests.integration.test_hosts import generate_output
+from tests.oracle import assert_same, reference, streamed
 from tests.required import unavailable
 
 WHY_NOT = unavailable("root", unavailable_reason())
@@ -54,20 +55,20 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def expected(model_dir):  # noqa: F811
-    return offline(model_dir, PROMPTS, MAX_TOKENS)
+    return reference(model_dir, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def migrating(model_dir):  # noqa: F811
-    """The offline engine's undisturbed streams of PROMPTS[3], greedy and seeded."""
+    """The offline engine's undisturbed streams of PROMPTS[3]: greedy (tokens and logprobs) and seeded (tokens)."""
     engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
-    for i, sampling in enumerate(({"temperature": 0.0}, SEEDED)):
-        engine.add_request(str(i), PROMPTS[3], SamplingParams(**sampling, max_tokens=MIGRATING_TOKENS, ignore_eos=True))
-    out: dict[str, list[int]] = {"0": [], "1": []}
+    engine.add_request("seeded", PROMPTS[3], SamplingParams(**SEEDED, max_tokens=MIGRATING_TOKENS, ignore_eos=True))
+    seeded: list[int] = []
     while engine.has_unfinished():
         for delta in engine.step():
-            out[delta.request_id].extend(delta.new_token_ids)
-    return [out["0"], out["1"]]
+            seeded.extend(delta.new_token_ids)
+    engine.close()
+    return [reference(model_dir, [PROMPTS[3]], MIGRATING_TOKENS)[0], seeded]
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> None:
@@ -89,7 +90,8 @@ def test_a_prefill_hosts_link_down_mid_pull_recomputes_on_d(cluster, expected) -
     assert cluster.generate(PROMPTS[0], MAX_TOKENS)[1].timings.transfer_bytes > 0  # the pair knows its transport
     net.shape("b", "1gbit", per_peer={"c": "1mbit"})  # p0 -> d0 slow: a pull lasts ~0.7 s
     result: list = []
-    request = threading.Thread(target=lambda: result.append(cluster.generate(PROMPTS[1], MAX_TOKENS, timeout_s=30)))
+    request = threading.Thread(target=lambda: result.append(generate_output(cluster, PROMPTS[1], MAX_TOKENS,
+                                                                             timeout_s=30)))
     try:
         request.start()
         wait_for(lambda: kv_bytes_in_flight(net, "b", "c"))  # p0 is sending d0 the KV
@@ -98,8 +100,9 @@ def test_a_prefill_hosts_link_down_mid_pull_recomputes_on_d(cluster, expected) -
     finally:
         net["b"].set_link(up=True)
         net.shape("b", "1gbit")
-    tokens, last = result[0]
-    assert tokens == expected[1] and last.timings.local_fallback, last.timings  # d0 recomputed: same tokens
+    output, last = result[0]
+    assert_same(output, expected[1], "recomputed on d0")
+    assert last.timings.local_fallback, last.timings
     assert "KV pull failed" in last.timings.route_reason, last.timings
     cluster.assert_pools_full(timeout_s=15)  # p0's lease: released, or expired (5 s) while nobody could reach it
 
@@ -130,21 +133,22 @@ def test_hosts_whose_processes_are_all_killed_migrate_streams_exactly_and_are_ro
         cluster, expected, migrating) -> None:
     net = cluster.net
     cluster.only("p0", "d1")
-    calls = [cluster.stream(PROMPTS[3], MIGRATING_TOKENS, timeout_s=60),
+    calls = [cluster.stream(PROMPTS[3], MIGRATING_TOKENS, timeout_s=60, logprobs=0),
              cluster.stream(PROMPTS[3], MIGRATING_TOKENS, timeout_s=60, **SEEDED)]
-    received = [[t for _ in range(2) for t in next(call).token_ids] for call in calls]  # P's first token, then d1's
+    received = [[next(call) for _ in range(2)] for call in calls]  # P's first token, then d1's
     cluster.only("p0", "p1", "d0", "d1")  # d0 to migrate to
     net["f"].kill_all()  # d1's host: every process SIGKILLed at once, mid-stream
-    for call, tokens, undisturbed in zip(calls, received, migrating):
-        responses = list(call)
-        tokens += [t for r in responses for t in r.token_ids]
-        assert tokens == undisturbed  # no token repeated, none missing
+    greedy, seeded = ([*first, *call] for call, first in zip(calls, received))
+    assert_same(streamed(greedy), migrating[0], "greedy, migrated")  # no token repeated, none missing, none amiss
+    assert [t for r in seeded for t in r.token_ids] == migrating[1]
+    for responses in (greedy, seeded):
         t = responses[-1].timings
         assert (t.migrations, t.decode_worker) == (1, "d0") and "migrated: decode worker d1 failed" in t.route_reason, t
     net["b"].kill_all()  # p0's host too, the prefill worker the router prefers: both listed until their TTL
     for i in range(4, 9):  # prefilled on p1 (retried there) or on d0
-        tokens, last = cluster.generate(PROMPTS[i], MAX_TOKENS, timeout_s=30)
-        assert tokens == expected[i] and last.timings.decode_worker == "d0", last.timings
+        output, last = generate_output(cluster, PROMPTS[i], MAX_TOKENS, timeout_s=30)
+        assert_same(output, expected[i], f"prompt {i} without p0 and d1")
+        assert last.timings.decode_worker == "d0", last.timings
     for host, worker_id in (("f", "d1"), ("b", "p0")):
         net[host].reboot()
         cluster.restart_worker(worker_id)
@@ -160,8 +164,8 @@ def test_the_router_cut_off_from_redis_keeps_serving(cluster, expected) -> None:
     time.sleep(2.5)  # past the index mirror's stale_after_s (its 1 s blocking read + 1 s): it answers no more
     try:
         for i in (10, 11):
-            tokens, last = cluster.generate(PROMPTS[i], MAX_TOKENS, timeout_s=5)  # 12 s each before the fix
-            assert tokens == expected[i], last.timings
+            output, last = generate_output(cluster, PROMPTS[i], MAX_TOKENS, timeout_s=5)  # 12 s each before the fix
+            assert_same(output, expected[i], f"prompt {i} routed blind")
             assert INDEX_UNANSWERED in last.timings.route_reason, last.timings  # routed blind, and said so
     finally:
         net["router"].unblackhole(redis)

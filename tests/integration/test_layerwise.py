@@ -2,7 +2,8 @@
 
 P answers ``PrefillStream`` with the KV handle as soon as the step computing the prompt starts; the
 router starts Decode on D at once (D pulls over tcp, each layer as P writes it) and hands D P's first
-token by ``FirstToken`` when it comes. Greedy output must equal the offline engine token for token, and
+token by ``FirstToken`` when it comes. Greedy output must equal the offline engine's, tokens and their logprobs
+(tests/oracle.py: a layer streamed before it was written, or into the wrong block, moves a logprob), and
 every pool must be full again afterwards (over cma and nccl, the other streaming transports, too). The
 worker-level tests drive the RPCs by hand, including the orders the router does not produce (FirstToken
 before Decode, a recompute order, a token that never comes).
@@ -20,7 +21,10 @@ import pytest
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
-from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, _wait_serving, assert_pools_full, expected, model_dir  # noqa: F401
+from tests.integration.test_e2e import (  # noqa: F401
+    MAX_TOKENS, PROMPTS, _wait_serving, assert_pools_full, expected_outputs, model_dir,
+)
+from tests.oracle import Output, assert_same, handed_off, streamed
 from tests.redis_server import RedisServer, require_redis_server
 
 
@@ -42,39 +46,40 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811
         redis.stop()
 
 
-def generate(cluster, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], pb.GenerateResponse]:
-    """Greedy, under a fresh tenant salt: no prefix is cached anywhere, so every prompt goes remote."""
+def generate(cluster, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[Output, pb.GenerateResponse]:
+    """Greedy with each token's logprob, under a fresh tenant salt: no prefix is cached anywhere, so every prompt
+    goes remote."""
     with grpc.insecure_channel(cluster.router.address) as channel:
-        params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params,
                                      cache_salt=f"salt-{time.monotonic_ns()}")
         responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
-    return [t for r in responses for t in r.token_ids], responses[-1]
+    return streamed(responses), responses[-1]
 
 
-def test_streamed_kv_gives_the_engines_tokens(cluster, expected):  # noqa: F811
+def test_streamed_kv_gives_the_engines_tokens(cluster, expected_outputs):  # noqa: F811
     for i in (20, 21, 23):
-        tokens, final = generate(cluster, PROMPTS[i])
+        output, final = generate(cluster, PROMPTS[i])
         t = final.timings
-        assert tokens == expected[i]
+        assert_same(output, expected_outputs[i], f"prompt {i}")
         assert (t.route_kind, t.prefill_worker, t.decode_worker) == ("remote", "p0", "d0"), t
         assert t.kv_layerwise and t.transport == "tcp" and t.transfer_bytes > 0 and not t.local_fallback, t
     assert_pools_full(cluster)
 
 
-def test_concurrent_streamed_requests_are_exact(cluster, expected):  # noqa: F811
+def test_concurrent_streamed_requests_are_exact(cluster, expected_outputs):  # noqa: F811
     indices = [20, 21, 22, 23, 20, 22]
     with ThreadPoolExecutor(len(indices)) as pool:
         results = list(pool.map(lambda i: generate(cluster, PROMPTS[i]), indices))
-    for i, (tokens, final) in zip(indices, results):
-        assert tokens == expected[i]
+    for i, (output, final) in zip(indices, results):
+        assert_same(output, expected_outputs[i], f"prompt {i}")
         assert final.timings.route_kind == "remote" and not final.timings.local_fallback, final.timings
     assert_pools_full(cluster)
 
 
-def test_a_first_token_that_ends_the_request_stops_the_waiting_decode(cluster, expected):  # noqa: F811
-    tokens, final = generate(cluster, PROMPTS[22], max_tokens=1)
-    assert tokens == expected[22][:1]
+def test_a_first_token_that_ends_the_request_stops_the_waiting_decode(cluster, expected_outputs):  # noqa: F811
+    output, final = generate(cluster, PROMPTS[22], max_tokens=1)
+    assert_same(output, expected_outputs[22][:1], "P's first token")
     assert final.finish_reason == pb.FINISH_REASON_LENGTH
     assert_pools_full(cluster)  # D's reservation aborted, P's lease released
 
@@ -107,8 +112,8 @@ def streaming_cluster(request, model_dir, tmp_path_factory):  # noqa: F811
         redis.stop()
 
 
-def test_streamed_kv_lands_while_p_still_computes_and_gives_the_engines_tokens(streaming_cluster,  # noqa: F811
-                                                                                expected):  # noqa: F811
+def test_streamed_kv_lands_while_p_still_computes_and_gives_the_engines_tokens(streaming_cluster,
+                                                                                expected_outputs):  # noqa: F811
     """By the instants the workers record (one host, one clock): D had the first layer of every block while
     P's step was still computing the second, a layer's time before it ended; a P that handed the KV out
     only once its step ended would have D's first layer land after that."""
@@ -116,9 +121,9 @@ def test_streamed_kv_lands_while_p_still_computes_and_gives_the_engines_tokens(s
     indices = [20, 21, 23, 22]
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda i: generate(cluster, PROMPTS[i]), indices))
-    for i, (tokens, final) in zip(indices, results):
+    for i, (output, final) in zip(indices, results):
         t = final.timings
-        assert tokens == expected[i]
+        assert_same(output, expected_outputs[i], f"prompt {i} over {kind}{'+staged' if cluster.staged else ''}")
         assert (t.route_kind, t.prefill_worker, t.decode_worker) == ("remote", "p0", "d0"), t
         assert t.kv_layerwise and t.transport == kind and t.transfer_bytes > 0 and not t.local_fallback, t
         assert t.kv_first_layer_unix_ms > 0 and t.prefill_end_unix_ms > 0, t
@@ -142,7 +147,7 @@ def _addresses(cluster) -> dict[str, str]:
 
 async def _by_hand(cluster, prompt: list[int], *, first_token_before_decode: bool, recompute: bool = False):
     addresses = _addresses(cluster)
-    params = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     request_id = salt = f"by-hand-{time.monotonic_ns()}"  # a fresh salt: nothing of it is cached on D
     async with grpc.aio.insecure_channel(addresses["p0"]) as p, grpc.aio.insecure_channel(addresses["d0"]) as d:
         prefill = pb_grpc.WorkerStub(p).PrefillStream(
@@ -164,21 +169,22 @@ async def _by_hand(cluster, prompt: list[int], *, first_token_before_decode: boo
             await decode_stub.FirstToken(deliver, timeout=10)
         responses = [r async for r in decode]
         await pb_grpc.WorkerStub(p).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=10)
-    return [first.first_token] + [t for r in responses for t in r.token_ids], responses
+    return first, responses
 
 
 @pytest.mark.parametrize("first_token_before_decode", [False, True])
-def test_decode_waits_for_the_first_token_in_either_order(cluster, expected, first_token_before_decode):  # noqa: F811
-    tokens, responses = asyncio.run(_by_hand(cluster, PROMPTS[21], first_token_before_decode=first_token_before_decode))
-    assert tokens == expected[21]
+def test_decode_waits_for_the_first_token_in_either_order(cluster, expected_outputs,  # noqa: F811
+                                                           first_token_before_decode):
+    first, responses = asyncio.run(_by_hand(cluster, PROMPTS[21], first_token_before_decode=first_token_before_decode))
+    assert_same(handed_off(first, responses), expected_outputs[21], "by hand")
     assert responses[0].timings.kv_layerwise and responses[0].timings.transfer_bytes > 0
     assert_pools_full(cluster)
 
 
-def test_a_recompute_order_makes_decode_prefill_itself(cluster, expected):  # noqa: F811
-    tokens, responses = asyncio.run(_by_hand(cluster, PROMPTS[23], first_token_before_decode=False, recompute=True))
-    # D sampled the first token itself: P's first token, then D's whole stream, which starts with it again
-    assert tokens[1:] == expected[23]
+def test_a_recompute_order_makes_decode_prefill_itself(cluster, expected_outputs):  # noqa: F811
+    _, responses = asyncio.run(_by_hand(cluster, PROMPTS[23], first_token_before_decode=False, recompute=True))
+    # D sampled the first token itself: its whole stream starts with the token P sent too
+    assert_same(streamed(responses), expected_outputs[23], "recomputed on D")
     assert "prefilled locally" in responses[0].timings.route_reason
     assert_pools_full(cluster)
 

@@ -3,7 +3,8 @@
 The RPCs are driven by hand, as the router drives them: ``LeasePrefix`` on the worker holding a cached
 prefix, ``Decode`` on the other with ``prefix_handle`` (it pulls the prefix over tcp and prefills only the
 rest), then ``ReleaseLease``; both workers move the KV through host staging (``--kv-staging always``).
-Greedy output equals the offline engine token for token, and every pool (staging too) is full again
+Greedy output equals the offline engine's, tokens and their logprobs (tests/oracle.py: an imported block with the
+wrong contents moves a logprob, seldom a token), and every pool (staging too) is full again
 afterwards, also when the handle is bad (the decode worker recomputes and says why).
 """
 
@@ -18,11 +19,12 @@ from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
 from tests.integration.kv_proxy import KVProxy
-from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, assert_pools_full, expected, model_dir  # noqa: F401
+from tests.integration.test_e2e import MAX_TOKENS, PROMPTS, assert_pools_full, expected_outputs, model_dir  # noqa: F401
+from tests.oracle import assert_same, streamed
 from tests.redis_server import RedisServer, require_redis_server
 
 BLOCK = 4  # the cluster's block size
-GREEDY = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+GREEDY = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 PROMPT = 20  # PROMPTS[20]: 128 tokens
 WARM_TOKENS = 102  # the first 102 of them are cached on pa: 25 whole blocks
 
@@ -74,18 +76,14 @@ def decode(cluster, tokens: list[int], salt: str, **handles) -> list[pb.DecodeRe
     return list(stub(cluster, "db").Decode(request, timeout=60))
 
 
-def tokens_of(responses: list[pb.DecodeResponse]) -> list[int]:
-    return [t for r in responses for t in r.token_ids]
-
-
-def test_decode_imports_a_leased_prefix_and_prefills_the_rest(cluster, expected):  # noqa: F811
+def test_decode_imports_a_leased_prefix_and_prefills_the_rest(cluster, expected_outputs):  # noqa: F811
     salt, prompt = fresh_salt(), PROMPTS[PROMPT]
     warm(cluster, salt, prompt[:WARM_TOKENS])
     handle = lease(cluster, "pa", prompt, salt, min_tokens=100).handle
     assert (handle.worker_id, handle.num_tokens, len(handle.block_ids), len(handle.block_hashes)) == ("pa", 100, 25, 25)
     assert handle.lease_id and handle.data_plane_uri.startswith("tcp://")
     responses = decode(cluster, prompt, salt, prefix_handle=handle)
-    assert tokens_of(responses) == expected[PROMPT]
+    assert_same(streamed(responses), expected_outputs[PROMPT], "prefix imported")
     t = responses[0].timings
     assert responses[-1].num_cached_tokens == 100
     assert t.transfer_bytes > 0 and t.transfer_blocks == 25 and t.transport == "tcp", t
@@ -133,7 +131,7 @@ def test_decode_with_handle_and_prefix_handle_is_invalid_argument(cluster):
 
 
 @pytest.mark.parametrize("breakage", ["bogus lease", "other tenant"])
-def test_a_bad_prefix_handle_is_recomputed_exactly(cluster, expected, breakage):  # noqa: F811
+def test_a_bad_prefix_handle_is_recomputed_exactly(cluster, expected_outputs, breakage):  # noqa: F811
     salt, prompt = fresh_salt(), PROMPTS[PROMPT]
     warm(cluster, salt, prompt[:WARM_TOKENS])
     handle = lease(cluster, "pa", prompt, salt).handle
@@ -142,7 +140,7 @@ def test_a_bad_prefix_handle_is_recomputed_exactly(cluster, expected, breakage):
     if breakage == "bogus lease":
         sent.lease_id = "00" * 16
     responses = decode(cluster, prompt, salt if breakage == "bogus lease" else fresh_salt(), prefix_handle=sent)
-    assert tokens_of(responses) == expected[PROMPT]
+    assert_same(streamed(responses), expected_outputs[PROMPT], breakage)
     reason = responses[0].timings.route_reason
     assert "prefilled locally" in reason and ("failed" if breakage == "bogus lease" else "hashes differ") in reason
     assert responses[-1].num_cached_tokens == 0 and responses[0].timings.transfer_bytes == 0
@@ -155,7 +153,7 @@ def test_a_bad_prefix_handle_is_recomputed_exactly(cluster, expected, breakage):
 
 
 @pytest.mark.parametrize("cancel", [True, False], ids=["cancelled-mid-pull", "pull-fails"])
-def test_a_stalled_prefix_pull_frees_the_reservation(cluster, expected, cancel):  # noqa: F811
+def test_a_stalled_prefix_pull_frees_the_reservation(cluster, expected_outputs, cancel):  # noqa: F811
     """db pulls through a proxy that stalls, then closes: a call cancelled meanwhile (its deadline) frees
     db's reservation; a call that outlives the stall recomputes the prefix and gives the exact tokens."""
     salt, prompt = fresh_salt(), PROMPTS[PROMPT]
@@ -175,7 +173,7 @@ def test_a_stalled_prefix_pull_frees_the_reservation(cluster, expected, cancel):
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         else:
             responses = list(stub(cluster, "db").Decode(request, timeout=60))
-            assert tokens_of(responses) == expected[PROMPT]
+            assert_same(streamed(responses), expected_outputs[PROMPT], "recomputed after the failed pull")
             assert "prefix pull from pa failed" in responses[0].timings.route_reason
         assert proxy.pulls["stall"] == 1
     finally:
@@ -184,7 +182,7 @@ def test_a_stalled_prefix_pull_frees_the_reservation(cluster, expected, cancel):
     assert_pools_full(cluster)
 
 
-def test_a_prefix_the_decoder_caches_already_is_not_pulled_again(cluster, expected):  # noqa: F811
+def test_a_prefix_the_decoder_caches_already_is_not_pulled_again(cluster, expected_outputs):  # noqa: F811
     salt, prompt = fresh_salt(), PROMPTS[PROMPT]
     warm(cluster, salt, prompt[:WARM_TOKENS])
     for pulled in (True, False):  # the first Decode leaves the whole prompt cached on db
@@ -193,7 +191,7 @@ def test_a_prefix_the_decoder_caches_already_is_not_pulled_again(cluster, expect
         assert responses[0].timings.lease_released  # by db, whether it pulled or found the prefix cached
         assert not stub(cluster, "pa").ReleaseLease(pb.ReleaseLeaseRequest(lease_id=handle.lease_id),
                                                     timeout=10).found
-        assert tokens_of(responses) == expected[PROMPT]
+        assert_same(streamed(responses), expected_outputs[PROMPT], "imported" if pulled else "cached on db")
         t = responses[0].timings
         assert (t.transfer_bytes > 0, responses[-1].num_cached_tokens) == (pulled, 100 if pulled else 124), t
         assert ("imported 100" if pulled else "nothing pulled") in t.route_reason

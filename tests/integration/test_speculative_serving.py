@@ -1,6 +1,7 @@
 """Speculative decoding through real processes (issue 24, item 1): a decode worker started with
 ``--speculative-config`` (n-gram drafts) serves through the router after a remote prefill; every output equals the
-offline engine without speculation, token for token; the last response's timings say how many drafts were
+offline engine without speculation, tokens and their logprobs (tests/oracle.py; a verify step's logprobs equal a
+plain decode step's within 1e-6 here); the last response's timings say how many drafts were
 proposed and accepted; the worker's metrics count them; pools return to full."""
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ import urllib.request
 import grpc
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster, free_port
 from tests.integration.test_e2e import PROMPTS, _wait_serving, assert_pools_full, model_dir  # noqa: F401
+from tests.oracle import assert_same, reference, streamed
 from tests.redis_server import RedisServer, require_redis_server
 
 MAX_TOKENS = 48  # long enough for the tiny model's greedy loops, which n-gram drafts predict
@@ -28,14 +27,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
 
 @pytest.fixture(scope="module")
 def expected(model_dir):  # noqa: F811
-    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
-    for i, prompt in enumerate(CASES):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    out: dict[int, list[int]] = {}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out.setdefault(int(delta.request_id), []).extend(delta.new_token_ids)
-    return [out[i] for i in range(len(CASES))]
+    """The offline engine's greedy tokens and their logprobs, without speculation."""
+    return reference(model_dir, CASES, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +52,13 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811
 
 def test_outputs_equal_the_engine_without_speculation_and_timings_count_drafts(cluster, expected):
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(cluster.router.address))
-    params = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     drafted = accepted = 0
-    for prompt, want in zip(CASES, expected):
+    for i, (prompt, want) in enumerate(zip(CASES, expected)):
         responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params),
                                        timeout=120))
         timings = responses[-1].timings
-        assert [t for r in responses for t in r.token_ids] == want
+        assert_same(streamed(responses), want, f"case {i} ({len(prompt)} tokens)")
         assert timings.route_kind == "remote" and timings.transfer_blocks > 0  # prefilled on P, decoded on D
         drafted, accepted = drafted + timings.spec_draft_tokens, accepted + timings.spec_accepted_tokens
     assert accepted >= 50 and drafted >= accepted  # drafts ran, and most paid off on these loops

@@ -1,6 +1,7 @@
 """Tensor-parallel workers, really started (``--tensor-parallel-size 2``: the worker and its rank process): KV
-handed between workers of different degrees through the real tcp data plane, token-exact against the offline
-engine, every rank's bytes moved; a worker whose rank dies exits, deregistered, and the router routes around it."""
+handed between workers of different degrees through the real tcp data plane, equal to the offline engine in tokens
+and their logprobs (tests/oracle.py: one rank's heads of one block wrong would move a logprob, seldom a token), every
+rank's bytes moved; a worker whose rank dies exits, deregistered, and the router routes around it."""
 
 from __future__ import annotations
 
@@ -13,15 +14,13 @@ import time
 import grpc
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 from kv_transfer.tp_plane import uri_rank
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
-from tests.integration.test_e2e import _wait_serving, generate
+from tests.integration.test_e2e import _wait_serving, generate_output
 from tests.integration.test_workers import PROMPTS, greedy, stub
+from tests.oracle import Output, assert_same, handed_off, reference, streamed
 from tests.redis_server import RedisServer, require_redis_server
 from tests.tiny_model import shared_tiny
 from worker.convert import layout_from_pb
@@ -65,31 +64,19 @@ def _prompts(pair: str) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
-    """The offline engine's tokens by prompt."""
-    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=512, block_size=4))
+def expected(model_dir) -> dict[tuple[int, ...], Output]:
+    """The offline engine's (one rank's) tokens and their logprobs by prompt."""
     layerwise = [[250 + i, *PROMPTS[-1]] for i in range(len(PAIRS))]
-    prompts = {tuple(p) for p in [*PROMPTS, *layerwise, IMPORTED, *(q for pair in PAIRS for q in _prompts(pair))]}
-    out: dict[tuple[int, ...], list[int]] = {}
-    for prompt in prompts:
-        engine.add_request(str(len(out)), list(prompt), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        out[prompt] = []
-    by_id = list(out)
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out[by_id[int(delta.request_id)]].extend(delta.new_token_ids)
-    return out
+    prompts = list({tuple(p) for p in [*PROMPTS, *layerwise, IMPORTED, *(q for pair in PAIRS for q in _prompts(pair))]})
+    return dict(zip(prompts, reference(model_dir, [list(p) for p in prompts], 12)))
 
 
-def _handoff(p, d, rid: str, prompt: list[int]) -> tuple[list[int], pb.Timings, pb.KVHandle]:
+def _handoff(p, d, rid: str, prompt: list[int]) -> tuple[Output, pb.Timings, pb.KVHandle]:
     pre = stub(p.address).Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=greedy()))
-    tokens, timings = [pre.first_token], None
-    for response in stub(d.address).Decode(pb.DecodeRequest(request_id=rid, token_ids=[*prompt, pre.first_token],
+    responses = list(stub(d.address).Decode(pb.DecodeRequest(request_id=rid, token_ids=[*prompt, pre.first_token],
                                                              sampling=greedy(), handle=pre.handle,
-                                                             prompt_len=len(prompt))):
-        timings = timings or response.timings
-        tokens.extend(response.token_ids)
-    return tokens, timings, pre.handle
+                                                             prompt_len=len(prompt))))
+    return handed_off(pre, responses), responses[0].timings, pre.handle
 
 
 def _assert_pools_full(workers, timeout_s: float = 10.0) -> None:
@@ -110,8 +97,8 @@ def test_kv_moves_between_degrees_and_decodes_token_exact(cluster, expected, pai
     KV), nothing falls back to a local prefill, and the tokens equal the offline engine's."""
     p, d = (cluster.workers[name] for name in pair.split("-"))
     for i, prompt in enumerate(_prompts(pair)):
-        tokens, timings, handle = _handoff(p, d, f"{pair}-{i}", prompt)
-        assert tokens == expected[tuple(prompt)], f"prompt {i}"
+        output, timings, handle = _handoff(p, d, f"{pair}-{i}", prompt)
+        assert_same(output, expected[tuple(prompt)], f"{pair} prompt {i}")
         layout = layout_from_pb(handle.layout)
         assert timings.transfer_blocks >= 1 and not timings.local_fallback, timings
         assert timings.transfer_bytes == timings.transfer_blocks * layout.model_bytes_per_block
@@ -119,10 +106,10 @@ def test_kv_moves_between_degrees_and_decodes_token_exact(cluster, expected, pai
 
 
 async def _layerwise(p, d, rid: str,
-                     prompt: list[int]) -> tuple[list[int], pb.Timings, pb.PrefillResponse, pb.KVHandle]:
+                     prompt: list[int]) -> tuple[Output, pb.Timings, pb.PrefillResponse, pb.KVHandle]:
     """The router's layer-wise flow by hand: D starts on P's early handle (sent while the prompt computes) and
-    pulls at once; P's first token follows by FirstToken. Returns the tokens, D's timings, P's final message
-    and the early handle (the final message carries none when D read and released the lease before it)."""
+    pulls at once; P's first token follows by FirstToken. Returns the tokens and logprobs, D's timings, P's final
+    message and the early handle (the final message carries none when D read and released the lease before it)."""
     params = greedy()
     async with grpc.aio.insecure_channel(p.address) as pc, grpc.aio.insecure_channel(d.address) as dc:
         prefill = pb_grpc.WorkerStub(pc).PrefillStream(
@@ -136,8 +123,7 @@ async def _layerwise(p, d, rid: str,
         await pb_grpc.WorkerStub(dc).FirstToken(pb.FirstTokenRequest(request_id=rid, token_id=first.first_token),
                                                 timeout=10)
         responses = [r async for r in decode]
-    tokens = [first.first_token, *(t for r in responses for t in r.token_ids)]
-    return tokens, responses[0].timings, first, early.handle
+    return handed_off(first, responses), responses[0].timings, first, early.handle
 
 
 @pytest.mark.parametrize("pair", ["p2-d1", "p2-d2"])
@@ -146,8 +132,8 @@ def test_layerwise_streaming_reads_every_rank_while_the_prompt_computes(cluster,
     one layer), and the tokens are exact, so no rank's server sent a layer before it was computed."""
     p, d = (cluster.workers[name] for name in pair.split("-"))
     prompt = [250 + PAIRS.index(pair), *PROMPTS[-1]]  # fresh: cached nowhere
-    tokens, timings, first, handle = asyncio.run(_layerwise(p, d, f"layerwise-{pair}", prompt))
-    assert tokens == expected[tuple(prompt)]
+    output, timings, first, handle = asyncio.run(_layerwise(p, d, f"layerwise-{pair}", prompt))
+    assert_same(output, expected[tuple(prompt)], f"{pair} layer-wise")
     assert timings.kv_layerwise and not timings.local_fallback, timings
     assert timings.transfer_bytes == timings.transfer_blocks * layout_from_pb(handle.layout).model_bytes_per_block
     assert timings.kv_first_layer_unix_ms < first.timings.prefill_end_unix_ms, (timings, first.timings)
@@ -165,7 +151,7 @@ def test_a_prefix_held_by_a_tp2_worker_is_imported_by_a_tp1_decode_worker(cluste
     responses = list(stub(d1.address).Decode(pb.DecodeRequest(request_id="import", token_ids=IMPORTED,
                                                                sampling=greedy(), prompt_len=len(IMPORTED),
                                                                prefix_handle=handle), timeout=60))
-    assert [t for r in responses for t in r.token_ids] == expected[tuple(IMPORTED)]
+    assert_same(streamed(responses), expected[tuple(IMPORTED)], "imported from p2")
     timings = responses[0].timings
     assert "imported 40 prefix tokens from p2" in timings.route_reason and timings.transfer_blocks == 10, timings
     assert timings.transfer_bytes == 10 * layout_from_pb(handle.layout).model_bytes_per_block
@@ -193,7 +179,7 @@ def test_a_worker_whose_rank_dies_exits_and_the_router_routes_around_it(cluster,
     assert "p2" not in asyncio.run(cluster._registered())  # deregistered on its way out
     router = cluster.start_router("--disagg-threshold-tokens", "8", "--policy", "least_loaded")
     _wait_serving(router.address)
-    tokens, last = generate(router.address, PROMPTS[5], max_tokens=12)
-    assert tokens == expected[tuple(PROMPTS[5])]
+    output, last = generate_output(router.address, PROMPTS[5], max_tokens=12)
+    assert_same(output, expected[tuple(PROMPTS[5])], "routed around p2")
     assert last.timings.route_kind == "remote" and last.timings.prefill_worker == "p1", last.timings
     _assert_pools_full([cluster.workers[name] for name in ("p1", "d1", "d2")])

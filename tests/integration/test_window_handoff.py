@@ -1,7 +1,8 @@
 """A sliding-window model's KV handle covers only the window (issue 24, item 4), through real worker processes and
 real Redis: P serves the tiny Mistral (every layer attends within 20 tokens) and, for a 120-token prompt in
 blocks of 4, leases and hands out the 5 blocks the next token attends to (from block 25), not the prompt's 30;
-D pulls those 5 behind pad entries and decodes what the offline engine decodes, token for token. Also
+D pulls those 5 behind pad entries and decodes what the offline engine decodes, tokens and their logprobs
+(tests/oracle.py: a window block with the wrong contents, or a pad entry attended to, moves a logprob). Also
 layer-wise (``PrefillStream``), a repeat that D serves partly from its own cache, a handle whose first block
 does not fit D's window (D prefills itself and says why), and both pools full afterwards."""
 
@@ -14,10 +15,10 @@ import time
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
+from tests.oracle import Output, assert_same, handed_off, reference
 from tests.redis_server import RedisServer, require_redis_server
 
 BLOCK, WINDOW, MAX_TOKENS = 4, 20, 12
@@ -35,11 +36,9 @@ def checkpoint(tiny_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoint) -> dict[int, list[int]]:
-    llm = LLM(str(checkpoint.path), num_blocks=256, block_size=BLOCK)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS.values()], params)
-    return {n: out.outputs[0].token_ids for n, out in zip(PROMPTS, outputs)}
+def expected(checkpoint) -> dict[int, Output]:
+    """The offline engine's greedy tokens and their logprobs, by prompt length."""
+    return dict(zip(PROMPTS, reference(checkpoint.path, list(PROMPTS.values()), MAX_TOKENS, block_size=BLOCK)))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ def stub(address: str) -> pb_grpc.WorkerStub:
 
 
 def greedy() -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
 
 def prefill(cluster, rid: str, prompt: list[int], salt: str = "") -> pb.PrefillResponse:
@@ -71,11 +70,11 @@ def prefill(cluster, rid: str, prompt: list[int], salt: str = "") -> pb.PrefillR
 
 
 def decode(cluster, rid: str, prompt: list[int], pre: pb.PrefillResponse, handle: pb.KVHandle | None = None,
-           salt: str = "") -> tuple[list[int], list[pb.DecodeResponse]]:
+           salt: str = "") -> tuple[Output, list[pb.DecodeResponse]]:
     responses = list(stub(cluster.d.address).Decode(pb.DecodeRequest(
         request_id=rid, token_ids=[*prompt, pre.first_token], sampling=greedy(), handle=handle or pre.handle,
         prompt_len=len(prompt), cache_salt=salt), timeout=60))
-    return [pre.first_token, *(t for r in responses for t in r.token_ids)], responses
+    return handed_off(pre, responses), responses
 
 
 def assert_pools_full(cluster, timeout_s: float = 10.0) -> None:
@@ -98,9 +97,9 @@ def test_the_handle_covers_the_window_and_decode_equals_the_offline_engine(clust
     assert (handle.layout.num_layers, handle.layout.num_kv_heads, handle.layout.head_dim) == (2, 2, 16)
     p_stats = stub(cluster.p.address).Stats(pb.StatsRequest(), timeout=10)
     assert p_stats.num_total_blocks - p_stats.num_free_blocks == num_window  # only the window is pinned
-    tokens, responses = decode(cluster, f"w{n}", PROMPTS[n], pre, salt=salt)
+    output, responses = decode(cluster, f"w{n}", PROMPTS[n], pre, salt=salt)
     t = responses[0].timings
-    assert tokens == expected[n]
+    assert_same(output, expected[n], f"{n} tokens")
     assert not t.local_fallback and t.lease_released and t.transport == "tcp", t
     assert t.transfer_blocks == num_window and t.transfer_bytes == num_window * BYTES_PER_BLOCK, t
     assert responses[-1].num_cached_tokens == 0
@@ -113,8 +112,9 @@ def test_a_repeat_pulls_only_what_d_does_not_cache_from_the_window_on(cluster, e
     n, salt = 121, f"repeat-{time.monotonic_ns()}"
     for i in range(2):
         pre = prefill(cluster, f"rep{i}", PROMPTS[n], salt)
-        tokens, responses = decode(cluster, f"rep{i}", PROMPTS[n], pre, salt=salt)
-        assert tokens == expected[n] and not responses[0].timings.local_fallback, responses[0].timings
+        output, responses = decode(cluster, f"rep{i}", PROMPTS[n], pre, salt=salt)
+        assert_same(output, expected[n], f"request {i}")
+        assert not responses[0].timings.local_fallback, responses[0].timings
     assert pre.num_cached_tokens == 120  # P: every full block from its prefix cache, the early ones too
     assert responses[0].timings.transfer_blocks == 1 and responses[-1].num_cached_tokens == 5 * BLOCK
     assert_pools_full(cluster)
@@ -128,8 +128,8 @@ def test_a_handle_that_skips_blocks_d_attends_to_is_recomputed_locally(cluster, 
     handle.first_block += 1  # claims block 25 fell out of the window: D's next token attends to it
     del handle.block_ids[0]
     fallbacks = stub(cluster.d.address).Stats(pb.StatsRequest(), timeout=10).kv_pull_fallbacks
-    tokens, responses = decode(cluster, "skip", PROMPTS[n], pre, handle=handle, salt=salt)
-    assert tokens == expected[n]
+    output, responses = decode(cluster, "skip", PROMPTS[n], pre, handle=handle, salt=salt)
+    assert_same(output, expected[n], "recomputed")
     t = responses[0].timings
     assert t.local_fallback and "KV handle unusable" in t.route_reason and t.transfer_blocks == 0, t
     assert stub(cluster.d.address).Stats(pb.StatsRequest(), timeout=10).kv_pull_fallbacks == fallbacks + 1
@@ -146,16 +146,16 @@ def test_layerwise_the_lease_pinned_at_admission_covers_the_window(cluster, expe
             messages = [m async for m in pb_grpc.WorkerStub(p).PrefillStream(pb.PrefillRequest(
                 request_id=rid, token_ids=PROMPTS[n], sampling=greedy(), cache_salt=rid), timeout=30)]
             assert [m.kv_pending for m in messages] == [True, False]
-            handle, first_token = messages[0].handle, messages[1].first_token
+            handle, first = messages[0].handle, messages[1]
             d_stub = pb_grpc.WorkerStub(d)
-            await d_stub.FirstToken(pb.FirstTokenRequest(request_id=rid, token_id=first_token), timeout=10)
+            await d_stub.FirstToken(pb.FirstTokenRequest(request_id=rid, token_id=first.first_token), timeout=10)
             responses = [r async for r in d_stub.Decode(pb.DecodeRequest(
                 request_id=rid, token_ids=PROMPTS[n], sampling=greedy(), handle=handle, prompt_len=n,
                 first_token_pending=True, cache_salt=rid), timeout=60)]
-        return handle, [first_token, *(t for r in responses for t in r.token_ids)], responses[0].timings
+        return handle, handed_off(first, responses), responses[0].timings
 
-    handle, tokens, t = asyncio.run(run())
+    handle, output, t = asyncio.run(run())
     assert (handle.first_block, len(handle.block_ids)) == (first_block(n), -(-n // BLOCK) - first_block(n))
-    assert tokens == expected[n]
+    assert_same(output, expected[n], "layer-wise")
     assert t.kv_layerwise and not t.local_fallback and t.transfer_blocks == len(handle.block_ids), t
     assert_pools_full(cluster)

@@ -1,5 +1,6 @@
 """Real worker processes, real Redis, real gRPC: Prefill on P -> pull over TCP -> Decode on D equals the
-offline engine token for token; leases, pools and bad input behave."""
+offline engine, tokens and their logprobs (tests/oracle.py: the oracle that sees one wrong KV block); leases, pools
+and bad input behave."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ import grpc
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
 from tests.integration.cluster import Cluster
+from tests.oracle import Output, assert_same, handed_off, reference, streamed
 from tests.redis_server import RedisServer, require_redis_server
 from tests.tiny_model import shared_tiny
 
@@ -42,15 +42,9 @@ def cluster(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
-    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=256, block_size=4))
-    out: dict[int, list[int]] = {}
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out.setdefault(int(delta.request_id), []).extend(delta.new_token_ids)
-    return out
+def expected(model_dir) -> list[Output]:
+    """The offline engine's greedy tokens and their logprobs per prompt."""
+    return reference(model_dir, PROMPTS, 12)
 
 
 def stub(address: str) -> pb_grpc.WorkerStub:
@@ -58,20 +52,16 @@ def stub(address: str) -> pb_grpc.WorkerStub:
 
 
 def greedy(max_tokens=12) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=3)
+    """Greedy, each token's logprob asked for (the oracle's second half)."""
+    return pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=3, logprobs=0)
 
 
-def disaggregated(cluster, rid: str, prompt: list[int]) -> tuple[list[int], pb.Timings]:
+def disaggregated(cluster, rid: str, prompt: list[int]) -> tuple[Output, pb.Timings]:
     pre = stub(cluster.p.address).Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=greedy()))
-    tokens = [pre.first_token]
-    timings = None
-    stream = stub(cluster.d.address).Decode(pb.DecodeRequest(
-        request_id=rid, token_ids=prompt + tokens, sampling=greedy(), handle=pre.handle, prompt_len=len(prompt)))
-    for response in stream:
-        if timings is None:
-            timings = response.timings  # D released P's lease itself once its pull ended (lease_released)
-        tokens.extend(response.token_ids)
-    return tokens, timings
+    responses = list(stub(cluster.d.address).Decode(pb.DecodeRequest(
+        request_id=rid, token_ids=[*prompt, pre.first_token], sampling=greedy(), handle=pre.handle,
+        prompt_len=len(prompt))))
+    return handed_off(pre, responses), responses[0].timings  # D released P's lease once its pull ended
 
 
 def assert_pools_full(cluster, timeout_s: float = 5.0) -> None:
@@ -91,8 +81,8 @@ def test_prefill_pull_decode_equals_the_offline_engine(cluster, expected):
     the same tokens."""
     fallbacks = stub(cluster.d.address).Stats(pb.StatsRequest()).kv_pull_fallbacks
     for i, prompt in enumerate(PROMPTS):
-        tokens, timings = disaggregated(cluster, f"r{i}", prompt)
-        assert tokens == expected[i], f"prompt {i}"
+        output, timings = disaggregated(cluster, f"r{i}", prompt)
+        assert_same(output, expected[i], f"prompt {i} ({len(prompt)} tokens)")
         assert timings.transfer_blocks >= 1 and timings.transfer_bytes > 0 and not timings.local_fallback, timings
         assert timings.lease_released and timings.decode_worker == "d1"
     assert stub(cluster.d.address).Stats(pb.StatsRequest()).kv_pull_fallbacks == fallbacks
@@ -112,7 +102,7 @@ def test_a_failed_pull_falls_back_and_is_counted(cluster, expected):
     responses = list(stub(cluster.d.address).Decode(pb.DecodeRequest(
         request_id="bogus-lease", token_ids=[*prompt, pre.first_token], sampling=greedy(), handle=handle,
         prompt_len=len(prompt))))
-    assert [pre.first_token, *(t for r in responses for t in r.token_ids)] == expected[5]
+    assert_same(handed_off(pre, responses), expected[5], "recomputed")
     t = responses[0].timings
     assert t.local_fallback and "KV pull failed" in t.route_reason and t.transfer_bytes == 0, t
     assert stub(cluster.d.address).Stats(pb.StatsRequest()).kv_pull_fallbacks == fallbacks + 1
@@ -126,11 +116,11 @@ def test_a_workers_abort_ends_a_request_that_would_run_on(cluster):
     d = stub(cluster.d.address)
     before = d.Stats(pb.StatsRequest()).num_aborted_requests
     call = d.Decode(pb.DecodeRequest(request_id="abort-me", token_ids=PROMPTS[3], sampling=greedy(max_tokens=900)))
-    streamed = [next(call), next(call)]
+    first_two = [next(call), next(call)]
     assert d.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
     rest = list(call)
     assert rest and rest[-1].finish_reason == pb.FINISH_REASON_ABORT
-    assert sum(len(r.token_ids) for r in streamed + rest) < 900
+    assert sum(len(r.token_ids) for r in first_two + rest) < 900
     assert d.Stats(pb.StatsRequest()).num_aborted_requests == before + 1
     assert not d.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found  # nothing left to abort
     assert_pools_full(cluster)
@@ -140,7 +130,7 @@ def test_local_decode_equals_the_offline_engine(cluster, expected):
     for i, prompt in enumerate(PROMPTS):
         stream = stub(cluster.d.address).Decode(pb.DecodeRequest(request_id=f"l{i}", token_ids=prompt,
                                                                    sampling=greedy()))
-        assert [t for r in stream for t in r.token_ids] == expected[i]
+        assert_same(streamed(list(stream)), expected[i], f"prompt {i} local")
     assert_pools_full(cluster)
 
 
