@@ -137,7 +137,8 @@ def chunked(model_dir, tmp_path_factory):
     """1P + 1D; D prefills in 4-token chunks (its local prefill is several times slower than P's, which is what
     makes remote worth it here), both heartbeat every 0.5 s so the router sees P's queue quickly. P's steps take
     at least 0.1 s each and hold at most 1,024 tokens, so a queue of 60,000 tokens lasts 6 s or more however
-    fast the machine is (a fast one emptied it before the router could price it)."""
+    fast the machine is (a fast one emptied it before the router could price it); D's steps take at least 10 ms,
+    so its local prefill of 600 tokens (150 chunks) costs 1.5 s or more against P's 0.1 s step, on any machine."""
     require_redis_server()
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp("chunked-logs"))
@@ -145,7 +146,8 @@ def chunked(model_dir, tmp_path_factory):
     cluster.workers = [
         cluster.start_worker("prefill", *fast, "--fault-step-delay-s", "0.1", "--max-num-batched-tokens", "1024",
                              worker_id="p0", num_blocks=1024),
-        cluster.start_worker("decode", *fast, "--max-num-batched-tokens", "4", worker_id="d0", num_blocks=1024),
+        cluster.start_worker("decode", *fast, "--max-num-batched-tokens", "4", "--fault-step-delay-s", "0.01",
+                             worker_id="d0", num_blocks=1024),
     ]
     try:
         cluster.wait_for_workers({"p0", "d0"})

@@ -18,14 +18,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis as redis_lib
 
 from bench.engines import descendants
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.tiny import build_model
-from kv_transfer.hashing import hash_blocks, root_hash
 from router.relay import INDEX_UNANSWERED
 from proto import baton_pb2 as pb
 from proto import baton_pb2_grpc as pb_grpc
@@ -150,7 +148,8 @@ def test_a_repeated_prefix_goes_to_the_vllm_worker_that_holds_it(platform, expec
     _, first = generate(platform.router.address, prefix + [7, 8, 9])
     holder = first.timings.decode_worker
     assert first.timings.route_kind == "remote", first.timings
-    wait_until_indexed(platform, holder, prefix[:256])
+    routers = sum(p.name.startswith("router-") and p.popen.poll() is None for p in platform.procs)
+    platform.wait_indexed(holder, prefix[:256], mirrors=routers)  # in the index, then in every router's mirror
     for suffix in range(3):
         for _ in range(3):  # a route the index could not answer in time (a stalled machine) saw no prefix: again
             _, last = generate(platform.router.address, prefix + [100 + suffix] * 20)
@@ -160,19 +159,6 @@ def test_a_repeated_prefix_goes_to_the_vllm_worker_that_holds_it(platform, expec
         assert t.route_kind == "local" and t.decode_worker == holder, (suffix, t.route_reason, holder, t)
         assert "52 uncached prompt tokens" in t.route_reason and last.usage.cached_prompt_tokens == 256, last
     assert_pools_full(platform)
-
-
-def wait_until_indexed(platform: Cluster, holder: str, tokens: list[int], timeout_s: float = 30.0) -> None:
-    """Until Baton's index in Redis names ``holder`` for every index block of ``tokens`` (hashed as Baton hashes them:
-    the holder's model fingerprint, Baton's block size, no salt)."""
-    client = redis_lib.Redis.from_url(platform.redis_url)
-    fingerprint = bytes.fromhex(client.hget(f"baton:worker:{holder}", "model_fingerprint").decode())
-    keys = [f"baton:kv:{h.hex()}" for h in hash_blocks(tokens, BLOCK, root_hash(fingerprint, BLOCK))]
-    deadline = time.monotonic() + timeout_s
-    while not all(client.hexists(key, holder) for key in keys):
-        assert time.monotonic() < deadline, f"{holder} not indexed for the prefix after {timeout_s} s"
-        time.sleep(0.05)
-    client.close()
 
 
 def test_cancel_and_deadline_mid_decode_leave_the_pools_full(platform, prompts):
