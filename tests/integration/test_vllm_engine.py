@@ -58,8 +58,10 @@ def platform(request, model_dir, tmp_path_factory):
     redis = RedisServer.start()
     cluster = Cluster(redis.url, model_dir, tmp_path_factory.mktemp(f"vllm-logs-{request.param}"))
     cluster.connector = request.param
+    # --heartbeat-ttl-s 30: three vLLM workers share two cores, and a worker starved for longer than the default 6 s
+    # (CI: p0 while d1 loaded beside it) left the registry, so the first requests found "no prefill workers"
     common = ("--engine", "vllm", "--lease-ttl-s", str(LEASE_TTL_S), "--calibrate-tokens", "64",
-              "--vllm-kv-connector", request.param, *(("--kv-transport", "auto") if request.param == "baton" else ()))
+              "--heartbeat-ttl-s", "30", "--vllm-kv-connector", request.param, *(("--kv-transport", "auto") if request.param == "baton" else ()))
     cluster.workers = [cluster.start_worker(role, *common, "--vllm-cpus", cpus, num_blocks=4096, block_size=BLOCK,
                                             worker_id=name, own_group=True)
                        for role, name, cpus in (("prefill", "p0", "0"), ("decode", "d0", "1"), ("decode", "d1", "0"))]
